@@ -1,0 +1,78 @@
+"""The one Celery configuration shared by the producer, the workers and Flower.
+
+Why each setting (see NOTES.md for the measurements behind them):
+- JSON only, never pickle: a message pushed by anyone who reaches Redis must not be able to run code.
+- Late acks + prefetch multiplier 1: a shard is acked only after its outputs and completion marker are on
+  storage, and a solo-pool worker holds at most one unstarted shard.
+- `visibility_timeout` (default 4 h) is set in both transport-option dicts Celery reads: Redis re-delivers an
+  unacked message after it *even while it still runs*, so it must exceed the longest shard. Re-delivery is
+  harmless because storage, not Redis, records what is done.
+- Results are ignored: outcomes live on storage.
+- The broker connection is retried forever; long-running tasks are cancelled on connection loss (their
+  message comes back) instead of being acked on a dead channel.
+- Task events on, so Flower can show the fleet.
+
+Creating the app does not connect to anything; connections open on first use.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from app.config import DEFAULT_QUEUE, BrokerSettings
+
+GENERATE_TASK = "regen.generate_shard"
+CAPTURE_TASK = "regen.capture_shard"
+
+
+def celery_config(settings: BrokerSettings) -> dict:
+    transport_options: dict = {"visibility_timeout": settings.visibility_timeout}
+    if settings.unacked_restore_interval is not None:
+        transport_options["unacked_restore_interval"] = settings.unacked_restore_interval
+    if settings.url.startswith("filesystem://"):
+        transport_options = {**transport_options, **filesystem_transport_options(settings.url)}
+    return {
+        "broker_url": settings.url,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "broker_transport_options": transport_options,
+        "result_backend_transport_options": {"visibility_timeout": settings.visibility_timeout},
+        "task_ignore_result": True,
+        "result_backend": None,
+        "broker_connection_retry": True,
+        "broker_connection_retry_on_startup": True,
+        "broker_connection_max_retries": None,
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "task_default_queue": DEFAULT_QUEUE,
+        "task_create_missing_queues": True,
+        "worker_hijack_root_logger": False,
+        "worker_redirect_stdouts": False,
+        "broker_heartbeat": 0,
+    }
+
+
+def filesystem_transport_options(url: str) -> dict:
+    """kombu's `filesystem://` transport (the embedded broker where no Redis runs) keeps messages in a folder.
+
+    The folder is the URL's path: `filesystem:///var/tmp/regen-broker`.
+    """
+    import os
+
+    folder = url[len("filesystem://") :] or "./.regen-broker"
+    os.makedirs(folder, exist_ok=True)
+    return {"data_folder_in": folder, "data_folder_out": folder, "processed_folder": folder, "store_processed": False}
+
+
+def create_app(settings: BrokerSettings | None = None) -> Celery:
+    settings = settings or BrokerSettings.from_env()
+    celery = Celery("regen", set_as_current=False)
+    celery.conf.update(celery_config(settings))
+    celery.conf.regen_settings = settings
+    return celery

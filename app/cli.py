@@ -1,0 +1,44 @@
+"""The `regen` console script: one click group; each subcommand lives next to the code it drives.
+
+Errors regen raises on purpose (`RegenError`) are printed as one line and exit with status 2; a traceback
+means a bug. Subcommands are imported lazily enough that `regen --help` never imports vLLM or torch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from app.config import mask_text
+from app.errors import RegenError
+
+
+class RegenGroup(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except RegenError as exc:
+            click.echo(f"regen: error: {mask_text(str(exc))}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=RegenGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="regen")
+def main() -> None:
+    """Regenerate drafter training data (thinking-mode generation + hidden states) with a Celery/Redis fleet."""
+
+
+def _register() -> None:
+    from producer.cli import commands as producer_commands
+    from workers.cli import commands as worker_commands
+
+    for command in (*producer_commands, *worker_commands):
+        main.add_command(command)
+
+
+_register()
+
+
+if __name__ == "__main__":
+    main()

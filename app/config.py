@@ -1,0 +1,66 @@
+"""Broker URL and other process-wide settings, read from flags or the environment.
+
+The broker URL may carry a password (`redis://:secret@host:6379/0`) or use TLS (`rediss://`); it is passed
+through untouched, and every place that prints it uses `mask_url` so the password never reaches a log line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_QUEUE = "regen"
+DEFAULT_CAPTURE_QUEUE = "regen.capture"
+# Redis re-delivers an unacked message after this many seconds *even if it is still running* (NOTES.md), so it
+# must exceed the longest shard. Four hours covers a 64-sample shard of long thinking traces on one GPU.
+DEFAULT_VISIBILITY_TIMEOUT = 4 * 3600
+
+_URL_PASSWORD = re.compile(r"(?P<scheme>[a-z0-9+.-]+://)(?P<user>[^:@/]*):(?P<password>[^@/]+)@", re.I)
+
+
+def mask_url(url: str) -> str:
+    """Return `url` with any password replaced by `***` (user names are kept, they help debugging)."""
+    return _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:***@", url)
+
+
+def mask_text(text: str) -> str:
+    """Mask every URL password inside a free-form text (an exception message, a log line)."""
+    return mask_url(text)
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        from app.errors import ConfigError
+
+        raise ConfigError(f"{name}={raw!r} is not an integer") from exc
+
+
+@dataclass(frozen=True)
+class BrokerSettings:
+    """Everything Celery needs to reach the broker; one instance is shared by producer, workers and Flower."""
+
+    url: str = DEFAULT_BROKER_URL
+    visibility_timeout: int = DEFAULT_VISIBILITY_TIMEOUT
+    # How often kombu sweeps the unacked hash for messages older than the visibility timeout.
+    unacked_restore_interval: int | None = None
+
+    @classmethod
+    def from_env(cls, url: str | None = None, visibility_timeout: int | None = None) -> BrokerSettings:
+        restore = os.environ.get("REGEN_UNACKED_RESTORE_INTERVAL")
+        return cls(
+            url=url or os.environ.get("REGEN_BROKER_URL") or DEFAULT_BROKER_URL,
+            visibility_timeout=visibility_timeout
+            or _env_int("REGEN_VISIBILITY_TIMEOUT", DEFAULT_VISIBILITY_TIMEOUT),
+            unacked_restore_interval=int(restore) if restore else None,
+        )
+
+    @property
+    def masked_url(self) -> str:
+        return mask_url(self.url)

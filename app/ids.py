@@ -1,0 +1,42 @@
+"""Identifiers: stable sample ids, deterministic shard ids, and validation of anything that becomes a path.
+
+A sample id is a hash of the normalised prompt (messages and tools), so the same prompt read from two files,
+or read again on a re-run, gets the same id and is generated once. Shard ids are derived from the run and the
+shard's ordinal, so the same inputs and settings always give the same shards. Every id that reaches storage is
+validated first: no `..`, no separators, no odd bytes, so no message can make a worker write outside the root.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import orjson
+
+from app.errors import InvalidId
+
+_SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def validate_id(value: str, what: str = "id") -> str:
+    """Return `value` if it is safe as one path component; raise InvalidId otherwise."""
+    if not isinstance(value, str) or not _SAFE_ID.fullmatch(value) or ".." in value:
+        raise InvalidId(f"invalid {what} {value!r}: use letters, digits, '.', '_' and '-' (no '..', no '/')")
+    return value
+
+
+def sample_id(messages: list[dict], tools: object | None = None) -> str:
+    """A 16-hex-digit id of the normalised prompt; key order inside messages does not matter."""
+    payload = orjson.dumps({"m": messages, "t": tools}, option=orjson.OPT_SORT_KEYS)
+    return hashlib.blake2b(payload, digest_size=8).hexdigest()
+
+
+def shard_id(index: int) -> str:
+    """Shards are numbered in input order; the number alone is deterministic for a given run."""
+    return f"shard-{index:06d}"
+
+
+def seed_for(run_seed: int, sid: str) -> int:
+    """Per-sample seed from the run seed and the sample id (one shared seed correlates samples, NOTES.md)."""
+    digest = hashlib.blake2b(f"{run_seed}:{sid}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF

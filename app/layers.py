@@ -1,0 +1,96 @@
+"""Capture layers in one documented convention, converted once.
+
+Conventions (NOTES.md; N = number of decoder layers):
+- `vllm:L` / `hf:L` -- the same number: vLLM's aux-hidden-state id L is transformers' `hidden_states[L]`, i.e.
+  the output of decoder layer L-1 (L = 1..N). `vllm:N` is the last layer *before* the final norm, whereas
+  transformers' `hidden_states[-1]` is *after* it; regen never reads that normed tensor.
+- `dflash:i` -- DFlash's target-layer id; DFlash reads `hidden_states[i+1]`, so it is requested from vLLM as
+  i+1 (i = 0..N-1).
+
+Presets: `dflash` (5 layers evenly over DFlash ids [1, N-3]; Qwen3-8B -> 1,9,17,25,33), `dflash-K` for K
+layers, and `eagle3` (vLLM ids 2, N//2, N-3, vLLM's own default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.errors import ConfigError
+
+CONVENTIONS = ("vllm", "hf", "dflash")
+
+
+@dataclass(frozen=True)
+class LayerSelection:
+    """The layers to capture, in vLLM ids (the engine's) and DFlash ids (the trainer's), plus what was asked."""
+
+    vllm: tuple[int, ...]
+    spec: str
+    num_layers: int
+
+    @property
+    def dflash(self) -> tuple[int, ...]:
+        return tuple(v - 1 for v in self.vllm)
+
+    def to_manifest(self) -> dict:
+        return {
+            "spec": self.spec,
+            "num_layers": self.num_layers,
+            "vllm_ids": list(self.vllm),
+            "dflash_ids": list(self.dflash),
+            "convention": "vllm id L = transformers hidden_states[L] = output of decoder layer L-1 "
+            "(pre-final-norm); dflash id i = vllm id i+1",
+        }
+
+
+def dflash_preset(num_layers: int, count: int = 5) -> list[int]:
+    """DFlash's default: `count` ids spaced evenly over [1, N-3] (DFlash ids)."""
+    lo, hi = 1, num_layers - 3
+    if hi < lo:
+        return [lo]
+    if count == 1:
+        return [lo]
+    return sorted({round(lo + (hi - lo) * k / (count - 1)) for k in range(count)})
+
+
+def eagle3_preset(num_layers: int) -> list[int]:
+    """EAGLE-3's default (vLLM ids)."""
+    return sorted({2, num_layers // 2, num_layers - 3})
+
+
+def parse_layers(spec: str, num_layers: int) -> LayerSelection:
+    """Parse `dflash:1,16,31`, `vllm:2,17`, `hf:4`, `dflash`, `dflash-3` or `eagle3` for an N-layer model."""
+    spec = spec.strip()
+    if num_layers < 1:
+        raise ConfigError(f"model has {num_layers} layers")
+    if spec == "eagle3":
+        vllm = eagle3_preset(num_layers)
+    elif spec == "dflash" or spec.startswith("dflash-"):
+        count = 5 if spec == "dflash" else _int(spec.split("-", 1)[1], spec)
+        vllm = [i + 1 for i in dflash_preset(num_layers, count)]
+    else:
+        conv, sep, ids = spec.partition(":")
+        if not sep or conv not in CONVENTIONS:
+            raise ConfigError(
+                f"layers {spec!r}: expected CONVENTION:IDS with CONVENTION in {', '.join(CONVENTIONS)}, "
+                "or a preset (dflash, dflash-K, eagle3)"
+            )
+        values = [_int(x, spec) for x in ids.split(",") if x.strip()]
+        if not values:
+            raise ConfigError(f"layers {spec!r}: no layer ids")
+        vllm = [v + 1 for v in values] if conv == "dflash" else values
+    bad = [v for v in vllm if not 1 <= v <= num_layers]
+    if bad:
+        raise ConfigError(
+            f"layers {spec!r}: vLLM ids {bad} outside 1..{num_layers} for a {num_layers}-layer model"
+        )
+    if len(set(vllm)) != len(vllm):
+        raise ConfigError(f"layers {spec!r}: repeated layer ids")
+    return LayerSelection(vllm=tuple(vllm), spec=spec, num_layers=num_layers)
+
+
+def _int(text: str, spec: str) -> int:
+    try:
+        return int(text.strip())
+    except ValueError as exc:
+        raise ConfigError(f"layers {spec!r}: {text!r} is not an integer") from exc

@@ -1,0 +1,131 @@
+"""The run manifest, `{run}/run.json`: the settings every shard of a run is generated with.
+
+It is written once by `regen produce` and never silently changed: reopening a run with different settings is
+refused with the names of the differing fields, and a worker refuses a shard whose manifest does not match the
+model it loaded. Counts (samples, rejects, shards) live beside the settings and are updated by the producer.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import asdict, dataclass, field
+
+from app.errors import ManifestMismatch
+from app.storage import RunStore
+
+MANIFEST_FORMAT = "regen.run/1"
+
+# Qwen3's recommended sampling (NOTES.md). Thinking mode is never greedy.
+THINKING_SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
+NON_THINKING_SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0}
+CAPTURE_MODES = ("inline", "staged", "off")
+
+
+@dataclass
+class Sampling:
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    max_tokens: int
+    seed: int = 0
+    repetition_penalty: float = 1.0
+
+    @classmethod
+    def defaults(cls, thinking: bool, max_tokens: int, seed: int = 0, **overrides) -> Sampling:
+        base = dict(THINKING_SAMPLING if thinking else NON_THINKING_SAMPLING)
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(max_tokens=max_tokens, seed=seed, **base)
+
+
+@dataclass
+class QualitySettings:
+    """Thresholds of the quality gate (workers/quality.py)."""
+
+    stub_max_answer_tokens: int = 8
+    pause_stub_rate: float = 0.20
+    pause_window: int = 256
+    pause_min_samples: int = 32
+    repetition_ngram: int = 16
+    repetition_min_repeats: int = 6
+
+
+@dataclass
+class RunSettings:
+    """Everything that decides what a sample's output is; two runs with equal settings are interchangeable."""
+
+    model: dict
+    sampling: Sampling
+    thinking: bool
+    capture_mode: str
+    layers: dict | None
+    shard_size: int
+    max_prompt_tokens: int
+    regenerate: str  # "last": the final assistant turn; "all": every assistant turn in order (multi-turn mode)
+    inputs: list[dict]
+    quality: QualitySettings = field(default_factory=QualitySettings)
+    compression_level: int = 3
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _diff(a, b, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out: list[str] = []
+        for key in sorted(set(a) | set(b)):
+            out += _diff(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else key)
+        return out
+    return [] if a == b else [prefix]
+
+
+def settings_diff(stored: dict, wanted: dict) -> list[str]:
+    """Dotted names of the settings that differ (e.g. `sampling.temperature`, `inputs`)."""
+    fields = [f for f in wanted if f not in ("counts",)]
+    out: list[str] = []
+    for f in fields:
+        if f == "inputs":
+            if stored.get(f) != wanted.get(f):
+                out.append("inputs")
+            continue
+        out += _diff(stored.get(f), wanted.get(f), f)
+    return out
+
+
+def open_or_create(store: RunStore, settings: RunSettings) -> tuple[dict, bool]:
+    """Return (manifest, created). Refuse to reopen a run whose stored settings differ."""
+    wanted = settings.to_dict()
+    if store.exists():
+        manifest = store.storage.read_json(store.manifest_path)
+        differing = settings_diff(manifest.get("settings", {}), wanted)
+        if differing:
+            raise ManifestMismatch(
+                f"run {store.run_id!r} exists with different settings: {', '.join(differing)} "
+                "(use another --run, or the stored settings)"
+            )
+        return manifest, False
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "run_id": store.run_id,
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "settings": wanted,
+        "counts": {},
+    }
+    store.storage.write_json(store.manifest_path, manifest)
+    return manifest, True
+
+
+def load(store: RunStore) -> dict:
+    try:
+        return store.storage.read_json(store.manifest_path)
+    except FileNotFoundError:
+        from app.errors import RegenError
+
+        raise RegenError(f"no run {store.run_id!r} at {store.storage.url} (no run.json)") from None
+
+
+def update_counts(store: RunStore, counts: dict) -> dict:
+    manifest = load(store)
+    manifest["counts"] = counts
+    store.storage.write_json(store.manifest_path, manifest)
+    return manifest

@@ -1,0 +1,74 @@
+"""What the run needs to know about the target model without loading it: shape and a fingerprint.
+
+The fingerprint hashes the files that decide what tokens the model sees and produces (config, tokenizer,
+chat template, generation config), so a worker that loaded a different checkpoint or template than the run
+was produced for refuses the shard instead of silently mixing data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+from app.errors import ConfigError
+
+FINGERPRINT_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    num_layers: int
+    hidden_size: int
+    model_type: str
+    fingerprint: str
+
+    def to_manifest(self) -> dict:
+        return {
+            "path": self.path,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "model_type": self.model_type,
+            "fingerprint": self.fingerprint,
+        }
+
+
+def _text_config(config: dict) -> dict:
+    # Multimodal / hybrid configs (Qwen3.5/3.6) nest the language model's settings.
+    return config.get("text_config") or config
+
+
+def read_model_info(path: str) -> ModelInfo:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ConfigError(f"{path}: no config.json (regen needs a local model folder; no model hub is used)")
+    with open(cfg_path, encoding="utf-8") as fh:
+        config = json.load(fh)
+    text = _text_config(config)
+    digest = hashlib.sha256()
+    for name in FINGERPRINT_FILES:
+        fp = os.path.join(path, name)
+        if os.path.isfile(fp):
+            digest.update(name.encode() + b"\0")
+            with open(fp, "rb") as fh:
+                digest.update(hashlib.sha256(fh.read()).digest())
+    try:
+        return ModelInfo(
+            path=os.path.abspath(path),
+            num_layers=int(text["num_hidden_layers"]),
+            hidden_size=int(text["hidden_size"]),
+            model_type=str(text.get("model_type", config.get("model_type", "?"))),
+            fingerprint=digest.hexdigest()[:32],
+        )
+    except KeyError as exc:
+        raise ConfigError(f"{cfg_path}: missing {exc.args[0]}") from exc

@@ -1,0 +1,222 @@
+"""One fsspec-backed storage type: local and NFS paths now, `s3://` through s3fs.
+
+Storage is the record of what is done (datatrove's lesson): a shard is done exactly when its completion marker
+exists, and the marker is written last. Writers never expose a partial file: each file is written under a
+temporary name and renamed into place (on object stores a single PUT is already atomic). The completion
+marker is created *exclusively* where the filesystem allows it, so when Redis delivers one shard to two
+workers at once (NOTES.md), exactly one of them publishes its outputs.
+
+Layout of a run, relative to the storage root (all names deterministic):
+
+    {run}/run.json                               run manifest (settings, inputs, counts)
+    {run}/produce.json                           what the producer enqueued (summary, per-reason rejects)
+    {run}/rejects.jsonl                          one row per rejected input line: file, line, reason
+    {run}/shards/{shard}/{attempt}.records.jsonl.zst   the shard's sample records
+    {run}/shards/{shard}/{attempt}.hidden.rgh          the shard's hidden states (see app/hidden_file.py)
+    {run}/done/{shard}.json                      completion marker: names the attempt whose files are valid
+    {run}/captured/{shard}.json                  staged capture's marker: names the hidden file to read
+    {run}/attempts/{shard}/{attempt}.json        one file per delivery that started the shard
+    {run}/dead/{shard}.json                      dead letter: the shard failed too often, with its errors
+                                                 (the staged capture stage uses `{shard}.capture` as its key)
+    {run}/PAUSED.json                            present while the run is paused (reason inside)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator
+
+import fsspec
+import orjson
+
+from app.errors import RetryableError
+from app.ids import validate_id
+
+
+class Storage:
+    """A root folder (local path or URL) with atomic writes and exclusive marker creation."""
+
+    def __init__(self, root: str, **storage_options):
+        self.url = root
+        self.fs, self.root = fsspec.core.url_to_fs(root, **storage_options)
+        self.is_local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        if self.is_local:
+            self.root = os.path.abspath(self.root)
+            os.makedirs(self.root, exist_ok=True)
+
+    def __repr__(self) -> str:
+        return f"Storage({self.url!r})"
+
+    # -- paths -------------------------------------------------------------------------------------------
+    def path(self, rel: str) -> str:
+        parts = [p for p in rel.split("/") if p]
+        for p in parts:
+            if p in (".", "..") or "\\" in p or "\x00" in p:
+                raise RetryableError(f"refusing path component {p!r} in {rel!r}")
+        return "/".join([self.root.rstrip("/"), *parts])
+
+    # -- reads ------------------------------------------------------------------------------------------
+    def exists(self, rel: str) -> bool:
+        return self.fs.exists(self.path(rel))
+
+    def read_bytes(self, rel: str) -> bytes:
+        with self.fs.open(self.path(rel), "rb") as fh:
+            return fh.read()
+
+    def read_json(self, rel: str):
+        return orjson.loads(self.read_bytes(rel))
+
+    def open(self, rel: str, mode: str = "rb"):
+        return self.fs.open(self.path(rel), mode)
+
+    def size(self, rel: str) -> int:
+        return self.fs.size(self.path(rel))
+
+    def listdir(self, rel: str) -> list[str]:
+        """Names (not paths) directly under `rel`; empty when the folder does not exist."""
+        try:
+            entries = self.fs.ls(self.path(rel), detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
+
+    # -- writes -----------------------------------------------------------------------------------------
+    def _tmp_name(self, full: str) -> str:
+        head, _, tail = full.rpartition("/")
+        return f"{head}/.{tail}.tmp-{uuid.uuid4().hex[:12]}"
+
+    @contextlib.contextmanager
+    def atomic_writer(self, rel: str) -> Iterator:
+        """Yield a binary file; on clean exit it appears under `rel` at once, on error nothing appears."""
+        full = self.path(rel)
+        self.fs.makedirs(full.rpartition("/")[0], exist_ok=True)
+        if not self.is_local:
+            # Object stores: one PUT, visible only when complete.
+            with self.fs.open(full, "wb") as fh:
+                yield fh
+            return
+        tmp = self._tmp_name(full)
+        try:
+            with open(tmp, "wb") as fh:
+                yield fh
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, full)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        with self.atomic_writer(rel) as fh:
+            fh.write(data)
+
+    def write_json(self, rel: str, obj) -> None:
+        self.write_bytes(rel, orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        """Create `rel` holding `data` unless it exists; True when this call created it.
+
+        Local and NFS (v3+ honours link()): written to a temporary file, then hard-linked into place, which
+        fails if the name exists, so two concurrent callers cannot both win. Object stores: exists-then-PUT,
+        which leaves a small race; the loser's files are never referenced by the marker either way.
+        """
+        full = self.path(rel)
+        self.fs.makedirs(full.rpartition("/")[0], exist_ok=True)
+        if not self.is_local:
+            if self.fs.exists(full):
+                return False
+            self.fs.pipe_file(full, data)
+            return True
+        tmp = self._tmp_name(full)
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, full)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+
+    def delete(self, rel: str, recursive: bool = False) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.path(rel), recursive=recursive)
+
+
+class RunStore:
+    """The paths and markers of one run inside a Storage; the only place that knows the run layout."""
+
+    def __init__(self, storage: Storage, run_id: str):
+        self.storage = storage
+        self.run_id = validate_id(run_id, "run id")
+
+    def rel(self, *parts: str) -> str:
+        return "/".join((self.run_id, *parts))
+
+    # manifest and producer outputs
+    @property
+    def manifest_path(self) -> str:
+        return self.rel("run.json")
+
+    @property
+    def rejects_path(self) -> str:
+        return self.rel("rejects.jsonl")
+
+    @property
+    def produce_path(self) -> str:
+        return self.rel("produce.json")
+
+    @property
+    def pause_path(self) -> str:
+        return self.rel("PAUSED.json")
+
+    def exists(self) -> bool:
+        return self.storage.exists(self.manifest_path)
+
+    # shard outputs
+    def records_path(self, shard: str, attempt: str) -> str:
+        return self.rel("shards", validate_id(shard, "shard id"), f"{validate_id(attempt, 'attempt')}.records.jsonl.zst")
+
+    def hidden_path(self, shard: str, attempt: str) -> str:
+        return self.rel("shards", validate_id(shard, "shard id"), f"{validate_id(attempt, 'attempt')}.hidden.rgh")
+
+    def done_path(self, shard: str) -> str:
+        return self.rel("done", f"{validate_id(shard, 'shard id')}.json")
+
+    def captured_path(self, shard: str) -> str:
+        """Staged capture's own completion marker (its hidden file is published separately)."""
+        return self.rel("captured", f"{validate_id(shard, 'shard id')}.json")
+
+    def dead_path(self, shard: str) -> str:
+        return self.rel("dead", f"{validate_id(shard, 'shard id')}.json")
+
+    def attempts_dir(self, shard: str) -> str:
+        return self.rel("attempts", validate_id(shard, "shard id"))
+
+    # markers
+    def is_done(self, shard: str) -> bool:
+        return self.storage.exists(self.done_path(shard))
+
+    def done_marker(self, shard: str) -> dict | None:
+        try:
+            return self.storage.read_json(self.done_path(shard))
+        except FileNotFoundError:
+            return None
+
+    def done_shards(self) -> set[str]:
+        """All shards with a completion marker, from one listing (no per-shard round trips)."""
+        return {n[: -len(".json")] for n in self.storage.listdir(self.rel("done")) if n.endswith(".json")}
+
+    def dead_shards(self) -> set[str]:
+        return {n[: -len(".json")] for n in self.storage.listdir(self.rel("dead")) if n.endswith(".json")}
+
+    def pause_state(self) -> dict | None:
+        try:
+            return self.storage.read_json(self.pause_path)
+        except FileNotFoundError:
+            return None

@@ -1,0 +1,118 @@
+"""What the producer did with every input row, and the files that record it.
+
+Why: a silently dropped row is indistinguishable from a row that was never there, so every record read is
+accounted for as exactly one of enqueued (placed in a shard), duplicate, or rejected (with a named reason).
+`check_identity` asserts read = enqueued + duplicates + rejected at the end of every produce; a mismatch is a
+bug in the producer, never the user's fault.
+
+Files (paths from app.storage.RunStore):
+- `{run}/rejects.jsonl`: one row per reject, `{"file", "line", "reason", "detail"}`, written while streaming
+  (constant memory) into an atomic writer, so it appears whole when produce finishes or not at all.
+- `{run}/produce.json`: the summary, the producer-only settings, and `complete: true` once every shard was sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+from collections import Counter
+from dataclasses import dataclass, field
+
+import orjson
+
+from app.manifest import update_counts
+from app.storage import RunStore
+from producer.normalise import REJECT_REASONS
+
+
+@dataclass
+class Accounting:
+    read: int = 0
+    enqueued: int = 0  # unique samples placed in a shard (sent now, or in a shard already done)
+    duplicates: int = 0
+    rejected_by_reason: Counter = field(default_factory=Counter)
+    shards: int = 0
+    shards_sent: int = 0
+    shards_skipped_done: int = 0
+    samples_sent: int = 0
+    input_bytes: int = 0
+
+    @property
+    def rejected(self) -> int:
+        return sum(self.rejected_by_reason.values())
+
+    def check_identity(self) -> None:
+        if self.read != self.enqueued + self.duplicates + self.rejected:
+            raise AssertionError(
+                f"producer accounting bug: read {self.read} != enqueued {self.enqueued} + duplicates "
+                f"{self.duplicates} + rejected {self.rejected}"
+            )
+
+    def to_dict(self) -> dict:
+        return {
+            "read": self.read,
+            "enqueued": self.enqueued,
+            "duplicates": self.duplicates,
+            "rejected": self.rejected,
+            "rejected_by_reason": {r: self.rejected_by_reason[r] for r in REJECT_REASONS if self.rejected_by_reason[r]},
+            "shards": self.shards,
+            "shards_sent": self.shards_sent,
+            "shards_skipped_done": self.shards_skipped_done,
+            "samples_sent": self.samples_sent,
+        }
+
+
+class RejectLog:
+    """Counts rejects and, when given a store, streams them to `{run}/rejects.jsonl`."""
+
+    def __init__(self, accounting: Accounting, store: RunStore | None = None):
+        self.accounting = accounting
+        self.store = store
+        self._stack = contextlib.ExitStack()
+        self._fh = None
+
+    def __enter__(self) -> RejectLog:
+        if self.store is not None:
+            self._fh = self._stack.enter_context(self.store.storage.atomic_writer(self.store.rejects_path))
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return self._stack.__exit__(*exc)
+
+    def add(self, file: str, line: int, reason: str, detail: str = "") -> None:
+        self.accounting.rejected_by_reason[reason] += 1
+        if self._fh is not None:
+            row = {"file": file, "line": line, "reason": reason, "detail": detail}
+            self._fh.write(orjson.dumps(row) + b"\n")
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+def read_produce_state(store: RunStore) -> dict | None:
+    try:
+        return store.storage.read_json(store.produce_path)
+    except FileNotFoundError:
+        return None
+
+
+def write_produce_state(store: RunStore, *, producer_settings: dict, accounting: Accounting | None, complete: bool,
+                        queue: str, started: str | None = None) -> None:
+    state = {
+        "run_id": store.run_id,
+        "complete": complete,
+        "started": started or _now(),
+        "finished": _now() if complete else None,
+        "queue": queue,
+        "producer_settings": producer_settings,
+        "counts": accounting.to_dict() if accounting else None,
+    }
+    store.storage.write_json(store.produce_path, state)
+
+
+def record_counts(store: RunStore, accounting: Accounting) -> None:
+    """Copy the counts into the run manifest (`counts`), where status tools look first."""
+    counts = accounting.to_dict()
+    update_counts(store, {k: counts[k] for k in ("read", "enqueued", "duplicates", "rejected",
+                                                 "rejected_by_reason", "shards")})

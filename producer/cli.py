@@ -1,0 +1,152 @@
+"""`regen produce` and `regen reconcile`: the producer's command line.
+
+The commands only translate flags into `ProduceOptions` and print; the work is in producer/produce.py. User
+errors are `RegenError`s, printed by app/cli.py as one line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from app.config import DEFAULT_QUEUE
+from app.errors import ConfigError
+from app.manifest import CAPTURE_MODES
+from producer.normalise import REGENERATE_MODES
+from producer.produce import ProduceResult, produce
+from producer.run_setup import (
+    DEFAULT_MAX_PROMPT_TOKENS,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_SHARD_SIZE,
+    ProduceOptions,
+)
+
+# Flags that become run settings; with --resume the stored values win, so giving one is refused.
+_SETTING_FLAGS = ("shard_size", "max_tokens", "thinking", "temperature", "top_p", "top_k", "min_p", "seed",
+                  "capture", "layers", "max_prompt_tokens", "max_prompt_chars", "regenerate", "model")
+
+
+def _broker_options(f):
+    f = click.option("--max-pending", type=click.IntRange(min=0), default=None,
+                     help="Wait while more than N shards wait in the queue (Redis brokers).")(f)
+    f = click.option("--queue", default=DEFAULT_QUEUE, show_default=True, help="Celery queue to publish to.")(f)
+    f = click.option("--broker", envvar="REGEN_BROKER_URL", default=None,
+                     help="Broker URL [env REGEN_BROKER_URL; default redis://127.0.0.1:6379/0].")(f)
+    f = click.option("--storage", envvar="REGEN_STORAGE", default=None,
+                     help="Storage root (path or URL) [env REGEN_STORAGE].")(f)
+    return f
+
+
+@click.command("produce")
+@click.argument("inputs", nargs=-1)
+@click.option("--run", "run_id", default=None, help="Run id [default: the first input's file name].")
+@_broker_options
+@click.option("--model", envvar="REGEN_MODEL", default=None, help="Local target-model folder (config + tokenizer).")
+@click.option("--shard-size", type=click.IntRange(min=1), default=DEFAULT_SHARD_SIZE, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS, show_default=True,
+              help="Response token cap per turn.")
+@click.option("--thinking/--no-thinking", default=True, show_default=True,
+              help="Generate in thinking mode (must match how the drafter will serve).")
+@click.option("--temperature", type=float, default=None, help="[default: Qwen3's for the thinking mode]")
+@click.option("--top-p", type=float, default=None)
+@click.option("--top-k", type=int, default=None)
+@click.option("--min-p", type=float, default=None)
+@click.option("--seed", type=int, default=0, show_default=True, help="Run seed; each prompt gets its own seed from it.")
+@click.option("--capture", type=click.Choice(CAPTURE_MODES), default="inline", show_default=True,
+              help="Hidden-state capture: during generation, in a second prefill pass, or not at all.")
+@click.option("--layers", default="dflash", show_default=True,
+              help="Layers to capture: dflash, dflash-K, eagle3, or CONVENTION:IDS (dflash:1,2 / vllm:2,3 / hf:2).")
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_PROMPT_TOKENS, show_default=True)
+@click.option("--max-prompt-chars", type=click.IntRange(min=0), default=None,
+              help="Reject prompts longer than this many characters [default: 8 x --max-prompt-tokens].")
+@click.option("--regenerate", type=click.Choice(REGENERATE_MODES), default="last", show_default=True,
+              help="last: the final assistant turn; all: every assistant turn, in order.")
+@click.option("--dry-run", is_flag=True, help="Count, estimate tokens and disk, enqueue nothing.")
+@click.option("--estimate-sample", type=click.IntRange(min=1), default=2000, show_default=True,
+              help="Prompts tokenised for the --dry-run estimate.")
+@click.option("--assumed-response-tokens", type=click.IntRange(min=0), default=None,
+              help="Per-sample response length for the estimate [default: max-tokens / 2].")
+@click.option("--resume", "resume_run", default=None, metavar="RUN",
+              help="Re-send the shards of RUN that have no completion marker (inputs and settings from the run).")
+@click.pass_context
+def produce_command(ctx: click.Context, inputs, run_id, resume_run, **options) -> None:
+    """Shard chat datasets (.jsonl, .jsonl.zst, .json; globs welcome) into the generation queue."""
+    if resume_run:
+        if inputs:
+            raise ConfigError("--resume reads the inputs from the run; do not also give INPUTS")
+        given = [n for n in _SETTING_FLAGS if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
+        if given:
+            names = ", ".join("--" + n.replace("_", "-") for n in given)
+            raise ConfigError(f"--resume uses the run's stored settings; drop {names}")
+        if run_id and run_id != resume_run:
+            raise ConfigError(f"--run {run_id} and --resume {resume_run} name different runs")
+        run_id = resume_run
+    elif not inputs:
+        raise ConfigError("give INPUTS to produce, or --resume RUN")
+    opts = ProduceOptions(inputs=list(inputs), run_id=run_id, resume=bool(resume_run), **options)
+    _run(opts)
+
+
+@click.command("reconcile")
+@click.argument("run_id")
+@_broker_options
+def reconcile_command(run_id, **options) -> None:
+    """Re-send every shard of RUN without a completion marker (same as `produce --resume RUN`)."""
+    _run(ProduceOptions(run_id=run_id, resume=True, **options))
+
+
+def _run(opts: ProduceOptions) -> None:
+    out = Console()
+    err = Console(stderr=True)
+    if err.is_terminal:
+        with Progress(TextColumn("reading"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      TimeRemainingColumn(), console=err, transient=True) as bar:
+            task = bar.add_task("read", total=None)
+            result = produce(opts, progress=lambda done, total: bar.update(task, completed=done, total=total))
+    else:
+        result = produce(opts)
+    _report(out, result)
+
+
+def _report(out: Console, result: ProduceResult) -> None:
+    acc = result.accounting
+    if result.status == "already_produced":
+        out.print(f"run {result.run_id} is already produced ({acc.shards} shards); nothing enqueued. "
+                  f"To re-send shards that have no completion marker: regen produce --resume {result.run_id}")
+        return
+    title = {"dry_run": f"dry run of {result.run_id}: nothing enqueued",
+             "produced": f"produced run {result.run_id}"}[result.status]
+    table = Table(title=title, show_header=False)
+    table.add_column("what")
+    table.add_column("count", justify="right")
+    table.add_row("rows read", f"{acc.read:,}")
+    table.add_row("samples" if result.status == "dry_run" else "samples in shards", f"{acc.enqueued:,}")
+    table.add_row("duplicates", f"{acc.duplicates:,}")
+    table.add_row("rejected", f"{acc.rejected:,}")
+    for reason, n in sorted(acc.rejected_by_reason.items()):
+        table.add_row(f"  {reason}", f"{n:,}")
+    table.add_row("shards", f"{acc.shards:,}")
+    if result.status == "produced":
+        table.add_row("shards sent", f"{acc.shards_sent:,}")
+        table.add_row("shards already done", f"{acc.shards_skipped_done:,}")
+    out.print(table)
+    if result.estimate is not None:
+        for line in result.estimate.lines():
+            out.print(line)
+    if acc.rejected and result.status == "produced":
+        out.print(f"rejected rows are listed in {result.storage_url}/{result.run_id}/rejects.jsonl")
+    sys.stdout.flush()
+
+
+commands = [produce_command, reconcile_command]

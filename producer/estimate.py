@@ -1,0 +1,145 @@
+"""`regen produce --dry-run`: what a run will cost before anything is enqueued.
+
+Why: hidden states are large (5 layers x 5120 x 2 bytes = 51,200 B per token for a 27B target; 914K samples
+is ~100-190 TB, NOTES.md), so a user must see the token and disk figures before the GPUs start.
+
+Prompt tokens are counted with the target model's own tokenizer and chat template on a uniform random sample
+(reservoir, fixed seed) of up to N prompts and scaled to the total, so the figure is an estimate and says so.
+Response tokens are an assumption (default max_tokens / 2) with the hard maximum beside it. Compressed size
+uses the byte-shuffled zstd ratio measured on bf16 activations (1.45, NOTES.md), stated as an assumption.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+COMPRESSION_RATIO = 1.45
+BYTES_PER_VALUE = 2  # bf16
+
+
+def hidden_state_bytes(tokens: int, layers: int, hidden_size: int) -> int:
+    """Raw bytes of hidden states for `tokens` context tokens at `layers` layers."""
+    return tokens * layers * hidden_size * BYTES_PER_VALUE
+
+
+def compressed_bytes(raw: int, ratio: float = COMPRESSION_RATIO) -> int:
+    return int(raw / ratio)
+
+
+def human_bytes(n: float) -> str:
+    """Decimal units (disks are sold in TB): 140_390_400_000_000 -> '140.4 TB'."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+class Reservoir:
+    """A uniform random sample of up to `size` items from a stream of unknown length (Algorithm R)."""
+
+    def __init__(self, size: int, seed: int = 0):
+        self.size = size
+        self.items: list = []
+        self.seen = 0
+        self._rng = random.Random(seed)
+
+    def offer(self, item) -> None:
+        self.seen += 1
+        if len(self.items) < self.size:
+            self.items.append(item)
+            return
+        j = self._rng.randrange(self.seen)
+        if j < self.size:
+            self.items[j] = item
+
+
+def _prompt_messages(messages: list[dict]) -> list[dict]:
+    """The messages the model reads before its (first) answer; in `all` mode old answers stand in for new ones."""
+    out = []
+    for m in messages:
+        if "original_content" in m:
+            out.append({"role": "assistant", "content": m["original_content"] or ""})
+        else:
+            out.append(m)
+    if out and "original_content" in messages[-1]:
+        out.pop()
+    return out
+
+
+def count_prompt_tokens(model_path: str, samples: list[dict], thinking: bool) -> list[int]:
+    """Chat-templated prompt lengths, with the generation prompt, as the engine will see them."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    counts = []
+    for sample in samples:
+        # Rendered to text, then encoded without special tokens: exactly what the worker does (render_prompt).
+        text = tokenizer.apply_chat_template(
+            _prompt_messages(sample["messages"]),
+            tools=sample.get("tools") or None,
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=thinking,
+        )
+        counts.append(len(tokenizer.encode(text, add_special_tokens=False)))
+    return counts
+
+
+@dataclass
+class Estimate:
+    samples: int
+    sampled: int
+    prompt_tokens: int
+    response_tokens_assumed: int
+    response_tokens_max: int
+    layers: int
+    hidden_size: int
+
+    @property
+    def context_tokens(self) -> int:
+        return self.prompt_tokens + self.response_tokens_assumed
+
+    @property
+    def raw_bytes(self) -> int:
+        return hidden_state_bytes(self.context_tokens, self.layers, self.hidden_size)
+
+    @property
+    def raw_bytes_max(self) -> int:
+        return hidden_state_bytes(self.prompt_tokens + self.response_tokens_max, self.layers, self.hidden_size)
+
+    def lines(self) -> list[str]:
+        per_token = self.layers * self.hidden_size * BYTES_PER_VALUE
+        out = [
+            f"prompt tokens: {self.prompt_tokens:,} (estimate from {self.sampled:,} of {self.samples:,} prompts, "
+            "tokenised with the model's chat template)",
+            f"response tokens: {self.response_tokens_assumed:,} assumed, {self.response_tokens_max:,} at most",
+        ]
+        if self.layers == 0:
+            out.append("hidden states: capture off, nothing stored")
+            return out
+        out += [
+            f"hidden states: {self.layers} layers x {self.hidden_size} x {BYTES_PER_VALUE} bytes = "
+            f"{per_token:,} B per token",
+            f"disk, raw: {human_bytes(self.raw_bytes)} (at most {human_bytes(self.raw_bytes_max)})",
+            f"disk, compressed: {human_bytes(compressed_bytes(self.raw_bytes))} "
+            f"(assumes the {COMPRESSION_RATIO} zstd ratio measured on bf16 activations)",
+        ]
+        return out
+
+
+def build_estimate(*, samples: int, token_counts: list[int], max_tokens: int, assumed_response_tokens: int | None,
+                   layers: int, hidden_size: int) -> Estimate:
+    sampled = len(token_counts)
+    prompt_tokens = round(sum(token_counts) * samples / sampled) if sampled else 0
+    per_response = assumed_response_tokens if assumed_response_tokens is not None else max_tokens // 2
+    return Estimate(
+        samples=samples,
+        sampled=sampled,
+        prompt_tokens=prompt_tokens,
+        response_tokens_assumed=samples * per_response,
+        response_tokens_max=samples * max_tokens,
+        layers=layers,
+        hidden_size=hidden_size,
+    )

@@ -1,0 +1,197 @@
+"""The produce pipeline: read -> normalise -> dedupe -> shard -> (skip done) -> publish, with accounting.
+
+Why it is safe to run again: shards are deterministic (producer/sharding.py) and storage, not Redis, records
+what is done. So:
+- a produce that finished (`produce.json` says `complete`) is not repeated: the second call enqueues nothing
+  and points to `--resume`;
+- a produce that was interrupted midway (no `complete` flag) is simply run again: it re-reads the inputs and
+  re-sends every shard without a completion marker. Some of those may already wait in the queue; a worker
+  that gets a shard that is done skips it, and two copies running at once are settled by the exclusive
+  completion marker, so re-sending is harmless;
+- `--resume` (alias `regen reconcile RUN`) rebuilds the options from the stored manifest, checks that the
+  inputs' bytes did not change, and sends exactly the shards that have no completion marker (lost messages,
+  a wiped Redis, dead-lettered shards after a fix).
+
+Memory stays flat: one input block, one shard of samples, and one 64-bit int per unique sample.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from app.errors import ConfigError
+from app.ids import validate_id
+from app.manifest import load, open_or_create
+from app.storage import RunStore, Storage
+from producer.accounting import (
+    Accounting,
+    RejectLog,
+    read_produce_state,
+    record_counts,
+    write_produce_state,
+)
+from producer.enqueue import ShardSender
+from producer.estimate import Estimate, Reservoir, build_estimate, count_prompt_tokens
+from producer.normalise import Rejected, normalise, parse_line
+from producer.readers import InputReader, ReadFailure, expand_inputs
+from producer.run_setup import (
+    ProduceOptions,
+    build_settings,
+    check_producer_settings,
+    derive_run_id,
+    options_from_manifest,
+    producer_settings,
+    verify_inputs,
+)
+from producer.sharding import Deduper, shard_samples
+
+JSON_ARRAY_ITEM_BYTES = 1024  # rough size of a parsed .json array element, only used to choose compression
+PROGRESS_EVERY = 512
+
+ProgressFn = Callable[[int, int], None]  # called with (input bytes read so far, total input bytes)
+
+
+@dataclass
+class ProduceResult:
+    run_id: str
+    status: str  # "produced", "already_produced" or "dry_run"
+    accounting: Accounting
+    inputs: list[str]
+    estimate: Estimate | None = None
+    storage_url: str | None = None
+
+
+def iter_samples(paths: list[str], opts: ProduceOptions, acc: Accounting, rejects: RejectLog, dedupe: Deduper,
+                 progress: ProgressFn | None = None) -> Iterator[tuple[dict, int]]:
+    """Every record of every input, counted once as read and then as a reject, a duplicate or a yielded sample."""
+    regenerate, cap = opts.regenerate, opts.prompt_char_cap
+    first_time = dedupe.first_time
+    done_bytes = 0
+    total_bytes = sum(os.path.getsize(p) for p in paths)
+    read = enqueued = 0  # locals in the hot loop, written back to `acc` on every exit path
+    try:
+        for path in paths:
+            reader = InputReader(path)
+            for line, payload in reader:
+                read += 1
+                if progress is not None and read % PROGRESS_EVERY == 0:
+                    progress(done_bytes + reader.consumed, total_bytes)
+                try:
+                    if type(payload) is bytes:
+                        nbytes = len(payload)
+                        row = parse_line(payload)
+                    elif isinstance(payload, ReadFailure):
+                        raise Rejected(payload.reason, payload.detail)
+                    else:
+                        nbytes, row = JSON_ARRAY_ITEM_BYTES, payload
+                    sample = normalise(row, file=path, line=line, regenerate=regenerate, max_prompt_chars=cap)
+                except Rejected as exc:
+                    rejects.add(path, line, exc.reason, exc.detail)
+                    continue
+                if first_time(sample["id"]):
+                    enqueued += 1
+                    yield sample, nbytes
+            done_bytes += reader.consumed
+            if progress is not None:
+                progress(done_bytes, total_bytes)
+    finally:
+        acc.read += read
+        acc.enqueued += enqueued
+        acc.duplicates = dedupe.duplicates
+
+
+def _storage_url(storage: Storage) -> str:
+    """What workers get: an absolute path for local storage (a relative one means nothing on another host)."""
+    return storage.root if storage.is_local else storage.url
+
+
+def _open_store(opts: ProduceOptions, run_id: str) -> RunStore:
+    if not opts.storage:
+        raise ConfigError("--storage (or REGEN_STORAGE) is required: the root folder or URL runs are written to")
+    return RunStore(Storage(opts.storage), run_id)
+
+
+def _dry_run(opts: ProduceOptions, run_id: str, paths: list[str], model: dict, layers: dict | None,
+             progress: ProgressFn | None) -> ProduceResult:
+    acc = Accounting()
+    reservoir = Reservoir(opts.estimate_sample, seed=opts.seed)
+    with RejectLog(acc) as rejects:
+        for sample, _ in iter_samples(paths, opts, acc, rejects, Deduper(), progress):
+            reservoir.offer(sample)
+    acc.shards = -(-acc.enqueued // opts.shard_size)
+    acc.check_identity()
+    counts = count_prompt_tokens(model["path"], reservoir.items, opts.thinking) if reservoir.items else []
+    estimate = build_estimate(
+        samples=acc.enqueued,
+        token_counts=counts,
+        max_tokens=opts.max_tokens,
+        assumed_response_tokens=opts.assumed_response_tokens,
+        layers=len(layers["vllm_ids"]) if layers else 0,
+        hidden_size=model["hidden_size"],
+    )
+    return ProduceResult(run_id, "dry_run", acc, paths, estimate=estimate)
+
+
+def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> ProduceResult:
+    """Run `regen produce` (or `--resume`) with `opts`; see the module docstring for re-run behaviour."""
+    if opts.resume:
+        if not opts.run_id:
+            raise ConfigError("--resume needs the run id (regen produce --resume RUN, or regen reconcile RUN)")
+        store = _open_store(opts, validate_id(opts.run_id, "run id"))
+        manifest = load(store)
+        state = read_produce_state(store)
+        opts = options_from_manifest(manifest, state and state.get("producer_settings"), opts)
+        paths = verify_inputs(manifest["settings"]["inputs"])
+        settings = manifest["settings"]
+        model, layers = settings["model"], settings["layers"]
+        run_id = store.run_id
+    else:
+        paths = expand_inputs(opts.inputs)
+        run_id = validate_id(opts.run_id or derive_run_id(paths[0]), "run id")
+        run_settings = build_settings(opts, paths)
+        model, layers = run_settings.model, run_settings.layers
+        if opts.dry_run:
+            return _dry_run(opts, run_id, paths, model, layers, progress)
+        store = _open_store(opts, run_id)
+        state = read_produce_state(store)
+        open_or_create(store, run_settings)
+        check_producer_settings(state and state.get("producer_settings"), producer_settings(opts), run_id)
+        if state and state.get("complete"):
+            return ProduceResult(run_id, "already_produced", Accounting(**_counts_only(state["counts"])), paths,
+                                 storage_url=_storage_url(store.storage))
+    if opts.dry_run:
+        return _dry_run(opts, run_id, paths, model, layers, progress)
+
+    storage_url = _storage_url(store.storage)
+    done = store.done_shards()
+    acc = Accounting()
+    started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    psettings = producer_settings(opts)
+    write_produce_state(store, producer_settings=psettings, accounting=None, complete=False, queue=opts.queue,
+                        started=started)
+    with ShardSender(opts.broker, opts.queue, opts.max_pending) as sender, RejectLog(acc, store) as rejects:
+        for shard in shard_samples(iter_samples(paths, opts, acc, rejects, Deduper(), progress), opts.shard_size):
+            acc.shards += 1
+            if shard.id in done:
+                acc.shards_skipped_done += 1
+                continue
+            sender.send(run_id, storage_url, shard)
+            acc.shards_sent += 1
+            acc.samples_sent += len(shard.samples)
+    acc.check_identity()
+    write_produce_state(store, producer_settings=psettings, accounting=acc, complete=True, queue=opts.queue,
+                        started=started)
+    record_counts(store, acc)
+    return ProduceResult(run_id, "produced", acc, paths, storage_url=storage_url)
+
+
+def _counts_only(counts: dict | None) -> dict:
+    from collections import Counter
+
+    counts = dict(counts or {})
+    counts.pop("rejected", None)
+    counts["rejected_by_reason"] = Counter(counts.get("rejected_by_reason") or {})
+    return {k: v for k, v in counts.items() if k in Accounting.__dataclass_fields__}

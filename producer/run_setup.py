@@ -1,0 +1,165 @@
+"""From command-line options to the run manifest's settings, and back again for `--resume`.
+
+Why here: everything that decides what a sample's output is belongs in `RunSettings` (app/manifest.py), so
+that reopening a run with a different value is refused naming the field. The producer-only knobs that decide
+*which rows become samples* but are not engine settings (`max_prompt_chars`) are stored in produce.json and
+checked the same way. `--resume` rebuilds everything from the stored manifest, and refuses if an input file's
+bytes changed (its sha256), because then the shards would no longer be the ones already generated.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from app.errors import ConfigError, InputError, ManifestMismatch
+from app.layers import parse_layers
+from app.manifest import CAPTURE_MODES, RunSettings, Sampling
+from app.model_info import read_model_info
+from producer.normalise import REGENERATE_MODES
+from producer.readers import describe_input, expand_inputs, file_sha256
+
+DEFAULT_SHARD_SIZE = 64
+DEFAULT_MAX_PROMPT_TOKENS = 32768
+DEFAULT_MAX_TOKENS = 4096
+CHARS_PER_TOKEN_CAP = 8  # default char cap = max_prompt_tokens x 8: only prompts that are surely too long
+
+
+@dataclass
+class ProduceOptions:
+    """Every option of `regen produce`; the CLI fills it, tests and the benchmark build it directly."""
+
+    inputs: list[str] = field(default_factory=list)
+    run_id: str | None = None
+    storage: str | None = None
+    model: str | None = None
+    broker: str | None = None
+    queue: str = "regen"
+    max_pending: int | None = None
+    shard_size: int = DEFAULT_SHARD_SIZE
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    thinking: bool = True
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int = 0
+    capture: str = "inline"
+    layers: str = "dflash"
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+    max_prompt_chars: int | None = None
+    regenerate: str = "last"
+    dry_run: bool = False
+    resume: bool = False
+    estimate_sample: int = 2000
+    assumed_response_tokens: int | None = None
+
+    @property
+    def prompt_char_cap(self) -> int:
+        if self.max_prompt_chars is not None:
+            return self.max_prompt_chars
+        return self.max_prompt_tokens * CHARS_PER_TOKEN_CAP
+
+
+def derive_run_id(path: str) -> str:
+    """A valid run id from an input file name: `data/ShareGPT V3.jsonl.zst` -> `ShareGPT-V3`."""
+    name = os.path.basename(path)
+    for suffix in (".zst", ".jsonl", ".ndjson", ".json"):
+        if name.lower().endswith(suffix):
+            name = name[: -len(suffix)]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", name)
+    name = re.sub(r"\.{2,}", ".", name).strip("._-")[:128]
+    return name or "run"
+
+
+def validate_options(opts: ProduceOptions) -> None:
+    if opts.shard_size < 1:
+        raise ConfigError(f"--shard-size must be at least 1, not {opts.shard_size}")
+    if opts.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be at least 1, not {opts.max_tokens}")
+    if opts.max_prompt_tokens < 1:
+        raise ConfigError(f"--max-prompt-tokens must be at least 1, not {opts.max_prompt_tokens}")
+    if opts.max_pending is not None and opts.max_pending < 0:
+        raise ConfigError(f"--max-pending must be 0 or more, not {opts.max_pending}")
+    if opts.capture not in CAPTURE_MODES:
+        raise ConfigError(f"--capture must be one of {', '.join(CAPTURE_MODES)}, not {opts.capture!r}")
+    if opts.regenerate not in REGENERATE_MODES:
+        raise ConfigError(f"--regenerate must be one of {', '.join(REGENERATE_MODES)}, not {opts.regenerate!r}")
+    if opts.thinking and opts.temperature == 0:
+        raise ConfigError("--temperature 0 (greedy) with thinking: Qwen3 thinking mode must not be greedy")
+
+
+def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
+    """RunSettings for a new (or re-opened) run; hashes every input file (one sequential pass)."""
+    validate_options(opts)
+    if not opts.model:
+        raise ConfigError("--model is required (a local model folder with config.json and the tokenizer)")
+    info = read_model_info(opts.model)
+    sampling = Sampling.defaults(
+        opts.thinking, opts.max_tokens, opts.seed,
+        temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
+    )
+    layers = None if opts.capture == "off" else parse_layers(opts.layers, info.num_layers).to_manifest()
+    return RunSettings(
+        model=info.to_manifest(),
+        sampling=sampling,
+        thinking=opts.thinking,
+        capture_mode=opts.capture,
+        layers=layers,
+        shard_size=opts.shard_size,
+        max_prompt_tokens=opts.max_prompt_tokens,
+        regenerate=opts.regenerate,
+        inputs=[describe_input(p) for p in inputs],
+    )
+
+
+def producer_settings(opts: ProduceOptions) -> dict:
+    """Settings outside RunSettings that still change which rows become samples (kept in produce.json)."""
+    return {"max_prompt_chars": opts.prompt_char_cap}
+
+
+def check_producer_settings(stored: dict | None, wanted: dict, run_id: str) -> None:
+    if not stored:
+        return
+    differing = [k for k in sorted(set(stored) | set(wanted)) if stored.get(k) != wanted.get(k)]
+    if differing:
+        raise ManifestMismatch(
+            f"run {run_id!r} was produced with different settings: {', '.join(differing)} "
+            "(use another --run, or the stored settings)"
+        )
+
+
+def options_from_manifest(manifest: dict, stored_producer: dict | None, opts: ProduceOptions) -> ProduceOptions:
+    """`--resume`: the stored run's inputs and settings, with this invocation's broker/queue/storage options."""
+    s = manifest["settings"]
+    sampling = s["sampling"]
+    resumed = ProduceOptions(**{**opts.__dict__})
+    resumed.inputs = [i["path"] for i in s["inputs"]]
+    resumed.shard_size = s["shard_size"]
+    resumed.max_prompt_tokens = s["max_prompt_tokens"]
+    resumed.regenerate = s["regenerate"]
+    resumed.thinking = s["thinking"]
+    resumed.capture = s["capture_mode"]
+    resumed.max_tokens = sampling["max_tokens"]
+    resumed.model = s["model"]["path"]
+    if stored_producer and "max_prompt_chars" in stored_producer:
+        resumed.max_prompt_chars = stored_producer["max_prompt_chars"]
+    return resumed
+
+
+def verify_inputs(stored_inputs: list[dict]) -> list[str]:
+    """Check each stored input still exists with the same bytes; return their paths in the stored order."""
+    paths = []
+    for entry in stored_inputs:
+        path = entry["path"]
+        if not os.path.isfile(path):
+            raise InputError(f"{path}: input of this run is missing; restore it to resume")
+        if os.path.getsize(path) != entry["size"] or file_sha256(path) != entry["sha256"]:
+            raise InputError(f"{path}: input changed since the run was produced (sha256 differs); refusing to resume")
+        paths.append(path)
+    return paths
+
+
+def resolve_inputs(patterns: list[str]) -> list[str]:
+    return expand_inputs(patterns)

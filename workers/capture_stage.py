@@ -1,0 +1,69 @@
+"""Staged capture: a prefill-only pass over a finished shard's stored `input_ids`.
+
+Generation without capture keeps all of the GPU's KV memory for batch size; this pass (max_tokens=1, on
+its own queue, possibly on other GPUs) then captures the states for the exact ids the records hold. The
+stored states cover `input_ids[:-1]`, the same tokens an inline capture covers, so both modes give files
+a trainer reads the same way.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import numpy as np
+import orjson
+
+from app.hidden_file import HiddenFileWriter, encode_sample
+from app.jsonl_zst import loads_jsonl_zst
+from app.storage import RunStore
+from workers.engine import GenRequest
+from workers.quality import states_problem
+
+
+def capture_shard(ctx, store: RunStore, manifest: dict, shard_id: str, attempt: str) -> bool:
+    marker = store.done_marker(shard_id)
+    records = loads_jsonl_zst(store.storage.read_bytes(marker["files"]["records"]["path"]))
+    layers = manifest["settings"]["layers"]["vllm_ids"]
+    level = int(manifest["settings"].get("compression_level", 3))
+    requests = [
+        GenRequest(str(i), r["input_ids"], {"temperature": 1.0, "max_tokens": 1, "seed": 0},
+                   capture=True, include_output_tokens=False)
+        for i, r in enumerate(records) if r.get("status") == "ok"
+    ]
+    futures = {}
+    problems: dict[str, list[str]] = {}
+
+    def on_done(res) -> None:
+        i = int(res.request_id)
+        rec = records[i]
+        want = np.asarray(rec["input_ids"][:-1], dtype=np.int64)
+        got_ids = res.captured_token_ids[: len(want)]
+        states = res.captured_states[: len(want)]
+        issues = []
+        if not np.array_equal(got_ids, want):
+            issues.append("capture_mismatch")
+        p = states_problem(states)
+        if p:
+            issues.append(p)
+        if issues:
+            problems[rec["sample_id"]] = issues
+        futures[i] = ctx.encode_pool.submit(encode_sample, rec["sample_id"], want, np.ascontiguousarray(states),
+                                            layers, level)
+
+    ctx.engine.run(requests, on_done)
+    hidden_rel = store.hidden_path(shard_id, f"{attempt}c")
+    index = {}
+    with store.storage.atomic_writer(hidden_rel) as fh:
+        writer = HiddenFileWriter(fh)
+        for n, i in enumerate(sorted(futures)):
+            sample = futures[i].result()
+            writer.append(sample)
+            index[records[i]["sample_id"]] = n
+        size = writer.close()
+    body = {"shard_id": shard_id, "attempt": attempt, "hidden": {"path": hidden_rel, "bytes": size},
+            "index": index, "problems": problems, "worker": ctx.worker_name,
+            "finished": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")}
+    won = store.storage.create_exclusive(store.captured_path(shard_id), orjson.dumps(body))
+    if not won:
+        store.storage.delete(hidden_rel)
+    return won

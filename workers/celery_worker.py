@@ -1,0 +1,41 @@
+"""The Celery app as a worker process sees it: tasks registered, engine built in `worker_process_init`.
+
+`python -m workers.worker_main` (started by `regen worker`) runs a solo-pool worker on this app. A solo pool
+is required: prefork children are daemonic and cannot start vLLM's engine processes (NOTES.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from celery.signals import worker_process_init, worker_process_shutdown
+
+from app.celery_app import create_app
+from workers.tasks import register
+
+log = logging.getLogger("regen.worker")
+
+celery = create_app()
+register(celery)
+
+
+@worker_process_init.connect
+def _build_engine(**_):
+    from workers.context import WorkerConfig, WorkerContext
+
+    try:
+        WorkerContext.current = WorkerContext(WorkerConfig.from_env())
+    except BaseException as exc:  # an engine that cannot start must not consume shards
+        log.exception("worker start-up failed: %s", exc)
+        sys.stderr.flush()
+        os._exit(70)
+
+
+@worker_process_shutdown.connect
+def _close_engine(**_):
+    from workers.context import WorkerContext
+
+    if WorkerContext.current is not None:
+        WorkerContext.current.close()

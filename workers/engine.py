@@ -1,0 +1,283 @@
+"""The vLLM engine a worker process owns: built once, fed whole shards, streaming results as they finish.
+
+Why a step loop instead of `LLM.generate`: results are handed to the caller the moment each request
+finishes, so compression and packing of early samples overlap generation of the rest, and the engine does
+not idle on I/O between shards. Prompts go in as token ids (the chat template is applied by the task, with
+the manifest's `enable_thinking`), so `prompt_token_ids + output token_ids` are exactly what the engine saw
+and produced; nothing is ever re-tokenised.
+
+CPU specifics (NOTES.md): chunked prefill off (per-request seeds crash it), `gpu_memory_utilization` is a
+fraction of RAM (~0.1), and the engine core runs in-process (start-up 5-7 s instead of ~40 s of spawning).
+In-process, the capture connector writes a request's states on a *later* engine step, so the loop keeps
+stepping until the file exists; with a separate engine-core process it waits on vLLM's file lock instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from app.errors import ConfigError, EngineDead
+
+log = logging.getLogger("regen.engine")
+
+
+@dataclass
+class EngineOptions:
+    model: str
+    device: str = "cpu"  # "cpu" or "cuda"
+    capture_layers: tuple[int, ...] | None = None  # vLLM ids; None = no capture
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    gpu_memory_utilization: float = 0.1
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = True
+    in_process: bool = True
+    scratch_dir: str = "/tmp/regen-capture"
+    dtype: str = "bfloat16"
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class GenRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: dict  # temperature, top_p, top_k, min_p, max_tokens, seed, repetition_penalty
+    capture: bool = False
+    include_output_tokens: bool = True
+
+
+@dataclass
+class GenResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None
+    captured_token_ids: np.ndarray | None = None
+    captured_states: np.ndarray | None = None  # uint16 bf16 bit patterns [T, L, H]
+    seconds: float = 0.0
+
+
+class Engine:
+    """One vLLM `LLM` per process; `run()` takes a batch and streams finished requests to a callback."""
+
+    def __init__(self, options: EngineOptions):
+        self.options = options
+        if options.in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        os.environ.setdefault("DO_NOT_TRACK", "1")
+        from vllm import LLM
+
+        kwargs: dict = {
+            "model": options.model,
+            "dtype": options.dtype,
+            "max_model_len": options.max_model_len,
+            "max_num_seqs": options.max_num_seqs,
+            "gpu_memory_utilization": options.gpu_memory_utilization,
+            "tensor_parallel_size": options.tensor_parallel_size,
+            "enforce_eager": options.enforce_eager,
+            "disable_log_stats": True,
+        }
+        if options.device == "cpu":
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["distributed_executor_backend"] = "uni"
+        if options.capture_layers:
+            from workers.capture_connector import check_vllm_version
+
+            check_vllm_version()
+            os.makedirs(options.scratch_dir, exist_ok=True)
+            kwargs["speculative_config"] = {
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {
+                    "hf_config": {"eagle_aux_hidden_state_layer_ids": list(options.capture_layers)}
+                },
+            }
+            kwargs["kv_transfer_config"] = {
+                "kv_connector": "CpuCapableHiddenStatesConnector",
+                "kv_connector_module_path": "workers.capture_connector",
+                "kv_role": "kv_producer",
+                "kv_connector_extra_config": {"shared_storage_path": options.scratch_dir},
+            }
+        kwargs.update(options.extra)
+        t0 = time.monotonic()
+        self.llm = LLM(**kwargs)
+        self.engine = self.llm.llm_engine
+        self.tokenizer = self.llm.get_tokenizer()
+        self.startup_seconds = time.monotonic() - t0
+        self.busy_seconds = 0.0
+        self._counter = 0
+
+    # -- generation -------------------------------------------------------------------------------------
+    def _sampling_params(self, req: GenRequest):
+        from vllm import SamplingParams
+
+        s = req.sampling
+        top_k = int(s.get("top_k") or 0)
+        extra = None
+        if req.capture:
+            extra = {"kv_transfer_params": {"include_output_tokens": req.include_output_tokens}}
+        return SamplingParams(
+            temperature=float(s["temperature"]),
+            top_p=float(s.get("top_p", 1.0)),
+            top_k=top_k if top_k > 0 else 0,
+            min_p=float(s.get("min_p", 0.0)),
+            max_tokens=int(s["max_tokens"]),
+            seed=s.get("seed"),
+            repetition_penalty=float(s.get("repetition_penalty", 1.0)),
+            extra_args=extra,
+            detokenize=True,
+        )
+
+    def run(self, requests: list[GenRequest], on_done: Callable[[GenResult], None]) -> None:
+        """Generate every request (continuous batching) and call `on_done` as each one finishes."""
+        from vllm.inputs import TokensPrompt
+
+        if self.options.capture_layers is None and any(r.capture for r in requests):
+            raise ConfigError("capture requested but this engine was built without capture layers")
+        by_id: dict[str, GenRequest] = {}
+        started = time.monotonic()
+        try:
+            for req in requests:
+                self._counter += 1
+                rid = f"{req.request_id}#{self._counter}"
+                by_id[rid] = req
+                self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)),
+                                        self._sampling_params(req))
+            pending_capture: list[tuple[GenResult, str]] = []
+            while self.engine.has_unfinished_requests() or pending_capture:
+                outputs = self.engine.step() if self.engine.has_unfinished_requests() or self.options.in_process else []
+                for out in outputs:
+                    if not out.finished:
+                        continue
+                    req = by_id[out.request_id]
+                    comp = out.outputs[0]
+                    result = GenResult(
+                        request_id=req.request_id,
+                        prompt_token_ids=list(out.prompt_token_ids),
+                        output_token_ids=list(comp.token_ids),
+                        text=comp.text,
+                        finish_reason=comp.finish_reason,
+                        stop_reason=comp.stop_reason,
+                        seconds=time.monotonic() - started,
+                    )
+                    path = (out.kv_transfer_params or {}).get("hidden_states_path")
+                    if req.capture:
+                        if not path:
+                            raise EngineDead(f"request {req.request_id}: engine returned no hidden_states_path")
+                        pending_capture.append((result, path))
+                    else:
+                        # A capture-enabled engine captures every request; drop what nobody asked for.
+                        if path:
+                            pending_capture.append((None, path))
+                        on_done(result)
+                pending_capture = self._collect_captures(pending_capture, on_done)
+        except EngineDead:
+            raise
+        except Exception as exc:  # vLLM raises EngineDeadError and assorted runtime errors from a dead core
+            if _is_engine_dead(exc):
+                raise EngineDead(f"vLLM engine died: {type(exc).__name__}: {exc}") from exc
+            raise
+        finally:
+            self.busy_seconds += time.monotonic() - started
+
+    def _collect_captures(self, pending, on_done):
+        still = []
+        for result, path in pending:
+            if not self.options.in_process:
+                from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+                    load_hidden_states,
+                )
+
+                data = load_hidden_states(path) if result is not None else None
+            elif os.path.exists(path) and not _locked(path):
+                from safetensors.torch import load_file
+
+                data = load_file(path) if result is not None else None
+            else:
+                still.append((result, path))
+                continue
+            _remove_scratch(path)
+            if result is None:
+                continue
+            states = data["hidden_states"]
+            if states.dtype.is_floating_point and str(states.dtype) != "torch.bfloat16":
+                import torch
+
+                states = states.to(torch.bfloat16)
+            import torch
+
+            result.captured_states = states.contiguous().view(torch.int16).numpy().view(np.uint16)
+            result.captured_token_ids = data["token_ids"].numpy().astype(np.int64)
+            on_done(result)
+        return still
+
+    def self_test(self) -> float:
+        """Generate a few tokens before consuming, so a broken engine never takes a shard."""
+        ids = self.tokenizer.encode("Hello")
+        got: list[GenResult] = []
+        t0 = time.monotonic()
+        self.run(
+            [GenRequest("self-test", ids, {"temperature": 0.6, "top_p": 0.95, "max_tokens": 4, "seed": 0},
+                        capture=self.options.capture_layers is not None)],
+            got.append,
+        )
+        if len(got) != 1 or not got[0].output_token_ids:
+            raise EngineDead("engine self-test produced no tokens")
+        if got[0].captured_states is not None:
+            from workers.quality import states_problem
+
+            problem = states_problem(got[0].captured_states)
+            if problem:
+                raise EngineDead(f"engine self-test captured bad hidden states: {problem}")
+        return time.monotonic() - t0
+
+    def shutdown(self) -> None:
+        try:
+            core = getattr(self.engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+        except Exception:  # best effort at exit
+            log.debug("engine shutdown raised", exc_info=True)
+
+
+def _locked(path: str) -> bool:
+    """True while the connector still holds the file's lock (the write is not finished)."""
+    import fcntl
+
+    lock = path + ".lock"
+    if not os.path.exists(lock):
+        return False
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _remove_scratch(path: str) -> None:
+    for p in (path, path + ".lock"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+
+
+def _is_engine_dead(exc: BaseException) -> bool:
+    name = type(exc).__name__
+    text = str(exc)
+    return name in ("EngineDeadError", "EngineGenerateError") or "CUDA error" in text or "EngineCore" in text

@@ -1,0 +1,159 @@
+"""Turning one shard of prompts into records (and hidden states): the work inside a generate task.
+
+The whole shard goes to the engine at once (continuous batching). As each request finishes, its hidden
+states are compressed on a background thread while the engine keeps generating the others.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import numpy as np
+
+from app.hidden_file import encode_sample
+from app.ids import seed_for
+from app.records import loss_mask, rejected_record
+from workers.engine import GenRequest, GenResult
+from workers.quality import answer_token_count, is_stub, sample_flags, split_reasoning, states_problem
+
+
+def render_prompt(tokenizer, messages: list[dict], tools, thinking: bool) -> list[int]:
+    """The target's own chat template with `enable_thinking`; ids are what the engine will see."""
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools or None, add_generation_prompt=True, enable_thinking=thinking, tokenize=False
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _special_ids(tokenizer) -> tuple[int | None, set[int]]:
+    vocab = tokenizer.get_vocab()
+    think_end = vocab.get("</think>")
+    eos = {i for i in (tokenizer.eos_token_id, vocab.get("<|im_end|>"), vocab.get("<|endoftext|>")) if i is not None}
+    return think_end, eos
+
+
+def generate_shard(ctx, manifest: dict, run_id: str, shard_id: str, samples: list[dict]):
+    """Return (records, encoded hidden samples or None, summary) for one shard."""
+    settings = manifest["settings"]
+    sampling = dict(settings["sampling"])
+    run_seed = int(sampling.pop("seed", 0))
+    thinking = bool(settings["thinking"])
+    capture_inline = settings["capture_mode"] == "inline"
+    layers = settings["layers"]["vllm_ids"] if settings.get("layers") else None
+    max_prompt = int(settings["max_prompt_tokens"])
+    max_len = ctx.engine.options.max_model_len
+    quality = _quality(settings)
+    level = int(settings.get("compression_level", 3))
+    think_end_id, eos_ids = _special_ids(ctx.tokenizer)
+
+    records: list[dict | None] = [None] * len(samples)
+    requests: list[GenRequest] = []
+    for i, sample in enumerate(samples):
+        base = {
+            "run_id": run_id, "shard_id": shard_id, "sample_id": sample["id"], "index": i,
+            "source": sample.get("source"), "messages": sample["messages"], "tools": sample.get("tools"),
+            "worker": ctx.worker_name, "device": ctx.config.device_class,
+        }
+        try:
+            prompt_ids = render_prompt(ctx.tokenizer, sample["messages"], sample.get("tools"), thinking)
+        except Exception as exc:  # a template that cannot render this conversation
+            records[i] = rejected_record(base, "template_error", f"{type(exc).__name__}: {exc}")
+            continue
+        if len(prompt_ids) > max_prompt or len(prompt_ids) + sampling["max_tokens"] > max_len:
+            records[i] = rejected_record(
+                base, "prompt_too_long",
+                f"{len(prompt_ids)} prompt tokens (limit {max_prompt}; engine max_model_len {max_len} "
+                f"with max_tokens {sampling['max_tokens']})",
+            )
+            continue
+        seed = seed_for(run_seed, sample["id"])
+        records[i] = {**base, "seed": seed}
+        requests.append(GenRequest(str(i), prompt_ids, {**sampling, "seed": seed}, capture=capture_inline))
+
+    encoded: dict[int, Future] = {}
+    stubs = 0
+
+    def on_done(res: GenResult) -> None:
+        nonlocal stubs
+        i = int(res.request_id)
+        rec = records[i]
+        input_ids = res.prompt_token_ids + res.output_token_ids
+        reasoning, answer = split_reasoning(res.text, thinking)
+        n_answer = answer_token_count(res.output_token_ids, think_end_id, eos_ids, answer)
+        flags = sample_flags(thinking=thinking, reasoning=reasoning, answer=answer, answer_tokens=n_answer,
+                             finish_reason=res.finish_reason, output_ids=res.output_token_ids, quality=quality)
+        rec.update({
+            "status": "ok",
+            "input_ids": input_ids,
+            "loss_mask": loss_mask(len(res.prompt_token_ids), len(res.output_token_ids)),
+            "num_prompt_tokens": len(res.prompt_token_ids),
+            "num_output_tokens": len(res.output_token_ids),
+            "num_answer_tokens": n_answer,
+            "text": res.text, "reasoning": reasoning, "answer": answer,
+            "finish_reason": res.finish_reason,
+            "stop_reason": res.stop_reason,
+            "seconds": round(res.seconds, 4),
+            "flags": flags,
+            "hidden": None,
+        })
+        if res.captured_states is not None:
+            _check_capture(rec, res)
+            encoded[i] = ctx.encode_pool.submit(
+                encode_sample, rec["sample_id"], res.captured_token_ids, res.captured_states, layers, level
+            )
+        if is_stub(flags):
+            stubs += 1
+
+    t0 = time.monotonic()
+    ctx.engine.run(requests, on_done)
+    gen_seconds = time.monotonic() - t0
+
+    hidden = None
+    if capture_inline:
+        hidden = []
+        for i in sorted(encoded):
+            sample = encoded[i].result()
+            records[i]["hidden"] = {"index": len(hidden), "n_tokens": sample.n_tokens, "layers": layers}
+            hidden.append(sample)
+    summary = summarise(records, gen_seconds, ctx)
+    return records, hidden, summary
+
+
+def _check_capture(rec: dict, res: GenResult) -> None:
+    expected = np.asarray(rec["input_ids"][:-1], dtype=np.int64)
+    if res.captured_token_ids.shape != expected.shape or not np.array_equal(res.captured_token_ids, expected):
+        rec["flags"].append("capture_mismatch")
+    problem = states_problem(res.captured_states)
+    if problem:
+        rec["flags"].append(problem)
+
+
+def summarise(records: list[dict], gen_seconds: float, ctx) -> dict:
+    flags: dict[str, int] = {}
+    ok = [r for r in records if r.get("status") == "ok"]
+    for r in ok:
+        for f in r["flags"]:
+            flags[f] = flags.get(f, 0) + 1
+    rejected: dict[str, int] = {}
+    for r in records:
+        if r.get("status") == "rejected":
+            rejected[r["reject_reason"]] = rejected.get(r["reject_reason"], 0) + 1
+    return {
+        "samples": len(records),
+        "ok": len(ok),
+        "rejected": rejected,
+        "flags": flags,
+        "stubs": sum(1 for r in ok if is_stub(r["flags"])),
+        "prompt_tokens": sum(r["num_prompt_tokens"] for r in ok),
+        "generated_tokens": sum(r["num_output_tokens"] for r in ok),
+        "generation_seconds": round(gen_seconds, 4),
+        "worker": ctx.worker_name,
+        "device": ctx.config.device_class,
+    }
+
+
+def _quality(settings: dict):
+    from app.manifest import QualitySettings
+
+    return QualitySettings(**settings.get("quality", {}))

@@ -1,0 +1,112 @@
+"""Publishing a shard's outputs so that a redelivered or doubly-delivered shard yields exactly one result.
+
+Each delivery that starts a shard is an *attempt* with its own random id. The attempt writes its records and
+hidden-state file under names that include the attempt id (each atomically: temporary name, then rename),
+then tries to create the shard's completion marker exclusively. The marker names the attempt whose files are
+the shard's output. If another attempt got there first, this attempt deletes its own files: readers only
+ever follow the marker, so two workers running one shard at once cannot corrupt or duplicate it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import os
+import socket
+import uuid
+
+import orjson
+
+from app.hidden_file import EncodedSample, HiddenFileWriter
+from app.jsonl_zst import dumps_jsonl_zst
+from app.storage import RunStore
+
+
+def new_attempt_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def record_attempt(store: RunStore, shard: str, attempt: str, worker: str, **extra) -> int:
+    """Write this attempt's start file; return how many attempts (this one included) the shard has had."""
+    body = {"attempt": attempt, "worker": worker, "host": socket.gethostname(), "pid": os.getpid(),
+            "started": _now(), **extra}
+    store.storage.write_json(f"{store.attempts_dir(shard)}/{attempt}.json", body)
+    return len(store.storage.listdir(store.attempts_dir(shard)))
+
+
+def record_attempt_error(store: RunStore, shard: str, attempt: str, error: str) -> None:
+    path = f"{store.attempts_dir(shard)}/{attempt}.json"
+    try:
+        body = store.storage.read_json(path)
+    except FileNotFoundError:
+        body = {"attempt": attempt}
+    body["error"] = error
+    body["failed"] = _now()
+    store.storage.write_json(path, body)
+
+
+def attempt_errors(store: RunStore, shard: str) -> list[dict]:
+    out = []
+    for name in store.storage.listdir(store.attempts_dir(shard)):
+        try:
+            out.append(store.storage.read_json(f"{store.attempts_dir(shard)}/{name}"))
+        except (FileNotFoundError, orjson.JSONDecodeError):
+            continue
+    return out
+
+
+def dead_letter(store: RunStore, shard: str, reason: str) -> None:
+    attempts = attempt_errors(store, shard)
+    store.storage.write_json(store.dead_path(shard), {"shard_id": shard, "reason": reason, "attempts": attempts,
+                                                     "dead_lettered": _now()})
+
+
+def publish_shard(
+    store: RunStore,
+    shard: str,
+    attempt: str,
+    records: list[dict],
+    hidden_samples: list[EncodedSample] | None,
+    summary: dict,
+    level: int = 3,
+) -> bool:
+    """Write outputs, then the completion marker last. True if this attempt's outputs are the shard's."""
+    records_rel = store.records_path(shard, attempt)
+    records_bytes = dumps_jsonl_zst(records, level=level)
+    store.storage.write_bytes(records_rel, records_bytes)
+    files = {"records": {"path": records_rel, "bytes": len(records_bytes),
+                         "sha256": hashlib.sha256(records_bytes).hexdigest()}}
+    if hidden_samples is not None:
+        hidden_rel = store.hidden_path(shard, attempt)
+        with store.storage.atomic_writer(hidden_rel) as fh:
+            hashing = _HashingWriter(fh)
+            writer = HiddenFileWriter(hashing)
+            for sample in hidden_samples:
+                writer.append(sample)
+            size = writer.close()
+        files["hidden"] = {"path": hidden_rel, "bytes": size, "sha256": hashing.hexdigest()}
+    marker = {"shard_id": shard, "attempt": attempt, "files": files, "finished": _now(), **summary}
+    won = store.storage.create_exclusive(store.done_path(shard), orjson.dumps(marker, option=orjson.OPT_INDENT_2))
+    if not won:
+        for info in files.values():
+            store.storage.delete(info["path"])
+    return won
+
+
+class _HashingWriter:
+    """File wrapper that hashes what passes through, so the marker can carry the file's sha256."""
+
+    def __init__(self, fh):
+        self.fh = fh
+        self.h = hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.h.update(data)
+        return self.fh.write(data)
+
+    def hexdigest(self) -> str:
+        return self.h.hexdigest()
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")

@@ -1,0 +1,106 @@
+"""Build a tiny random Qwen3 with a real byte-level BPE tokenizer and a ChatML thinking template, offline.
+
+No model hub is reachable from CI or most dev boxes, yet the whole pipeline (vLLM generation, hidden-state
+capture, the transformers reference) must run on a real model. This builds one in ~2 s: hidden 128, 4 layers,
+2 heads of head_dim 64 (vLLM's CPU attention rejects smaller heads, NOTES.md), bf16 weights. Its outputs are
+random text, which is what a throughput test of the fleet around the engine wants.
+
+`regen tiny-model DIR` exposes it for demos; tests build it once per session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+                  "<tool_response>", "</tool_response>"]
+
+# ChatML as Qwen3 writes it, reduced to what the pipeline exercises: system/user/assistant/tool turns, tools,
+# reasoning_content on earlier assistant turns, and `enable_thinking` (False pre-fills an empty think block).
+CHAT_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>system\\n' }}{%- if messages[0].role == 'system' %}{{ messages[0].content + '\\n\\n' }}"
+    "{%- endif %}{{ '# Tools\\n<tools>' }}{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{ '\\n</tools><|im_end|>\\n' }}{%- elif messages[0].role == 'system' %}"
+    "{{ '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if message.reasoning_content %}{{ '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{{ (message.content or '') }}"
+    "{%- if message.tool_calls %}{%- for tc in message.tool_calls %}"
+    "{{ '\\n<tool_call>\\n' + ((tc.function if tc.function is defined else tc) | tojson) + '\\n</tool_call>' }}"
+    "{%- endfor %}{%- endif %}{{ '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}{{ '<|im_start|>user\\n<tool_response>\\n' + message.content + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding trains a small drafter on the target model's own outputs and hidden states.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+    "def add(a, b):\n    return a + b\n",
+    "Let me think step by step about the problem before answering.",
+    "Paris, Lyon and Marseille are cities in France; Baroque art fills many museums.",
+    "0123456789 + - * / = ( ) [ ] { } < > ! ? , . ; : ' \" ` ~ @ # $ % ^ & | \\",
+    "Émile a vu un éléphant. Straße. 東京は日本の首都です。 Привет, мир! 🙂",
+]
+
+
+def build_tiny_qwen3(out_dir: str, vocab_size: int = 1024, num_layers: int = 4, seed: int = 0) -> str:
+    """Write a tiny random Qwen3 (weights, config, tokenizer, template) to `out_dir`; return the path."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    os.makedirs(out_dir, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        special_tokens=[],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 50, trainer=trainer)
+    tok.add_special_tokens(SPECIAL_TOKENS[:3])
+    tok.add_tokens(SPECIAL_TOKENS[3:])  # think / tool markers are ordinary added tokens in Qwen3
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.save_pretrained(out_dir)
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=len(hf_tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=4096,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=hf_tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=hf_tok.convert_tokens_to_ids("<|endoftext|>"),
+        torch_dtype="bfloat16",
+    )
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    gen = {"eos_token_id": [config.eos_token_id], "pad_token_id": config.pad_token_id, "do_sample": True}
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as fh:
+        json.dump(gen, fh, indent=2)
+    return out_dir
