@@ -30,10 +30,12 @@ def main() -> None:
 
 
 def _register() -> None:
+    from app.data_cli import commands as data_commands
+    from app.ops_cli import commands as ops_commands
     from producer.cli import commands as producer_commands
     from workers.cli import commands as worker_commands
 
-    for command in (*producer_commands, *worker_commands):
+    for command in (*producer_commands, *worker_commands, *ops_commands, *data_commands):
         main.add_command(command)
 
 

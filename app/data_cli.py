@@ -1,0 +1,3 @@
+"""Commands that read a run's data: verify, stats, export."""
+
+commands: list = []

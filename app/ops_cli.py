@@ -1,0 +1,3 @@
+"""Commands for operating the fleet: status, metrics."""
+
+commands: list = []
