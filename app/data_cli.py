@@ -1,3 +1,153 @@
-"""Commands that read a run's data: verify, stats, export."""
+"""Commands that read a run's data: `regen verify`, `regen stats`, `regen export`.
 
-commands: list = []
+All three read through app/run_reader.py and need neither a broker nor a GPU; the heavy modules (numpy work,
+matplotlib, pyarrow, torch for `--reference`) are imported inside the commands so `regen --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import orjson
+
+_storage = click.option("--storage", envvar="REGEN_STORAGE", required=True, help="Storage root [env REGEN_STORAGE].")
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False)
+
+
+@click.command("verify")
+@click.argument("run_id", metavar="RUN")
+@_storage
+@click.option("--reference", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Recompute N samples' states with transformers and compare (max abs diff 0.05).")
+@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Shards checked in parallel.")
+@click.option("--strict", is_flag=True, help="Dead-lettered shards fail the check too.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def verify_cmd(run_id: str, storage: str, reference: int, workers: int, strict: bool, as_json: bool) -> None:
+    """Check RUN: markers, sizes, sha256, CRCs, token ids, states, masks and the accounting identity.
+
+    Exit status 0 only when every check holds; otherwise the problems are listed by shard and sample.
+    """
+    from app.run_reader import RunReader
+    from app.verify import verify_run
+
+    reader = RunReader(storage, run_id)
+    err = _console(stderr=True)
+    n = len(reader.done_shards())
+    if as_json:
+        report = verify_run(reader, reference=reference, workers=workers)
+    else:
+        with err.status(f"verifying {n} shards of {run_id}") as status:
+            seen = [0]
+
+            def tick(_shard: str) -> None:
+                seen[0] += 1
+                status.update(f"verified {seen[0]}/{n} shards of {run_id}")
+
+            report = verify_run(reader, reference=reference, workers=workers, progress=tick)
+    if as_json:
+        click.echo(orjson.dumps(report.to_dict(strict), option=orjson.OPT_INDENT_2).decode())
+    else:
+        _print_verify(report, strict)
+    sys.exit(0 if report.ok(strict) else 1)
+
+
+def _print_verify(report, strict: bool) -> None:
+    from rich.table import Table
+
+    out = _console()
+    acc = report.accounting
+    summary = Table(title=f"run {report.run_id}", show_header=False)
+    for key, value in [*acc.items(), *((f"shards {k}", v) for k, v in report.shards.items())]:
+        summary.add_row(key.replace("_", " "), str(value))
+    if report.reference:
+        summary.add_row("reference", f"{report.reference.get('checked', 0)} samples, max abs "
+                                     f"{report.reference.get('max_abs', float('nan')):.4f}")
+    out.print(summary)
+    if report.problems:
+        table = Table(title=f"{len(report.problems)} problems")
+        for col in ("severity", "kind", "shard", "sample", "detail"):
+            table.add_column(col, overflow="fold")
+        for p in report.problems[:500]:
+            style = "red" if p.severity == "error" or strict else "yellow"
+            table.add_row(p.severity, p.kind, p.shard or "-", p.sample or "-", p.detail, style=style)
+        out.print(table)
+        if len(report.problems) > 500:
+            out.print(f"... and {len(report.problems) - 500} more (use --json for all)")
+    if report.ok(strict):
+        out.print("[green]verify: OK[/green]")
+    else:
+        out.print(f"[red]verify: FAILED ({len(report.errors(strict))} problems)[/red]")
+
+
+@click.command("export")
+@click.argument("run_id", metavar="RUN")
+@_storage
+@click.option("--format", "fmt", type=click.Choice(["sharegpt", "speculators", "parquet"]), required=True)
+@click.option("--out", required=True, help="Output folder (path or URL); a rerun resumes it.")
+@click.option("--exclude-flags", default="", help="Comma-separated quality flags to leave out, e.g. stub_answer,truncated.")
+@click.option("--min-response-tokens", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Leave out samples with fewer generated tokens.")
+def export_cmd(run_id: str, storage: str, fmt: str, out: str, exclude_flags: str, min_response_tokens: int) -> None:
+    """Export RUN's ok records (done shards) as ShareGPT JSONL, speculators rows + safetensors, or Parquet."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.table import Table
+
+    from app.export import Exporter, ExportOptions
+    from app.run_reader import RunReader
+
+    flags = tuple(f.strip() for f in exclude_flags.split(",") if f.strip())
+    exporter = Exporter(RunReader(storage, run_id), out, ExportOptions(fmt, flags, min_response_tokens))
+    todo, skipped = exporter.pending()
+    columns = (TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=_console(stderr=True)) as progress:
+        task = progress.add_task(f"export {fmt}", total=len(todo))
+        totals = exporter.run(lambda _s: progress.advance(task))
+    console = _console()
+    table = Table(title=f"export of {run_id} -> {out}", show_header=False)
+    table.add_row("shards exported now / skipped (done before)", f"{totals['shards_exported_now']} / {len(skipped)}")
+    table.add_row("samples exported", str(totals["exported"]))
+    for reason, n in totals["filtered"].items():
+        table.add_row(f"filtered: {reason}", str(n))
+    console.print(table)
+
+
+@click.command("stats")
+@click.argument("run_id", metavar="RUN")
+@_storage
+@click.option("--html", "html_path", default=None, help="Also write a self-contained HTML report (plots embedded).")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary numbers as JSON instead of tables.")
+def stats_cmd(run_id: str, storage: str, html_path: str | None, as_json: bool) -> None:
+    """Token lengths, finish reasons, quality-flag rates (overall and per source) and worker speed of RUN.
+
+    Reads only done shards, so it works while the run is in progress.
+    """
+    from pathlib import Path
+
+    from app.run_reader import RunReader
+    from app.stats import collect, plots, print_terminal, render_html
+
+    st = collect(RunReader(storage, run_id))
+    if as_json:
+        t = st.total
+        click.echo(orjson.dumps({
+            "run_id": run_id, "shards_done": st.shards_done, "shards_total": st.shards_total, "ok": t.ok,
+            "stub_rate": st.stub_rate, "stub_alarm": st.stub_alarm, "flags": dict(t.flags),
+            "finish_reasons": {str(k): v for k, v in t.finish.items()}, "rejected": dict(st.rejected),
+            "sources": {s: {"ok": g.ok, "stubs": g.stubs, "flags": dict(g.flags)} for s, g in st.sources.items()},
+        }, option=orjson.OPT_INDENT_2).decode())
+    else:
+        print_terminal(st, _console())
+    if html_path:
+        Path(html_path).write_text(render_html(st, plots(st)), encoding="utf-8")
+        _console(stderr=True).print(f"wrote {html_path}")
+
+
+commands: list = [verify_cmd, stats_cmd, export_cmd]

@@ -64,7 +64,7 @@ class RunSettings:
     regenerate: str  # "last": the final assistant turn; "all": every assistant turn in order (multi-turn mode)
     inputs: list[dict]
     quality: QualitySettings = field(default_factory=QualitySettings)
-    compression_level: int = 3
+    compression_level: int = 1
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -65,7 +65,22 @@ def settings_from_run(storage: str, run_id: str, queues: str) -> tuple[str, list
     needs_capture = (mode == "inline" and qs - {DEFAULT_CAPTURE_QUEUE}) or (mode == "staged"
                                                                            and DEFAULT_CAPTURE_QUEUE in qs)
     layers = m["layers"]["vllm_ids"] if needs_capture and m.get("layers") else None
-    return m["model"]["path"], layers, int(m["max_prompt_tokens"]) + int(m["sampling"]["max_tokens"])
+    wanted = int(m["max_prompt_tokens"]) + int(m["sampling"]["max_tokens"])
+    return m["model"]["path"], layers, min(wanted, _model_max_len(m["model"]["path"]) or wanted)
+
+
+def _model_max_len(path: str) -> int | None:
+    """The model's own context limit (vLLM refuses a larger max_model_len)."""
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
+            config = json.load(fh)
+    except OSError:
+        return None
+    config = config.get("text_config") or config
+    value = config.get("max_position_embeddings")
+    return int(value) if value else None
 
 
 @click.command("worker")
@@ -148,4 +163,6 @@ def resume_run(run_id, storage, broker, queue):
     ctx.invoke(reconcile, run_id=run_id, storage=storage, broker=broker, queue=queue)
 
 
-commands = [worker, tiny_model, resume_run]
+from workers.run_job import run  # noqa: E402
+
+commands = [worker, tiny_model, resume_run, run]

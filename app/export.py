@@ -1,0 +1,214 @@
+"""`regen export`: a run's ok records as files other tools read, one output file per shard, resumable.
+
+Why per shard: a 914K-sample export takes hours; each shard's output is written atomically and then a
+`done/{shard}.json` marker in the output folder, so a rerun (after a crash, or while the run is still
+generating) does exactly the shards not yet exported. `export.json` pins the run, format and filters: a rerun
+with other settings is refused instead of mixing two selections in one folder.
+
+Formats:
+- `sharegpt`     `data/{shard}.jsonl`: `conversations` of `{from, value}` (system/human/gpt/tool); the regenerated
+                 final turn carries `reasoning_content` (SpecForge's regeneration output shape).
+- `speculators`  `data/{shard}.jsonl` rows `{id, input_ids, loss_mask, hidden_states_path}` plus
+                 `hidden/{shard}/{id}.safetensors` with `hidden_states [T-1, L, H]` bf16 and `token_ids` int64:
+                 the layout vLLM's hidden-state extraction writes.
+- `parquet`      `data/{shard}.parquet`, one row per record, one fixed schema for every shard.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import orjson
+
+from app.errors import RegenError
+from app.run_reader import RunReader, ShardInfo
+from app.storage import Storage
+
+FORMATS = ("sharegpt", "speculators", "parquet")
+EXPORT_FORMAT = "regen.export/1"
+ROLES = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    fmt: str
+    exclude_flags: tuple[str, ...] = ()
+    min_response_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return {"format": self.fmt, "exclude_flags": list(self.exclude_flags),
+                "min_response_tokens": self.min_response_tokens}
+
+
+def filter_reason(rec: dict, opts: ExportOptions) -> str | None:
+    """Why a record is left out (None: exported). Only `status: ok` records are ever exported."""
+    if rec.get("status") != "ok":
+        return f"status:{rec.get('status')}"
+    flags = set(rec.get("flags") or ())
+    for f in opts.exclude_flags:
+        if f in flags:
+            return f"flag:{f}"
+    if rec["num_output_tokens"] < opts.min_response_tokens:
+        return "min_response_tokens"
+    return None
+
+
+# -- row builders -------------------------------------------------------------------------------------------
+def sharegpt_row(rec: dict) -> dict:
+    turns = []
+    for m in rec.get("messages") or []:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        turn = {"from": ROLES.get(m.get("role"), m.get("role")), "value": content or ""}
+        if m.get("reasoning_content"):
+            turn["reasoning_content"] = m["reasoning_content"]
+        turns.append(turn)
+    turns.append({"from": "gpt", "value": rec["answer"], "reasoning_content": rec.get("reasoning")})
+    row = {"id": rec["sample_id"], "conversations": turns, "finish_reason": rec.get("finish_reason")}
+    if rec.get("tools"):
+        row["tools"] = json.dumps(rec["tools"], ensure_ascii=False)
+    return row
+
+
+def safetensors_bytes(tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> bytes:
+    """A safetensors file from raw little-endian buffers (numpy has no bf16; this avoids importing torch)."""
+    header, offset = {}, 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    raw = orjson.dumps(header)
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + b"".join(t[2] for t in tensors.values())
+
+
+def _parquet_schema():
+    import pyarrow as pa
+
+    return pa.schema([
+        ("sample_id", pa.string()), ("run_id", pa.string()), ("shard_id", pa.string()),
+        ("source_file", pa.string()), ("source_line", pa.int64()),
+        ("messages", pa.string()), ("tools", pa.string()),
+        ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
+        ("num_prompt_tokens", pa.int32()), ("num_output_tokens", pa.int32()), ("num_answer_tokens", pa.int32()),
+        ("text", pa.string()), ("reasoning", pa.string()), ("answer", pa.string()),
+        ("finish_reason", pa.string()), ("flags", pa.list_(pa.string())), ("seed", pa.int64()),
+    ])
+
+
+def _parquet_row(rec: dict) -> dict:
+    src = rec.get("source") or {}
+    return {
+        "sample_id": rec["sample_id"], "run_id": rec.get("run_id"), "shard_id": rec.get("shard_id"),
+        "source_file": src.get("file"), "source_line": src.get("line"),
+        "messages": json.dumps(rec.get("messages"), ensure_ascii=False),
+        "tools": json.dumps(rec["tools"], ensure_ascii=False) if rec.get("tools") else None,
+        **{k: rec.get(k) for k in ("input_ids", "loss_mask", "num_prompt_tokens", "num_output_tokens",
+                                   "num_answer_tokens", "text", "reasoning", "answer", "finish_reason",
+                                   "seed")},
+        "flags": list(rec.get("flags") or []),
+    }
+
+
+# -- the exporter -----------------------------------------------------------------------------------------
+class Exporter:
+    """Exports a run's done shards into `out`, skipping shards whose export marker exists."""
+
+    def __init__(self, reader: RunReader, out: str, opts: ExportOptions):
+        if opts.fmt not in FORMATS:
+            raise RegenError(f"unknown export format {opts.fmt!r} (one of {', '.join(FORMATS)})")
+        if opts.fmt == "speculators" and reader.capture_mode == "off":
+            raise RegenError(f"run {reader.run_id!r} captured no hidden states: the speculators format needs them")
+        self.reader, self.opts, self.out = reader, opts, Storage(out)
+        self._pin()
+
+    def _pin(self) -> None:
+        want = {"format": EXPORT_FORMAT, "run_id": self.reader.run_id, "storage": self.reader.storage.url,
+                **self.opts.to_dict()}
+        if self.out.exists("export.json"):
+            have = self.out.read_json("export.json")
+            differ = [k for k in want if k != "storage" and have.get(k) != want[k]]
+            if differ:
+                raise RegenError(f"{self.out.url} holds an export with other {', '.join(differ)}; use another --out")
+        else:
+            self.out.write_json("export.json", want)
+
+    def pending(self) -> tuple[list[ShardInfo], list[str]]:
+        """(done shards still to export, shards already exported)."""
+        exported = {n[: -len(".json")] for n in self.out.listdir("done") if n.endswith(".json")}
+        infos = list(self.reader.shards())
+        if self.reader.capture_mode == "staged" and self.opts.fmt == "speculators":
+            infos = [i for i in infos if i.captured is not None]  # capture not finished: a later rerun does it
+        return [i for i in infos if i.shard_id not in exported], sorted(exported)
+
+    def export_shard(self, info: ShardInfo) -> dict:
+        counts: Counter = Counter()
+        rows: list[dict] = []
+        for rec in self.reader.records(info):
+            reason = filter_reason(rec, self.opts)
+            if reason:
+                counts[reason] += 1
+                continue
+            rows.append(self._row(info, rec))
+        data_rel = f"data/{info.shard_id}.{'parquet' if self.opts.fmt == 'parquet' else 'jsonl'}"
+        if rows:  # no empty files: JSON readers (datasets) fail on them
+            self._write_data(data_rel, rows)
+        done = {"shard_id": info.shard_id, "exported": len(rows), "filtered": dict(counts),
+                "file": data_rel if rows else None}
+        self.out.write_json(f"done/{info.shard_id}.json", done)
+        return done
+
+    def _write_data(self, data_rel: str, rows: list[dict]) -> None:
+        with self.out.atomic_writer(data_rel) as fh:
+            if self.opts.fmt == "parquet":
+                import pyarrow as pa
+                import pyarrow.parquet as pq
+
+                buf = io.BytesIO()
+                pq.write_table(pa.Table.from_pylist(rows, schema=_parquet_schema()), buf)
+                fh.write(buf.getvalue())
+            else:
+                for row in rows:
+                    fh.write(orjson.dumps(row) + b"\n")
+
+    def _row(self, info: ShardInfo, rec: dict) -> dict:
+        if self.opts.fmt == "sharegpt":
+            return sharegpt_row(rec)
+        if self.opts.fmt == "parquet":
+            return _parquet_row(rec)
+        got = self.reader.states(info, rec)
+        if got is None:
+            raise RegenError(f"shard {info.shard_id} sample {rec['sample_id']}: no hidden states")
+        tokens, states = got
+        rel = f"hidden/{info.shard_id}/{rec['sample_id']}.safetensors"
+        self.out.write_bytes(rel, safetensors_bytes({
+            "hidden_states": ("BF16", states.shape, states.astype("<u2", copy=False).tobytes()),
+            "token_ids": ("I64", tokens.shape, tokens.astype("<i8").tobytes()),
+        }))
+        return {"id": rec["sample_id"], "input_ids": rec["input_ids"], "loss_mask": rec["loss_mask"],
+                "hidden_states_path": rel}
+
+    def run(self, on_shard: Callable[[str], None] | None = None) -> dict:
+        todo, skipped = self.pending()
+        for info in todo:
+            self.export_shard(info)
+            if on_shard:
+                on_shard(info.shard_id)
+        self.reader.close()
+        return {**self.totals(), "shards_exported_now": len(todo), "shards_skipped": len(skipped)}
+
+    def totals(self) -> dict:
+        """Counts over every shard exported into `out` so far (this call's and earlier ones')."""
+        exported, filtered, shards = 0, Counter(), 0
+        for name in self.out.listdir("done"):
+            if name.endswith(".json"):
+                d = self.out.read_json(f"done/{name}")
+                shards += 1
+                exported += d["exported"]
+                filtered.update(d["filtered"])
+        return {"shards": shards, "exported": exported, "filtered": dict(sorted(filtered.items()))}

@@ -1,0 +1,117 @@
+"""The broker's live view of the fleet: queue lengths and which worker runs which shard right now.
+
+Queue length: Celery's Redis transport keeps a queue as a Redis list named after it (plus one list per extra
+priority step, `{queue}\\x06\\x16{p}`), so `LLEN` is exact and cheap. Messages fetched but not yet acked sit in
+the transport's `unacked` hash instead (shown separately).
+
+Workers: `control.ping` finds the workers that answer, then `inspect().active(safe=True)` asks those what they
+run; `safe` returns the short `kwargsrepr` the producer sets instead of a shard's prompts. A solo-pool worker
+does not answer while it generates (NOTES.md), so a silent worker is not a dead one: status then falls back to
+the newest attempt file it wrote (app/status.py). The broker is pinged with a plain Redis client first, so an
+unreachable broker gives a one-line error at once instead of Celery's endless connection retries.
+"""
+
+from __future__ import annotations
+
+import re
+
+from app.config import mask_text
+
+PRIORITY_SEP = "\x06\x16"
+PRIORITY_STEPS = (3, 6, 9)  # kombu's default steps besides 0, which uses the bare queue name
+_KW = re.compile(r"""['"]?(run_id|shard_id)['"]?\s*:\s*['"]?([A-Za-z0-9._-]+)""")
+
+
+def redis_client(url: str, timeout: float = 3.0):
+    import redis
+
+    return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+
+
+def queue_lengths(url: str, queues: list[str]) -> tuple[dict[str, int], int | None, str | None]:
+    """({queue: waiting messages}, unacked messages, error) from a Redis broker; error is a masked line."""
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        return {}, None, f"queue length needs a Redis broker, not {mask_text(url.split('://')[0])}://"
+    try:
+        client = redis_client(url)
+        with client.pipeline(transaction=False) as pipe:
+            for q in queues:
+                pipe.llen(q)
+                for p in PRIORITY_STEPS:
+                    pipe.llen(f"{q}{PRIORITY_SEP}{p}")
+            pipe.hlen("unacked")
+            values = pipe.execute()
+        client.close()
+    except Exception as exc:  # any broker trouble is reported, never raised: storage still has the answers
+        return {}, None, mask_text(f"{type(exc).__name__}: {exc}")
+    step = 1 + len(PRIORITY_STEPS)
+    lengths = {q: sum(values[i * step:(i + 1) * step]) for i, q in enumerate(queues)}
+    return lengths, values[-1], None
+
+
+def _shard_of(request: dict) -> tuple[str | None, str | None]:
+    kwargs = request.get("kwargs")
+    if isinstance(kwargs, dict):
+        return kwargs.get("run_id"), kwargs.get("shard_id")
+    found = dict(_KW.findall(str(kwargs or "")))
+    return found.get("run_id"), found.get("shard_id")
+
+
+def live_workers(url: str, timeout: float = 1.0) -> tuple[dict[str, dict], str | None]:
+    """({worker: {online, tasks: [{run, shard, since}]}}, error) for the workers that answer within `timeout`."""
+    from app.celery_app import create_app
+    from app.config import BrokerSettings
+
+    try:
+        redis_client(url).ping()
+    except Exception as exc:
+        return {}, mask_text(f"{type(exc).__name__}: {exc}")
+    app = create_app(BrokerSettings(url=url))
+    app.conf.broker_connection_max_retries = 1
+    try:
+        names = [name for reply in app.control.ping(timeout=timeout) or [] for name in reply]
+        active = app.control.inspect(destination=names, timeout=timeout).active(safe=True) if names else {}
+    except Exception as exc:
+        return {}, mask_text(f"{type(exc).__name__}: {exc}")
+    finally:
+        app.close()
+    out = {}
+    for name in names:
+        tasks = []
+        for request in (active or {}).get(name) or []:
+            run, shard = _shard_of(request)
+            tasks.append({"run": run, "shard": shard, "since": request.get("time_start")})
+        out[name] = {"online": True, "tasks": tasks}
+    return out, None
+
+
+def overlay(status: dict, broker_url: str, lengths: dict[str, int], unacked: int | None, live: dict[str, dict] | None,
+            errors: list[str], now: float) -> dict:
+    """Lay the broker's view over a storage-derived run status (app/status.py) in place; returns it.
+
+    A worker that answered is authoritative about what it runs now, and its `last_seen` is now. `live` None
+    means the workers were not asked; then `online` is None (unknown) for every worker.
+    """
+    from app.config import mask_url
+    from app.status import iso
+
+    status["broker"] = {"url": mask_url(broker_url), "queued": lengths, "unacked": unacked,
+                        "error": "; ".join(errors) or None}
+    status["shards"]["queued"] = lengths.get(status.get("queue") or "")
+    if "capture" in status:
+        status["capture"]["queued"] = lengths.get(status["capture"]["queue"])
+    by_name = {w["name"]: w for w in status["workers"]}
+    for name, info in (live or {}).items():
+        w = by_name.get(name)
+        if w is None:
+            w = by_name[name] = {"name": name, "device": None, "shards_done": 0, "generated_tokens": 0,
+                                 "generation_seconds": 0.0, "tokens_per_s": None, "busy_fraction": None,
+                                 "first_attempt": None, "last_seen": None, "current_shard": None,
+                                 "current_since": None, "source": "broker"}
+        mine = [t for t in info["tasks"] if t["run"] == status["run"]]
+        w.update(current_shard=mine[0]["shard"] if mine else None,
+                 current_since=iso(mine[0]["since"]) if mine else None, source="broker", last_seen=iso(now))
+    for w in by_name.values():
+        w["online"] = None if live is None else w["name"] in live
+    status["workers"] = [by_name[n] for n in sorted(by_name)]
+    return status

@@ -1,0 +1,232 @@
+"""`regen stats`: what a run's data looks like, in the terminal and as one self-contained HTML file.
+
+Why: the 87%-stub dataset (NOTES.md) was only found after training. A glance at token-length histograms,
+finish reasons and flag rates -- overall and per input file, since one bad source can hide in an average --
+shows it at once, and the stub-or-empty rate is printed in red when it is above the run's pause threshold.
+Only done shards are read, so it works on a run still in progress. Reasoning tokens are not stored; they are
+`num_output_tokens - num_answer_tokens` (answer tokens count what follows `</think>`, end-of-turn excluded).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import html
+import io
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from app.run_reader import RunReader
+
+
+@dataclass
+class Group:
+    """Counts for the whole run or one input source."""
+
+    ok: int = 0
+    stubs: int = 0
+    flags: Counter = field(default_factory=Counter)
+    finish: Counter = field(default_factory=Counter)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    def rate(self, n: int) -> float:
+        return n / self.ok if self.ok else 0.0
+
+
+@dataclass
+class RunStats:
+    run_id: str
+    pause_stub_rate: float
+    shards_done: int = 0
+    shards_total: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    total: Group = field(default_factory=Group)
+    sources: dict[str, Group] = field(default_factory=lambda: defaultdict(Group))
+    prompt: list[int] = field(default_factory=list)
+    reasoning: list[int] = field(default_factory=list)
+    answer: list[int] = field(default_factory=list)
+    mask_sum: list[int] = field(default_factory=list)
+    speed: list[tuple[str, str, float]] = field(default_factory=list)  # (worker, finished ISO time, tokens/s)
+
+    @property
+    def stub_rate(self) -> float:
+        return self.total.rate(self.total.stubs)
+
+    @property
+    def stub_alarm(self) -> bool:
+        return self.total.ok > 0 and self.stub_rate >= self.pause_stub_rate
+
+
+def collect(reader: RunReader) -> RunStats:
+    from workers.quality import is_stub
+
+    quality = reader.settings.get("quality") or {}
+    st = RunStats(reader.run_id, float(quality.get("pause_stub_rate", 0.2)))
+    st.shards_total = len(reader.expected_shards())
+    for info in reader.shards():
+        st.shards_done += 1
+        m = info.marker
+        if m.get("generation_seconds") and m.get("generated_tokens") is not None:
+            st.speed.append((str(m.get("worker")), str(m.get("finished")),
+                             m["generated_tokens"] / m["generation_seconds"]))
+        for rec in reader.records(info):
+            if rec.get("status") != "ok":
+                st.rejected[rec.get("reject_reason", "?")] += 1
+                continue
+            src = (rec.get("source") or {}).get("file") or "?"
+            n_out, n_ans = rec["num_output_tokens"], rec.get("num_answer_tokens") or 0
+            st.prompt.append(rec["num_prompt_tokens"])
+            st.answer.append(n_ans)
+            st.reasoning.append(max(0, n_out - n_ans))
+            st.mask_sum.append(sum(rec["loss_mask"]))
+            stub = is_stub(rec.get("flags") or ())
+            for g in (st.total, st.sources[src]):
+                g.ok += 1
+                g.stubs += stub
+                g.flags.update(rec.get("flags") or ())
+                g.finish[rec.get("finish_reason")] += 1
+                g.prompt_tokens += rec["num_prompt_tokens"]
+                g.output_tokens += n_out
+    reader.close()
+    return st
+
+
+def stub_line(st: RunStats) -> str:
+    return (f"stub-or-empty: {100 * st.stub_rate:.1f}% of samples "
+            f"({st.total.stubs} of {st.total.ok}; pause threshold {100 * st.pause_stub_rate:.0f}%)")
+
+
+def _pct(n: int, total: int) -> str:
+    return f"{100 * n / total:.1f}%" if total else "-"
+
+
+def _summary_rows(st: RunStats) -> list[tuple[str, str]]:
+    t = st.total
+    return [("shards done", f"{st.shards_done} of {st.shards_total}"), ("ok samples", str(t.ok)),
+            ("worker-rejected", str(sum(st.rejected.values()))), ("prompt tokens", str(t.prompt_tokens)),
+            ("generated tokens", str(t.output_tokens))]
+
+
+def _source_rows(st: RunStats, flags: list[str]) -> list[list[str]]:
+    return [[src, str(g.ok), _pct(g.stubs, g.ok), *(_pct(g.flags[f], g.ok) for f in flags),
+             f"{g.output_tokens / g.ok:.0f}" if g.ok else "-"] for src, g in sorted(st.sources.items())]
+
+
+def print_terminal(st: RunStats, console) -> None:
+    from rich.table import Table
+
+    summary = Table(title=f"run {st.run_id}", show_header=False)
+    for k, v in _summary_rows(st):
+        summary.add_row(k, v)
+    console.print(summary)
+    console.print(f"[bold red]{stub_line(st)}[/bold red]" if st.stub_alarm else f"[green]{stub_line(st)}[/green]")
+    flags = sorted(st.total.flags)
+    t = Table(title="flags and finish reasons")
+    t.add_column("what")
+    t.add_column("samples", justify="right")
+    t.add_column("rate", justify="right")
+    for f in flags:
+        t.add_row(f"flag {f}", str(st.total.flags[f]), _pct(st.total.flags[f], st.total.ok))
+    for r, n in st.total.finish.most_common():
+        t.add_row(f"finish {r}", str(n), _pct(n, st.total.ok))
+    for r, n in st.rejected.most_common():
+        t.add_row(f"rejected {r}", str(n), "")
+    console.print(t)
+    per = Table(title="per input source")
+    for col in ("source", "ok", "stub-or-empty", *flags, "mean output tokens"):
+        per.add_column(col, justify="left" if col == "source" else "right")
+    for row in _source_rows(st, flags):
+        per.add_row(*row)
+    console.print(per)
+    for name, values in (("prompt", st.prompt), ("reasoning", st.reasoning), ("answer", st.answer)):
+        if values:
+            s = sorted(values)
+            console.print(f"{name} tokens: median {s[len(s) // 2]}, p90 {s[int(0.9 * (len(s) - 1))]}, max {s[-1]}")
+
+
+def plots(st: RunStats) -> dict[str, bytes]:
+    """PNG images (matplotlib, Agg backend) by name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out: dict[str, bytes] = {}
+
+    def save(name: str, fig) -> None:
+        buf = io.BytesIO()
+        fig.tight_layout()
+        fig.savefig(buf, format="png", dpi=90)
+        plt.close(fig)
+        out[name] = buf.getvalue()
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5))
+    for ax, (title, values) in zip(axes.flat, (("prompt tokens", st.prompt), ("reasoning tokens", st.reasoning),
+                                               ("answer tokens", st.answer), ("loss-mask sum", st.mask_sum)),
+                                   strict=True):
+        ax.hist(values or [0], bins=50, color="#4477aa")
+        ax.set_title(title)
+        ax.set_ylabel("samples")
+    save("token_histograms", fig)
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fin = st.total.finish.most_common()
+    a1.bar([str(k) for k, _ in fin], [v for _, v in fin], color="#228833")
+    a1.set_title("finish reasons")
+    names = ["stub-or-empty", *sorted(st.total.flags)]
+    rates = [100 * st.stub_rate, *(100 * st.total.rate(st.total.flags[f]) for f in names[1:])]
+    a2.barh(names, rates, color=["#cc3311" if st.stub_alarm else "#4477aa"] + ["#4477aa"] * (len(names) - 1))
+    a2.axvline(100 * st.pause_stub_rate, color="#cc3311", linestyle="--", linewidth=1)
+    a2.set_xlabel("% of ok samples")
+    a2.set_title("quality flags")
+    save("finish_and_flags", fig)
+
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    by_worker: dict[str, list[tuple[dt.datetime, float]]] = defaultdict(list)
+    for worker, finished, speed in st.speed:
+        try:
+            by_worker[worker].append((dt.datetime.fromisoformat(finished), speed))
+        except ValueError:
+            continue
+    for worker, pts in sorted(by_worker.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=worker)
+    ax.set_title("generation speed per worker (per shard)")
+    ax.set_ylabel("generated tokens / s")
+    if by_worker:
+        ax.legend(fontsize=8)
+    fig.autofmt_xdate()
+    save("speed", fig)
+    return out
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    th = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><tr>{th}</tr>{body}</table>"
+
+
+def render_html(st: RunStats, images: dict[str, bytes]) -> str:
+    flags = sorted(st.total.flags)
+    color = "#cc3311" if st.stub_alarm else "#228833"
+    parts = [
+        f"<h1>regen run {html.escape(st.run_id)}</h1>",
+        f'<p class="stub" style="color:{color};font-weight:bold">{html.escape(stub_line(st))}</p>',
+        _table(["", ""], [list(r) for r in _summary_rows(st)]),
+        "<h2>flags and finish reasons</h2>",
+        _table(["what", "samples", "rate"],
+               [[f"flag {f}", st.total.flags[f], _pct(st.total.flags[f], st.total.ok)] for f in flags]
+               + [[f"finish {r}", n, _pct(n, st.total.ok)] for r, n in st.total.finish.most_common()]
+               + [[f"rejected {r}", n, ""] for r, n in st.rejected.most_common()]),
+        "<h2>per input source</h2>",
+        _table(["source", "ok", "stub-or-empty", *flags, "mean output tokens"], _source_rows(st, flags)),
+    ]
+    for name, png in images.items():
+        b64 = base64.b64encode(png).decode()
+        parts.append(f'<h2>{html.escape(name.replace("_", " "))}</h2><img alt="{name}" '
+                     f'src="data:image/png;base64,{b64}">')
+    style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
+             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child{text-align:left}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>regen stats {html.escape(st.run_id)}</title>"
+            f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")

@@ -1,0 +1,279 @@
+"""What a run has done, read from its storage markers alone; `regen status` and `regen metrics` share it.
+
+Why storage and not Redis: Redis delivers at least once and forgets a message when it is acked, so only the
+markers know what is done (datatrove's `jobs_status` reads markers the same way). Each shard (or `{shard}.capture`
+for the staged capture stage) is in exactly one state, decided in this order:
+
+    done       its completion marker exists (`done/` or, for capture, `captured/`)
+    dead       it was dead-lettered (`dead/`)
+    running    its newest attempt has no error and started less than `stale_after` seconds ago
+    failed     some attempt recorded an error (Celery retries it, or it waits for `regen reconcile`)
+    stale      an attempt started long ago and never finished nor failed (a lost worker; Redis re-delivers it)
+    waiting    no attempt yet (queued in Redis, or lost with it)
+
+Done markers and dead letters never change once written, so `RunScanner` caches them between scans (a
+`--watch` or a Prometheus scrape re-reads only what can still change). Reads are batched with `fs.cat`, which
+fetches concurrently on object stores.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+
+import orjson
+
+from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_VISIBILITY_TIMEOUT, mask_text
+from app.errors import InvalidId
+from app.ids import validate_id
+from app.storage import RunStore, Storage
+
+CAPTURE_SUFFIX = ".capture"
+
+
+def parse_time(value: str | None) -> float | None:
+    """ISO-8601 (as the workers write it) -> POSIX seconds; None stays None."""
+    if not value:
+        return None
+    return dt.datetime.fromisoformat(value).timestamp()
+
+
+def iso(ts: float | None) -> str | None:
+    return None if ts is None else dt.datetime.fromtimestamp(ts, dt.UTC).isoformat(timespec="seconds")
+
+
+def list_runs(storage: Storage) -> list[str]:
+    """Run ids under the root: folders holding a run.json."""
+    runs = []
+    for name in storage.listdir(""):
+        try:
+            validate_id(name)
+        except InvalidId:
+            continue
+        if storage.exists(f"{name}/run.json"):
+            runs.append(name)
+    return runs
+
+
+def _read_many(storage: Storage, fulls: list[str]) -> dict[str, dict]:
+    """{full path: parsed JSON} for the files that exist and parse; one batched call."""
+    if not fulls:
+        return {}
+    strip = storage.fs._strip_protocol
+    data = storage.fs.cat(fulls, on_error="omit")
+    out = {}
+    by_stripped = {strip(k): v for k, v in data.items()}
+    for full in fulls:
+        raw = by_stripped.get(strip(full))
+        if raw is None:
+            continue
+        try:
+            out[full] = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            continue  # a file being written on a store without atomic rename; the next scan sees it
+    return out
+
+
+def _files_under(storage: Storage, rel: str) -> list[str]:
+    """Full paths of the JSON files below `rel` (recursive), skipping temporary `.name.tmp-*` files."""
+    try:
+        found = storage.fs.find(storage.path(rel))
+    except FileNotFoundError:
+        return []
+    return sorted(p for p in found if p.endswith(".json") and not p.rsplit("/", 1)[-1].startswith("."))
+
+
+@dataclass
+class RunScan:
+    """Everything on storage about one run at one moment."""
+
+    run_id: str
+    manifest: dict | None
+    produce: dict | None
+    pause: dict | None
+    done: dict[str, dict] = field(default_factory=dict)  # shard -> completion marker
+    captured: set[str] = field(default_factory=set)
+    dead: dict[str, dict] = field(default_factory=dict)  # key -> dead letter
+    attempts: dict[str, list[dict]] = field(default_factory=dict)  # key -> attempt files
+
+
+class RunScanner:
+    """Scans one run; caches the files that never change (done markers, dead letters, attempts of done shards)."""
+
+    def __init__(self, store: RunStore):
+        self.store = store
+        self._immutable: dict[str, dict] = {}
+
+    def _read_json(self, rel: str) -> dict | None:
+        try:
+            return self.store.storage.read_json(rel)
+        except (FileNotFoundError, orjson.JSONDecodeError):
+            return None
+
+    def _read_dir(self, rel: str, cache_all: bool) -> dict[str, dict]:
+        storage = self.store.storage
+        paths = _files_under(storage, rel)
+        missing = [p for p in paths if p not in self._immutable]
+        fresh = _read_many(storage, missing)
+        if cache_all:
+            self._immutable.update(fresh)
+        return {p: self._immutable.get(p) or fresh[p] for p in paths if p in self._immutable or p in fresh}
+
+    def scan(self) -> RunScan:
+        storage, store = self.store.storage, self.store
+        storage.fs.invalidate_cache()  # object-store listings are cached per process; others write them
+        scan = RunScan(store.run_id, self._read_json(store.manifest_path), self._read_json(store.produce_path),
+                       store.pause_state())
+        scan.done = {_stem(p): m for p, m in self._read_dir(store.rel("done"), cache_all=True).items()}
+        scan.dead = {_stem(p): m for p, m in self._read_dir(store.rel("dead"), cache_all=True).items()}
+        scan.captured = {_stem(n) for n in storage.listdir(store.rel("captured")) if n.endswith(".json")}
+        for path, body in self._read_dir(store.rel("attempts"), cache_all=False).items():
+            key = path.rsplit("/", 2)[-2]
+            scan.attempts.setdefault(key, []).append(body)
+            if key in scan.done or key in scan.dead:
+                self._immutable[path] = body
+        return scan
+
+
+def _stem(path: str) -> str:
+    return path.rsplit("/", 1)[-1][: -len(".json")]
+
+
+def shard_states(scan: RunScan, now: float, stale_after: float, capture: bool = False) -> dict[str, str]:
+    """State of every shard (or capture key) that has left a trace on storage; see the module docstring."""
+    done = {f"{s}{CAPTURE_SUFFIX}" for s in scan.captured} if capture else set(scan.done)
+    keys = {k for k in (*scan.attempts, *scan.dead, *done) if k.endswith(CAPTURE_SUFFIX) == capture}
+    states = {}
+    for key in keys:
+        attempts = scan.attempts.get(key, [])
+        if key in done:
+            states[key] = "done"
+        elif key in scan.dead:
+            states[key] = "dead"
+        elif not attempts:
+            states[key] = "waiting"
+        else:
+            newest = max(attempts, key=lambda a: a.get("started") or "")
+            started = parse_time(newest.get("started"))
+            if "error" not in newest and started is not None and now - started < stale_after:
+                states[key] = "running"
+            elif any("error" in a for a in attempts):
+                states[key] = "failed"
+            else:
+                states[key] = "stale"
+    return states
+
+
+def _count(states: dict[str, str]) -> dict[str, int]:
+    out = dict.fromkeys(("done", "running", "failed", "stale", "dead"), 0)
+    for state in states.values():
+        out[state] = out.get(state, 0) + 1
+    return out
+
+
+def _workers(scan: RunScan, states: dict[str, str], now: float) -> dict[str, dict]:
+    """Per worker, from markers and attempt files (the broker's view is laid over this by app/fleet.py)."""
+    workers: dict[str, dict] = {}
+
+    def entry(name: str) -> dict:
+        return workers.setdefault(name, {"name": name, "device": None, "shards_done": 0, "generated_tokens": 0,
+                                         "generation_seconds": 0.0, "first_attempt": None, "last_seen": None,
+                                         "current_shard": None, "current_since": None, "source": "storage"})
+
+    for marker in scan.done.values():
+        w = entry(marker.get("worker") or "unknown")
+        w["device"] = marker.get("device") or w["device"]
+        w["shards_done"] += 1
+        w["generated_tokens"] += int(marker.get("generated_tokens", 0))
+        w["generation_seconds"] += float(marker.get("generation_seconds", 0.0))
+        w["last_seen"] = max(filter(None, (w["last_seen"], parse_time(marker.get("finished")))), default=None)
+    for key, attempts in scan.attempts.items():
+        for a in attempts:
+            w = entry(a.get("worker") or "unknown")
+            started = parse_time(a.get("started"))
+            seen = max(filter(None, (started, parse_time(a.get("failed")), w["last_seen"])), default=None)
+            w["last_seen"] = seen
+            if started is not None:
+                w["first_attempt"] = min(filter(None, (w["first_attempt"], started)))
+            running = states.get(key) == "running" and "error" not in a
+            if running and (w["current_since"] is None or started > w["current_since"]):
+                w["current_shard"], w["current_since"] = key, started
+    for w in workers.values():
+        w["generation_seconds"] = round(w["generation_seconds"], 4)
+        w["tokens_per_s"] = _rate(w["generated_tokens"], w["generation_seconds"])
+        span = now - w["first_attempt"] if w["first_attempt"] is not None else None
+        w["busy_fraction"] = round(min(1.0, w["generation_seconds"] / span), 4) if span and span > 0 else None
+    return workers
+
+
+def _rate(amount: float, seconds: float | None) -> float | None:
+    return round(amount / seconds, 3) if seconds and seconds > 0 else None
+
+
+def summarise(scan: RunScan, now: float, stale_after: float = DEFAULT_VISIBILITY_TIMEOUT) -> dict:
+    """The complete, JSON-ready status of one run (without the broker's live view)."""
+    settings = (scan.manifest or {}).get("settings", {})
+    counts = (scan.manifest or {}).get("counts") or {}
+    states = shard_states(scan, now, stale_after)
+    by_state = _count(states)
+    total = int(counts.get("shards") or 0) or None
+    markers = list(scan.done.values())
+    generated = sum(int(m.get("generated_tokens", 0)) for m in markers)
+    gen_seconds = round(sum(float(m.get("generation_seconds", 0.0)) for m in markers), 4)
+    ok = sum(int(m.get("ok", 0)) for m in markers)
+    stubs = sum(int(m.get("stubs", 0)) for m in markers)
+    flags: dict[str, int] = {}
+    rejected: dict[str, int] = {}
+    for m in markers:
+        for name, n in (m.get("flags") or {}).items():
+            flags[name] = flags.get(name, 0) + int(n)
+        for name, n in (m.get("rejected") or {}).items():
+            rejected[name] = rejected.get(name, 0) + int(n)
+    # Wall window: from the earliest generation start (finished - generation_seconds) to the last finish.
+    finished = [parse_time(m["finished"]) for m in markers if m.get("finished")]
+    starts = [parse_time(m["finished"]) - float(m.get("generation_seconds", 0.0)) for m in markers if m.get("finished")]
+    wall = (max(finished) - min(starts)) if finished else None
+    workers = _workers(scan, states, now)
+    remaining = None if total is None else max(0, total - by_state["done"] - by_state["dead"])
+    shard_rate = by_state["done"] / wall if wall else None
+    status = {
+        "run": scan.run_id,
+        "created": (scan.manifest or {}).get("created"),
+        "capture_mode": settings.get("capture_mode"),
+        "queue": (scan.produce or {}).get("queue"),
+        "produce_complete": bool((scan.produce or {}).get("complete")),
+        "shards": {"total": total, **by_state, "remaining": remaining,
+                   "waiting": None if remaining is None else max(0, remaining - by_state["running"]
+                                                                 - by_state["failed"] - by_state["stale"])},
+        "samples": {"total": counts.get("enqueued"), "done": sum(int(m.get("samples", 0)) for m in markers),
+                    "ok": ok, "stubs": stubs, "rejected": sum(rejected.values()), "rejected_by_reason": rejected,
+                    "flags": flags},
+        "tokens": {"prompt": sum(int(m.get("prompt_tokens", 0)) for m in markers), "generated": generated,
+                   "generation_seconds": gen_seconds},
+        # Engine rate: each worker's tokens / its generation seconds, summed (the fleet's rate while all run).
+        "rates": {"engine_tokens_per_s": round(sum(w["tokens_per_s"] or 0.0 for w in workers.values()), 3) or None,
+                  "wall_tokens_per_s": _rate(generated, wall), "wall_seconds": round(wall, 3) if wall else None,
+                  "first_finished": iso(min(finished)) if finished else None,
+                  "last_finished": iso(max(finished)) if finished else None},
+        "eta_seconds": round(remaining / shard_rate, 1) if remaining is not None and shard_rate else None,
+        "stub_rate": round(stubs / ok, 6) if ok else None,
+        "paused": scan.pause,
+        "failed": [_failure(k, scan.attempts[k]) for k, s in sorted(states.items()) if s == "failed"],
+        "dead": [{"shard": k, "reason": mask_text(str(v.get("reason")))} for k, v in sorted(scan.dead.items())
+                 if not k.endswith(CAPTURE_SUFFIX)],
+        "workers": [_public_worker(w) for _, w in sorted(workers.items())],
+    }
+    if settings.get("capture_mode") == "staged":
+        status["capture"] = {**_count(shard_states(scan, now, stale_after, capture=True)),
+                             "queue": settings.get("capture_queue", DEFAULT_CAPTURE_QUEUE)}
+    return status
+
+
+def _failure(key: str, attempts: list[dict]) -> dict:
+    errors = sorted((a for a in attempts if "error" in a), key=lambda a: a.get("failed") or "")
+    return {"shard": key, "attempts": len(attempts), "errors": len(errors), "last_error": mask_text(str(errors[-1]["error"]))}
+
+
+def _public_worker(w: dict) -> dict:
+    return {**w, "first_attempt": iso(w["first_attempt"]), "last_seen": iso(w["last_seen"]),
+            "current_since": iso(w["current_since"])}

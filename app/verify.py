@@ -1,0 +1,342 @@
+"""`regen verify`: prove a run on storage is complete, intact and self-consistent before anyone trains on it.
+
+Why: the failures that hurt drafter training are silent (all-zero states from a buggy engine, a truncated
+copy, a shard that never ran). Every check here needs only the run itself: markers name files with sizes and
+sha256, hidden files carry per-part CRCs, records carry the ids the states must belong to, and the producer's
+counts must add up with what the workers wrote. `--reference N` additionally recomputes N samples' states
+with plain transformers (workers/reference.py), independent of vLLM's capture path.
+
+Problems are `error` (exit 1) or `warning` (dead-lettered shards: accounted for, but their data is absent;
+`--strict` makes them fail too).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import orjson
+import zstandard
+
+from app.hidden_file import CorruptHiddenFile, HiddenFileReader, bf16_to_float32
+from app.ids import shard_id as shard_name
+from app.jsonl_zst import iter_jsonl_zst
+from app.run_reader import RunReader, ShardInfo
+
+REFERENCE_MAX_ABS = 0.05  # bf16 noise between vLLM's kernels and transformers' eager forward (NOTES.md: ~0.002)
+
+
+@dataclass
+class Problem:
+    kind: str
+    shard: str | None
+    sample: str | None
+    detail: str
+    severity: str = "error"
+
+
+@dataclass
+class ShardResult:
+    shard: str
+    state: str  # done | dead | missing
+    records: int = 0
+    ok: int = 0
+    rejected: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    good_samples: list[str] = field(default_factory=list)  # ok samples whose states passed: reference pool
+
+    def add(self, kind: str, detail: str, sample: str | None = None, severity: str = "error") -> None:
+        self.problems.append(Problem(kind, self.shard, sample, detail, severity))
+
+
+@dataclass
+class VerifyReport:
+    run_id: str
+    accounting: dict
+    shards: dict[str, int]
+    problems: list[Problem]
+    reference: dict | None = None
+
+    def errors(self, strict: bool = False) -> list[Problem]:
+        return [p for p in self.problems if strict or p.severity == "error"]
+
+    def ok(self, strict: bool = False) -> bool:
+        return not self.errors(strict)
+
+    def to_dict(self, strict: bool = False) -> dict:
+        return {"run_id": self.run_id, "ok": self.ok(strict), "accounting": self.accounting, "shards": self.shards,
+                "reference": self.reference, "problems": [asdict(p) for p in self.problems]}
+
+
+def _file_check(res: ShardResult, reader: RunReader, what: str, info: dict) -> bytes | None:
+    """Size and sha256 of a file a marker names; returns its bytes when `what` is the (small) records file."""
+    path = info.get("path")
+    try:
+        size = reader.storage.size(path)
+    except FileNotFoundError:
+        res.add("missing_file", f"{what} file {path} named by the marker does not exist")
+        return None
+    if "bytes" in info and size != info["bytes"]:
+        res.add("size_mismatch", f"{what} file {path}: {size} bytes, marker says {info['bytes']}")
+    h = hashlib.sha256()
+    keep = bytearray() if what == "records" else None
+    with reader.storage.open(path) as fh:
+        while chunk := fh.read(1 << 22):
+            h.update(chunk)
+            if keep is not None:
+                keep += chunk
+    if "sha256" in info and h.hexdigest() != info["sha256"]:
+        res.add("sha256_mismatch", f"{what} file {path}: sha256 differs from the marker's")
+    return bytes(keep) if keep is not None else b""
+
+
+def _check_record(res: ShardResult, rec: dict, run_id: str) -> bool:
+    sid = rec.get("sample_id")
+    try:
+        ids, mask = rec["input_ids"], rec["loss_mask"]
+        n_p, n_o = int(rec["num_prompt_tokens"]), int(rec["num_output_tokens"])
+    except (KeyError, TypeError, ValueError) as exc:
+        res.add("record_fields", f"ok record lacks {exc}", sid)
+        return False
+    good = True
+    if rec.get("run_id") != run_id or rec.get("shard_id") != res.shard:
+        res.add("record_place", f"record says run {rec.get('run_id')!r} shard {rec.get('shard_id')!r}", sid)
+        good = False
+    if len(ids) != n_p + n_o:
+        res.add("token_count", f"{len(ids)} input_ids != {n_p} prompt + {n_o} output tokens", sid)
+        good = False
+    if mask != [0] * n_p + [1] * n_o:
+        res.add("loss_mask", f"loss_mask (sum {sum(mask)}, len {len(mask)}) is not {n_p} zeros then {n_o} ones", sid)
+        good = False
+    return good
+
+
+def _check_states(res: ShardResult, rec: dict, hreader: HiddenFileReader, pos: int, reader: RunReader,
+                  hidden_size: int | None) -> bool:
+    from workers.quality import states_problem
+
+    sid = rec["sample_id"]
+    try:
+        tokens, states = hreader.read(pos)
+    except CorruptHiddenFile as exc:
+        res.add("hidden_corrupt", str(exc), sid)
+        return False
+    good = True
+    want = rec["input_ids"][:-1]
+    if tokens.shape[0] != len(want) or not np.array_equal(tokens, np.asarray(want, dtype=np.int64)):
+        res.add("token_mismatch", f"hidden file token_ids ({tokens.shape[0]}) != record input_ids[:-1] "
+                f"({len(want)})", sid)
+        good = False
+    entry = hreader.entries[pos]
+    if reader.layers is not None and list(entry["layers"]) != list(reader.layers):
+        res.add("layers", f"states for layers {entry['layers']}, run captures {reader.layers}", sid)
+        good = False
+    if hidden_size and states.shape[2] != hidden_size:
+        res.add("states_shape", f"hidden size {states.shape[2]} != model's {hidden_size}", sid)
+        good = False
+    problem = states_problem(states)
+    if problem:
+        res.add(problem, "all-zero layer" if problem == "states_zero" else "NaN/Inf in states", sid)
+        good = False
+    return good
+
+
+def verify_shard(reader: RunReader, info: ShardInfo) -> ShardResult:
+    """Every check that concerns one done shard; independent of other shards (runs in a thread pool)."""
+    res = ShardResult(info.shard_id, "done")
+    m = info.marker
+    if m.get("shard_id") != info.shard_id:
+        res.add("marker", f"marker names shard {m.get('shard_id')!r}")
+    files = m.get("files") or {}
+    raw = _file_check(res, reader, "records", files["records"]) if "records" in files else None
+    if "records" not in files:
+        res.add("marker", "marker names no records file")
+    hidden_info = None
+    if reader.capture_mode == "inline":
+        hidden_info = files.get("hidden")
+        if hidden_info is None:
+            res.add("marker", "inline-capture run, but the marker names no hidden file")
+    elif reader.capture_mode == "staged":
+        if info.captured is not None:
+            hidden_info = info.captured.get("hidden")
+        elif info.shard_id in reader.dead_capture_shards():
+            res.add("capture_dead", "staged capture was dead-lettered: records without states", severity="warning")
+        else:
+            res.add("capture_missing", "no captured/ marker: staged capture has not finished")
+    hreader = fh = None
+    if hidden_info is not None:
+        _file_check(res, reader, "hidden", hidden_info)
+        try:
+            fh = reader.storage.open(hidden_info["path"])
+            hreader = HiddenFileReader(fh)
+        except FileNotFoundError:
+            pass  # reported by _file_check
+        except CorruptHiddenFile as exc:
+            res.add("hidden_unreadable", f"{hidden_info['path']}: {exc}")
+    try:
+        if raw is not None:
+            _check_records(res, reader, info, raw, hreader)
+    finally:
+        if fh is not None:
+            fh.close()
+    return res
+
+
+def _check_records(res: ShardResult, reader: RunReader, info: ShardInfo, raw: bytes,
+                   hreader: HiddenFileReader | None) -> None:
+    import io
+
+    m = info.marker
+    hidden_size = (reader.settings.get("model") or {}).get("hidden_size")
+    rejected: Counter = Counter()
+    seen_hidden: set[int] = set()
+    try:
+        for rec in iter_jsonl_zst(io.BytesIO(raw)):
+            res.records += 1
+            sid = rec.get("sample_id")
+            if rec.get("status") == "rejected":
+                res.rejected += 1
+                rejected[rec.get("reject_reason")] += 1
+                continue
+            if rec.get("status") != "ok":
+                res.add("record_status", f"status {rec.get('status')!r}", sid)
+                continue
+            res.ok += 1
+            good = _check_record(res, rec, reader.run_id)
+            if hreader is None or "input_ids" not in rec:
+                continue
+            pos = hreader.by_id.get(sid)
+            if pos is None:
+                res.add("hidden_missing", "no states for this sample in the shard's hidden file", sid)
+                continue
+            seen_hidden.add(pos)
+            hidx = (rec.get("hidden") or {}).get("index")
+            if reader.capture_mode == "inline" and hidx != pos:
+                res.add("hidden_index", f"record says hidden index {hidx}, file has it at {pos}", sid)
+            if _check_states(res, rec, hreader, pos, reader, hidden_size) and good:
+                res.good_samples.append(sid)
+    except (zstandard.ZstdError, orjson.JSONDecodeError, OSError) as exc:
+        res.add("records_unreadable", f"{type(exc).__name__}: {exc}")
+        return
+    if hreader is not None and len(seen_hidden) != len(hreader):
+        res.add("hidden_extra", f"hidden file holds {len(hreader) - len(seen_hidden)} samples no ok record names")
+    for key, got in (("samples", res.records), ("ok", res.ok)):
+        if key in m and m[key] != got:
+            res.add("count_mismatch", f"marker says {m[key]} {key}, records file has {got}")
+    if "rejected" in m and dict(m["rejected"]) != dict(rejected):
+        res.add("count_mismatch", f"marker rejects {m['rejected']} != records' {dict(rejected)}")
+
+
+def _expected_sizes(reader: RunReader, counts: dict) -> dict[str, int]:
+    """Samples the producer put in each shard: shard_size each, the last one the remainder."""
+    n, size, enq = int(counts.get("shards") or 0), int(reader.settings.get("shard_size") or 0), counts.get("enqueued")
+    if not n or not size or enq is None:
+        return {}
+    sizes = {shard_name(k): size for k in range(n)}
+    sizes[shard_name(n - 1)] = int(enq) - size * (n - 1)
+    return sizes
+
+
+def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
+               progress: Callable[[str], None] | None = None) -> VerifyReport:
+    problems: list[Problem] = []
+    produce = reader.produce_state()
+    counts = (produce or {}).get("counts") or {}
+    if produce is None:
+        problems.append(Problem("produce_missing", None, None, "no produce.json: cannot check the accounting"))
+    elif not produce.get("complete"):
+        problems.append(Problem("produce_incomplete", None, None, "the producer has not finished enqueuing"))
+    expected = _expected_sizes(reader, counts)
+    done, dead = set(reader.done_shards()), reader.dead_generate_shards()
+    results: list[ShardResult] = []
+    infos = [i for i in (reader.shard(s) for s in sorted(done)) if i is not None]
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        for res in pool.map(lambda i: verify_shard(reader, i), infos):
+            results.append(res)
+            if progress:
+                progress(res.shard)
+    for name in reader.expected_shards():
+        if name in done:
+            continue
+        res = ShardResult(name, "dead" if name in dead else "missing")
+        if name in dead:
+            res.add("dead", "dead-lettered: " + _dead_reason(reader, name), severity="warning")
+        else:
+            res.add("missing", "no completion marker and not dead-lettered")
+        results.append(res)
+    for res in results:
+        if res.state == "done" and res.shard in expected and res.records != expected[res.shard] and res.records:
+            res.add("shard_size", f"{res.records} records, the producer enqueued {expected[res.shard]}")
+        if expected and res.shard not in expected:
+            res.add("unexpected_shard", "shard not among the producer's shards")
+    written = sum(r.records for r in results if r.state == "done")
+    dead_samples = sum(expected.get(r.shard, 0) for r in results if r.state == "dead")
+    missing_samples = sum(expected.get(r.shard, 0) for r in results if r.state == "missing")
+    accounting = {
+        "read": counts.get("read"), "enqueued": counts.get("enqueued"), "duplicates": counts.get("duplicates"),
+        "rejected_producer": counts.get("rejected"), "written": written,
+        "written_ok": sum(r.ok for r in results), "rejected_worker": sum(r.rejected for r in results),
+        "dead_lettered": dead_samples, "missing": missing_samples,
+    }
+    if counts:
+        rhs = written + int(counts["duplicates"]) + int(counts["rejected"]) + dead_samples
+        accounting["identity_holds"] = int(counts["read"]) == rhs
+        if not accounting["identity_holds"]:
+            problems.append(Problem("accounting", None, None,
+                                    f"read {counts['read']} != written {written} + duplicates {counts['duplicates']} "
+                                    f"+ rejected {counts['rejected']} + dead-lettered {dead_samples} "
+                                    f"({missing_samples} samples in missing shards)"))
+    for res in sorted(results, key=lambda r: r.shard):
+        problems += res.problems
+    shard_counts = Counter(r.state for r in results)
+    report = VerifyReport(reader.run_id, accounting, dict(shard_counts), problems)
+    if reference:
+        pool = [(r.shard, s) for r in sorted(results, key=lambda r: r.shard) for s in r.good_samples]
+        report.reference = _reference_check(reader, pool, reference, problems)
+    return report
+
+
+def _dead_reason(reader: RunReader, name: str) -> str:
+    try:
+        return str(reader.storage.read_json(reader.store.dead_path(name)).get("reason", "?"))[:200]
+    except (FileNotFoundError, orjson.JSONDecodeError):
+        return "?"
+
+
+def _reference_check(reader: RunReader, pool: list[tuple[str, str]], n: int, problems: list[Problem]) -> dict:
+    """Recompute `n` samples (a fixed-seed random choice) with transformers and compare the stored states."""
+    if reader.layers is None:
+        problems.append(Problem("reference", None, None, "run captured no hidden states"))
+        return {"checked": 0}
+    chosen = random.Random(0).sample(pool, min(n, len(pool)))
+    if len(chosen) < n:
+        problems.append(Problem("reference", None, None, f"only {len(chosen)} intact samples to check, asked {n}"))
+    model_path = (reader.settings.get("model") or {}).get("path")
+    if not model_path or not os.path.isdir(model_path):  # checked before importing torch (seconds)
+        problems.append(Problem("reference_unavailable", None, None, f"model folder {model_path!r} not found here"))
+        return {"checked": 0}
+    try:
+        from workers.reference import ReferenceCapture
+
+        ref = ReferenceCapture(model_path, reader.layers)
+    except Exception as exc:  # a model folder that is gone or unloadable here
+        problems.append(Problem("reference_unavailable", None, None, f"{type(exc).__name__}: {exc}"[:300]))
+        return {"checked": 0}
+    worst = 0.0
+    for shard, sid in chosen:
+        info = reader.shard(shard)
+        tokens, states = reader.states(info, {"sample_id": sid})
+        got = ref.capture(tokens.tolist())
+        diff = float(np.abs(bf16_to_float32(got) - bf16_to_float32(states)).max())
+        worst = max(worst, diff)
+        if diff > REFERENCE_MAX_ABS:
+            problems.append(Problem("reference_mismatch", shard, sid,
+                                    f"max abs diff {diff:.4f} > {REFERENCE_MAX_ABS} vs transformers"))
+    reader.close()
+    return {"checked": len(chosen), "max_abs": worst, "tolerance": REFERENCE_MAX_ABS}

