@@ -34,7 +34,8 @@ from producer.run_setup import (
 
 # Flags that become run settings; with --resume the stored values win, so giving one is refused.
 _SETTING_FLAGS = ("shard_size", "max_tokens", "thinking", "temperature", "top_p", "top_k", "min_p", "seed",
-                  "capture", "layers", "max_prompt_tokens", "max_prompt_chars", "regenerate", "model")
+                  "capture", "layers", "max_prompt_tokens", "max_prompt_chars", "regenerate", "model",
+                  "pause_stub_rate", "pause_window", "pause_min_samples")
 
 
 def _broker_options(f):
@@ -72,6 +73,12 @@ def _broker_options(f):
               help="Reject prompts longer than this many characters [default: 8 x --max-prompt-tokens].")
 @click.option("--regenerate", type=click.Choice(REGENERATE_MODES), default="last", show_default=True,
               help="last: the final assistant turn; all: every assistant turn, in order.")
+@click.option("--pause-stub-rate", type=click.FloatRange(0, 1), default=0.20, show_default=True,
+              help="Pause the run when this share of a worker's recent samples are stubs or empty (1 = never).")
+@click.option("--pause-window", type=click.IntRange(min=1), default=256, show_default=True,
+              help="How many recent samples per worker the stub rate is measured over.")
+@click.option("--pause-min-samples", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Samples a worker must have seen before it may pause the run.")
 @click.option("--dry-run", is_flag=True, help="Count, estimate tokens and disk, enqueue nothing.")
 @click.option("--estimate-sample", type=click.IntRange(min=1), default=2000, show_default=True,
               help="Prompts tokenised for the --dry-run estimate.")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from app.errors import ConfigError, InputError, ManifestMismatch
 from app.layers import parse_layers
-from app.manifest import CAPTURE_MODES, RunSettings, Sampling
+from app.manifest import CAPTURE_MODES, QualitySettings, RunSettings, Sampling
 from app.model_info import read_model_info
 from producer.normalise import REGENERATE_MODES
 from producer.readers import describe_input, expand_inputs, file_sha256
@@ -54,6 +54,9 @@ class ProduceOptions:
     resume: bool = False
     estimate_sample: int = 2000
     assumed_response_tokens: int | None = None
+    pause_stub_rate: float = 0.20
+    pause_window: int = 256
+    pause_min_samples: int = 32
 
     @property
     def prompt_char_cap(self) -> int:
@@ -111,6 +114,8 @@ def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
         max_prompt_tokens=opts.max_prompt_tokens,
         regenerate=opts.regenerate,
         inputs=[describe_input(p) for p in inputs],
+        quality=QualitySettings(pause_stub_rate=opts.pause_stub_rate, pause_window=opts.pause_window,
+                                pause_min_samples=opts.pause_min_samples),
     )
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from app.errors import ConfigError, EngineDead
+from app.errors import ConfigError, EngineDead, PermanentError
 
 log = logging.getLogger("regen.engine")
 
@@ -154,11 +154,14 @@ class Engine:
                 self._counter += 1
                 rid = f"{req.request_id}#{self._counter}"
                 by_id[rid] = req
-                self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)),
-                                        self._sampling_params(req))
-            pending_capture: list[tuple[GenResult, str]] = []
+                try:
+                    self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)),
+                                            self._sampling_params(req))
+                except (ValueError, TypeError) as exc:  # vLLM refused the request itself: it will every time
+                    raise PermanentError(f"vLLM refused request {req.request_id}: {exc}") from exc
+            pending_capture: list[tuple[GenResult | None, str]] = []
             while self.engine.has_unfinished_requests() or pending_capture:
-                outputs = self.engine.step() if self.engine.has_unfinished_requests() or self.options.in_process else []
+                outputs = self._step() if self.engine.has_unfinished_requests() or self.options.in_process else []
                 for out in outputs:
                     if not out.finished:
                         continue
@@ -184,14 +187,16 @@ class Engine:
                             pending_capture.append((None, path))
                         on_done(result)
                 pending_capture = self._collect_captures(pending_capture, on_done)
-        except EngineDead:
-            raise
-        except Exception as exc:  # vLLM raises EngineDeadError and assorted runtime errors from a dead core
-            if _is_engine_dead(exc):
-                raise EngineDead(f"vLLM engine died: {type(exc).__name__}: {exc}") from exc
-            raise
         finally:
             self.busy_seconds += time.monotonic() - started
+
+    def _step(self):
+        """One engine step. Any exception from inside the engine leaves it in an unknown state (and a dead
+        engine core raises EngineDeadError): the process must be replaced, so it becomes EngineDead."""
+        try:
+            return self.engine.step()
+        except Exception as exc:
+            raise EngineDead(f"vLLM engine failed: {type(exc).__name__}: {exc}") from exc
 
     def _collect_captures(self, pending, on_done):
         still = []
@@ -275,9 +280,3 @@ def _remove_scratch(path: str) -> None:
     for p in (path, path + ".lock"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(p)
-
-
-def _is_engine_dead(exc: BaseException) -> bool:
-    name = type(exc).__name__
-    text = str(exc)
-    return name in ("EngineDeadError", "EngineGenerateError") or "CUDA error" in text or "EngineCore" in text

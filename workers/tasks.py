@@ -10,7 +10,8 @@ Order inside `generate_shard`, and why:
 6. Generate, write outputs under attempt-specific names, create the completion marker exclusively.
 7. An engine that died: re-publish the shard, then exit the process *without* acking; the supervisor
    restarts the worker (a new engine), and Redis' copy of the message is a harmless duplicate.
-Storage errors are retried with Celery's retry machinery (exponential backoff).
+Other failures (storage errors, bugs) are recorded on the attempt and retried with Celery's retry machinery
+(exponential backoff); the attempt count on storage, not Celery's retry count, decides the dead letter.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def _after_records(ctx: WorkerContext, store: RunStore, manifest: dict, records:
 def register(celery) -> None:
     """Register the tasks on `celery` (only worker processes import this module)."""
 
-    @celery.task(name=GENERATE_TASK, bind=True, acks_late=True, max_retries=8)
+    @celery.task(name=GENERATE_TASK, bind=True, acks_late=True, max_retries=None)
     def generate_shard(self, run_id: str, storage: str, shard_id: str, samples: list[dict]):
         kwargs = {"run_id": run_id, "storage": storage, "shard_id": shard_id, "samples": samples}
         try:
@@ -152,7 +153,7 @@ def register(celery) -> None:
                 record_attempt_error(store, shard_id, attempt, str(exc))
                 dead_letter(store, shard_id, str(exc))
                 return "dead"
-            except RETRYABLE as exc:
+            except Exception as exc:  # storage trouble or a bug: retried; the attempt count dead-letters it
                 record_attempt_error(store, shard_id, attempt, f"{type(exc).__name__}: {exc}")
                 raise self.retry(exc=exc, countdown=min(60, 2 ** self.request.retries)) from exc
             if manifest["settings"]["capture_mode"] == "staged" and won:
@@ -164,7 +165,7 @@ def register(celery) -> None:
         except RETRYABLE as exc:  # storage trouble before the attempt began
             raise self.retry(exc=exc, countdown=min(60, 2 ** self.request.retries)) from exc
 
-    @celery.task(name=CAPTURE_TASK, bind=True, acks_late=True, max_retries=8)
+    @celery.task(name=CAPTURE_TASK, bind=True, acks_late=True, max_retries=None)
     def capture_shard(self, run_id: str, storage: str, shard_id: str):
         kwargs = {"run_id": run_id, "storage": storage, "shard_id": shard_id}
         begun = _begin(self, "capture", run_id, storage, shard_id)
@@ -179,7 +180,7 @@ def register(celery) -> None:
         except EngineDead as exc:
             record_attempt_error(store, key, attempt, str(exc))
             _exit_for_restart(self, kwargs, str(exc))
-        except RETRYABLE as exc:
+        except Exception as exc:
             record_attempt_error(store, key, attempt, f"{type(exc).__name__}: {exc}")
             raise self.retry(exc=exc, countdown=min(60, 2 ** self.request.retries)) from exc
         return "done" if won else "duplicate"

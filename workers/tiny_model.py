@@ -40,6 +40,23 @@ CHAT_TEMPLATE = (
     "{%- endif %}"
 )
 
+def _make_stub(model, eos_id: int, dim: int = 0) -> None:
+    """Every position's final normed state points along `dim`, and only `<|im_end|>` reads that direction.
+
+    A large constant in `dim` of every input embedding dominates the residual stream; the final norm keeps
+    only `dim`; the (untied) lm_head is zero except `lm_head[eos, dim]`, so `<|im_end|>` wins every step.
+    The decoder layers keep their random weights, so the hidden states stay varied and non-zero.
+    """
+    import torch
+
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, dim] = 50.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[dim] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[eos_id, dim] = 10.0
+
+
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Speculative decoding trains a small drafter on the target model's own outputs and hidden states.",
@@ -52,8 +69,13 @@ _CORPUS = [
 ]
 
 
-def build_tiny_qwen3(out_dir: str, vocab_size: int = 1024, num_layers: int = 4, seed: int = 0) -> str:
-    """Write a tiny random Qwen3 (weights, config, tokenizer, template) to `out_dir`; return the path."""
+def build_tiny_qwen3(out_dir: str, vocab_size: int = 1024, num_layers: int = 4, seed: int = 0,
+                     stub: bool = False) -> str:
+    """Write a tiny random Qwen3 (weights, config, tokenizer, template) to `out_dir`; return the path.
+
+    `stub=True` builds a broken checkpoint that ends every answer at once (its first token is always
+    `<|im_end|>`): the empty-stub failure the quality gate exists to catch, made on purpose for its tests.
+    """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
@@ -92,13 +114,15 @@ def build_tiny_qwen3(out_dir: str, vocab_size: int = 1024, num_layers: int = 4, 
         head_dim=64,
         max_position_embeddings=4096,
         rope_theta=1_000_000.0,
-        tie_word_embeddings=True,
+        tie_word_embeddings=not stub,
         bos_token_id=None,
         eos_token_id=hf_tok.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=hf_tok.convert_tokens_to_ids("<|endoftext|>"),
         torch_dtype="bfloat16",
     )
     model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    if stub:
+        _make_stub(model, config.eos_token_id)
     model.save_pretrained(out_dir, safe_serialization=True)
     gen = {"eos_token_id": [config.eos_token_id], "pad_token_id": config.pad_token_id, "do_sample": True}
     with open(os.path.join(out_dir, "generation_config.json"), "w") as fh:

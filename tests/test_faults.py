@@ -1,0 +1,119 @@
+"""Fault injection with real processes: nothing lost, nothing duplicated.
+
+Each scenario prints `expected / written / duplicated / lost` samples. Time is bounded by deadlines on
+conditions (no bare sleeps); Redis' re-delivery wait is shortened through the worker's environment
+(visibility timeout 20 s, unacked sweep every 5 s; see tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from app.cli import main
+from app.storage import RunStore, Storage
+from tests.conftest import E2E_BROKER, WorkerProcess, wait_for, worker_env
+from tests.e2e_helpers import produce, prompts_file, run_records, wait_run_done
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def report(storage: Path, run_id: str, expected: int) -> Counter:
+    records = run_records(storage, run_id)
+    ids = Counter(r["sample_id"] for r in records)
+    duplicated = sum(n - 1 for n in ids.values())
+    lost = expected - len(ids)
+    print(f"[{run_id}] samples expected {expected} / written {len(records)} / duplicated {duplicated} / lost {lost}")
+    assert (duplicated, lost) == (0, 0)
+    return ids
+
+
+def in_flight_shard(store: RunStore) -> str | None:
+    """A shard with a started attempt and no completion marker: the worker is inside it right now."""
+    done = store.done_shards()
+    for shard in store.storage.listdir(store.rel("attempts")):
+        if shard not in done and "." not in shard:
+            return shard
+    return None
+
+
+def test_sigkill_mid_shard_loses_and_duplicates_nothing(cpu_worker, e2e_storage, tiny_qwen3, tmp_path):
+    inputs = prompts_file(tmp_path, n_synthetic=28, with_formats=False)
+    state = produce(e2e_storage, "sigkill", [inputs], tiny_qwen3, "--max-tokens", "48")
+    store = RunStore(Storage(str(e2e_storage)), "sigkill")
+    for kills in range(1, 3):
+        shard = wait_for(lambda: in_flight_shard(store), 240, "a shard in flight")
+        child = cpu_worker.child_pids()
+        assert child, "the supervisor has no worker child"
+        os.kill(child[0], signal.SIGKILL)
+        killed_shard = shard
+        # The supervisor brings a fresh worker up; it finds the killed shard unfinished and redoes it.
+        cpu_worker.wait_ready(count=1 + kills)
+    wait_run_done(e2e_storage, "sigkill", timeout=300)
+    attempts = store.storage.listdir(store.attempts_dir(killed_shard))
+    assert len(attempts) >= 2  # the killed attempt, then the one that finished
+    report(e2e_storage, "sigkill", state["counts"]["enqueued"])
+    assert not store.dead_shards()
+
+
+def test_sigterm_mid_shard_finishes_it_and_does_not_redo_it(cpu_worker, e2e_storage, tiny_qwen3, tmp_path):
+    inputs = prompts_file(tmp_path, n_synthetic=16, with_formats=False)
+    state = produce(e2e_storage, "sigterm", [inputs], tiny_qwen3, "--max-tokens", "48")
+    store = RunStore(Storage(str(e2e_storage)), "sigterm")
+    restarts_before = cpu_worker.text().count("engine self-test passed")
+    shard = wait_for(lambda: in_flight_shard(store), 240, "a shard in flight")
+    child = cpu_worker.child_pids()[0]
+    os.kill(child, signal.SIGTERM)  # Celery warm shutdown of the solo worker
+    wait_for(lambda: store.is_done(shard), 120, f"{shard} to finish after SIGTERM")
+    assert "exited with 0" in wait_for(lambda: "exited with 0" in cpu_worker.text() and cpu_worker.text(), 120,
+                                       "the warm-shut-down worker to exit cleanly")
+    cpu_worker.wait_ready(count=restarts_before + 1)
+    wait_run_done(e2e_storage, "sigterm", timeout=300)
+    assert len(store.storage.listdir(store.attempts_dir(shard))) == 1  # finished once, never redone
+    report(e2e_storage, "sigterm", state["counts"]["enqueued"])
+
+
+@pytest.fixture(scope="module")
+def stub_worker(e2e_redis, tmp_path_factory):
+    """A second real worker process, on its own queue, serving a broken checkpoint that only says stop."""
+    from workers.tiny_model import build_tiny_qwen3
+
+    model = Path(build_tiny_qwen3(str(tmp_path_factory.mktemp("stub-qwen3")), stub=True))
+    worker = WorkerProcess(["--cpu", "--model", str(model), "--layers", "vllm:1,2,4", "--queues", "regen-stub",
+                            "--max-model-len", "4096", "--name", "stub"],
+                           tmp_path_factory.mktemp("stub-logs") / "worker.log", worker_env())
+    try:
+        worker.wait_ready()
+        yield worker, model
+    finally:
+        worker.stop()
+
+
+def test_a_run_of_stubs_is_paused_after_its_first_shards(stub_worker, e2e_storage, e2e_redis, tmp_path):
+    _, model = stub_worker
+    inputs = prompts_file(tmp_path, n_synthetic=40, with_formats=False)
+    produce(e2e_storage, "stubs", [inputs], model, "--queue", "regen-stub", "--pause-min-samples", "8",
+            "--pause-window", "16")
+    store = RunStore(Storage(str(e2e_storage)), "stubs")
+    pause = wait_for(store.pause_state, 180, "the run to be paused")
+    assert "stub-or-empty rate 100%" in pause["reason"]
+    wait_for(lambda: e2e_redis.llen("regen-stub") == 0, 60, "the paused run's queue to drain")
+    done = store.done_shards()
+    assert 2 <= len(done) < 10  # caught after the first shards, not after the last
+    for r in run_records(e2e_storage, "stubs"):
+        assert r["num_output_tokens"] == 1 and "empty_answer" in r["flags"]
+    # resume-run clears the pause and re-sends exactly the shards without a marker.
+    missing = 10 - len(store.done_shards())
+    result = CliRunner().invoke(main, ["resume-run", "stubs", "--storage", str(e2e_storage), "--broker", E2E_BROKER,
+                                       "--queue", "regen-stub"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "pause cleared" in result.output
+    counts = store.storage.read_json(store.produce_path)["counts"]
+    assert counts["shards_sent"] == missing and counts["shards_skipped_done"] == 10 - missing
+    # The checkpoint is still broken, so the worker pauses the run again on the first re-sent shard.
+    assert wait_for(store.pause_state, 120, "the run to pause again")

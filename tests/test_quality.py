@@ -1,0 +1,101 @@
+"""The quality gate on crafted outputs: the 87%-stub disaster must be visible per sample and per window."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from app.hidden_file import float32_to_bf16
+from app.manifest import QualitySettings
+from workers.quality import (
+    StubWindow,
+    answer_token_count,
+    is_stub,
+    repetition_loop,
+    sample_flags,
+    split_reasoning,
+    states_problem,
+)
+
+Q = QualitySettings()
+THINK_END, EOS = 10, 2
+
+
+def flags_for(text: str, output_ids: list[int], finish_reason: str = "stop", thinking: bool = True) -> list[str]:
+    reasoning, answer = split_reasoning(text, thinking)
+    n = answer_token_count(output_ids, THINK_END, {EOS}, answer)
+    return sample_flags(thinking=thinking, reasoning=reasoning, answer=answer, answer_tokens=n,
+                        finish_reason=finish_reason, output_ids=output_ids, quality=Q)
+
+
+def test_the_known_stub_is_flagged_as_empty_reasoning_and_stub_answer():
+    # <think>\n\n</think>\n\nOK.<|im_end|>: 6 response tokens, the shape of 87% of the broken dataset.
+    flags = flags_for("<think>\n\n</think>\n\nOK.", [5, 6, THINK_END, 7, 8, EOS])
+    assert set(flags) == {"empty_reasoning", "stub_answer"}
+    assert is_stub(flags)
+
+
+def test_a_real_thinking_answer_has_no_flags():
+    out = list(range(20, 60)) + [THINK_END] + list(range(60, 90)) + [EOS]
+    assert flags_for("<think>\nlet me see, 2+2 is 4\n</think>\n\nThe answer is 4 because ...", out) == []
+
+
+def test_empty_answer_after_reasoning():
+    out = list(range(20, 40)) + [THINK_END, EOS]
+    assert flags_for("<think>\nsome reasoning\n</think>\n\n", out) == ["empty_answer"]
+
+
+def test_truncated_thinking_is_truncated_not_stub():
+    out = list(range(20, 52))
+    flags = flags_for("<think>\nstill thinking about", out, finish_reason="length")
+    assert set(flags) == {"truncated", "missing_think_end"}
+    assert not is_stub(flags)
+
+
+def test_missing_think_end_when_the_model_stops_without_closing():
+    out = list(range(20, 60)) + [EOS]
+    assert "missing_think_end" in flags_for("an answer with no think block at all, long enough", out)
+
+
+def test_non_thinking_mode_checks_only_the_answer():
+    assert flags_for("OK.", [7, 8, EOS], thinking=False) == ["stub_answer"]
+    assert flags_for("", [EOS], thinking=False) == ["empty_answer"]
+
+
+@pytest.mark.parametrize("period", [1, 3, 7])
+def test_repetition_loops_are_found(period):
+    block = list(range(100, 100 + period))
+    looping = list(range(20, 50)) + block * max(12, 16 // period + 1)  # a loop spans >= 16 tokens
+    assert repetition_loop(looping, Q.repetition_min_repeats)
+    assert "repetition_loop" in flags_for("x", looping, finish_reason="length")
+
+
+def test_varied_text_is_not_a_loop():
+    rng = np.random.default_rng(0)
+    assert not repetition_loop(rng.integers(0, 5000, 400).tolist(), Q.repetition_min_repeats)
+
+
+def test_states_checks_find_zero_layers_and_non_finite_values():
+    good = float32_to_bf16(np.random.default_rng(1).normal(size=(5, 3, 8)).astype(np.float32))
+    assert states_problem(good) is None
+    zero_layer = good.copy()
+    zero_layer[:, 1, :] = 0
+    assert states_problem(zero_layer) == "states_zero"
+    negative_zero = np.full_like(good, 0x8000)  # -0.0 everywhere is still all zero
+    assert states_problem(negative_zero) == "states_zero"
+    for bad in (np.nan, np.inf, -np.inf):
+        broken = good.copy()
+        broken[2, 0, 3] = float32_to_bf16(np.array([bad], dtype=np.float32))[0]
+        assert states_problem(broken) == "states_nonfinite"
+
+
+def test_the_window_pauses_after_enough_stubs_only():
+    window = StubWindow(size=10)
+    for _ in range(4):
+        window.add(True)
+    assert not window.should_pause(0.2, min_samples=5)  # too few samples to judge
+    window.add(False)
+    assert window.should_pause(0.2, min_samples=5)
+    for _ in range(10):
+        window.add(False)
+    assert window.rate == 0.0 and not window.should_pause(0.2, min_samples=5)
