@@ -157,10 +157,10 @@ def resume_run(run_id, storage, broker, queue):
         click.echo(f"run {run_id}: pause cleared (was: {pause.get('reason')})")
     else:
         click.echo(f"run {run_id}: not paused")
-    from producer.cli import reconcile
+    from producer.cli import reconcile_command
 
-    ctx = click.get_current_context()
-    ctx.invoke(reconcile, run_id=run_id, storage=storage, broker=broker, queue=queue)
+    click.get_current_context().invoke(reconcile_command, run_id=run_id, storage=storage, broker=broker,
+                                       queue=queue, max_pending=None)
 
 
 from workers.run_job import run  # noqa: E402
