@@ -1,7 +1,8 @@
-"""The Celery app as a worker process sees it: tasks registered, engine built in `worker_process_init`.
+"""The Celery app as a worker process sees it: tasks registered, the engine closed at shutdown.
 
-`python -m workers.worker_main` (started by `regen worker`) runs a solo-pool worker on this app. A solo pool
-is required: prefork children are daemonic and cannot start vLLM's engine processes (NOTES.md).
+`python -m workers.worker_main` (started by `regen worker`) builds the engine, then runs a worker on this
+app. Started any other way (`celery -A workers.celery_worker worker --pool solo`), the engine is built in
+`worker_process_init` instead.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import logging
 import os
 import sys
 
-from celery.signals import worker_process_init, worker_process_shutdown
+from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
 
 from app.celery_app import create_app
 from workers.tasks import register
@@ -25,6 +26,8 @@ register(celery)
 def _build_engine(**_):
     from workers.context import WorkerConfig, WorkerContext
 
+    if WorkerContext.current is not None:
+        return
     try:
         WorkerContext.current = WorkerContext(WorkerConfig.from_env())
     except BaseException as exc:  # an engine that cannot start must not consume shards
@@ -33,6 +36,7 @@ def _build_engine(**_):
         os._exit(70)
 
 
+@worker_shutdown.connect
 @worker_process_shutdown.connect
 def _close_engine(**_):
     from workers.context import WorkerContext

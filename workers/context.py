@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -71,6 +72,8 @@ class WorkerContext:
 
         atexit.register(self.close)
         self.tokenizer = self.engine.tokenizer
+        # Two task slots render prompts at once; HF fast tokenizers are not safe to share across threads.
+        self.tokenizer_lock = threading.Lock()
         self.encode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="regen-encode")
         self.windows: dict[str, StubWindow] = {}
         self.manifests: dict[str, dict] = {}

@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,8 +71,37 @@ class GenResult:
     seconds: float = 0.0
 
 
+class _Job:
+    """One caller's batch inside the engine thread: counts results, carries the caller's error."""
+
+    def __init__(self, requests: list[GenRequest], on_done: Callable[[GenResult], None]):
+        self.requests = requests
+        self.on_done = on_done
+        self.remaining = len(requests)
+        self.started = time.monotonic()
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+
+    def deliver(self, result: GenResult) -> None:
+        if self.error is None:
+            try:
+                self.on_done(result)
+            except Exception as exc:  # the caller's bug fails the caller's batch, not the engine
+                self.error = exc
+        self.remaining -= 1
+        if self.remaining <= 0:
+            self.finished.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = self.error or error
+        self.finished.set()
+
+
+_SHUTDOWN = object()
+
+
 class Engine:
-    """One vLLM `LLM` per process; `run()` takes a batch and streams finished requests to a callback."""
+    """One vLLM `LLM` per process, driven by one thread; `run()` takes a batch and streams results back."""
 
     def __init__(self, options: EngineOptions):
         self.options = options
@@ -119,6 +150,10 @@ class Engine:
         self.startup_seconds = time.monotonic() - t0
         self.busy_seconds = 0.0
         self._counter = 0
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._dead: str | None = None
 
     # -- generation -------------------------------------------------------------------------------------
     def _sampling_params(self, req: GenRequest):
@@ -141,54 +176,118 @@ class Engine:
             detokenize=True,
         )
 
+    # The engine thread ------------------------------------------------------------------------------
+    # Tasks run in Celery's thread pool (two at a time), so one shard can be written to storage while the
+    # next one is already generating. vLLM is driven by one dedicated thread; tasks hand it jobs and wait.
     def run(self, requests: list[GenRequest], on_done: Callable[[GenResult], None]) -> None:
-        """Generate every request (continuous batching) and call `on_done` as each one finishes."""
-        from vllm.inputs import TokensPrompt
+        """Generate every request (continuous batching) and call `on_done` as each one finishes.
 
+        Blocks until the whole batch is done. Thread-safe: batches from several callers share the engine.
+        `on_done` runs on the engine thread, so it must be quick (hand heavy work to a pool).
+        """
         if self.options.capture_layers is None and any(r.capture for r in requests):
             raise ConfigError("capture requested but this engine was built without capture layers")
-        by_id: dict[str, GenRequest] = {}
-        started = time.monotonic()
+        if not requests:
+            return
+        with self._lock:
+            if self._dead:
+                raise EngineDead(self._dead)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="regen-engine", daemon=True)
+                self._thread.start()
+        job = _Job(requests, on_done)
+        self._jobs.put(job)
+        job.finished.wait()
+        if job.error is not None:
+            raise job.error
+
+    def _loop(self) -> None:
+        active: dict[str, tuple[_Job, GenRequest]] = {}
+        pending: list[tuple[_Job | None, GenResult | None, str]] = []
+        busy_since = None
         try:
-            for req in requests:
-                self._counter += 1
-                rid = f"{req.request_id}#{self._counter}"
-                by_id[rid] = req
+            while True:
+                idle = not self.engine.has_unfinished_requests() and not pending
+                if idle and busy_since is not None:
+                    self.busy_seconds += time.monotonic() - busy_since
+                    busy_since = None
                 try:
-                    self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)),
-                                            self._sampling_params(req))
-                except (ValueError, TypeError) as exc:  # vLLM refused the request itself: it will every time
-                    raise PermanentError(f"vLLM refused request {req.request_id}: {exc}") from exc
-            pending_capture: list[tuple[GenResult | None, str]] = []
-            while self.engine.has_unfinished_requests() or pending_capture:
-                outputs = self._step() if self.engine.has_unfinished_requests() or self.options.in_process else []
+                    job = self._jobs.get(block=idle)
+                except queue.Empty:
+                    job = None
+                while job is not None:
+                    if job is _SHUTDOWN:
+                        return
+                    busy_since = busy_since or time.monotonic()
+                    self._admit(job, active)
+                    try:
+                        job = self._jobs.get_nowait()
+                    except queue.Empty:
+                        job = None
+                if self.engine.has_unfinished_requests() or (pending and self.options.in_process):
+                    outputs = self._step()
+                else:
+                    outputs = []
                 for out in outputs:
-                    if not out.finished:
-                        continue
-                    req = by_id[out.request_id]
-                    comp = out.outputs[0]
-                    result = GenResult(
-                        request_id=req.request_id,
-                        prompt_token_ids=list(out.prompt_token_ids),
-                        output_token_ids=list(comp.token_ids),
-                        text=comp.text,
-                        finish_reason=comp.finish_reason,
-                        stop_reason=comp.stop_reason,
-                        seconds=time.monotonic() - started,
-                    )
-                    path = (out.kv_transfer_params or {}).get("hidden_states_path")
-                    if req.capture:
-                        if not path:
-                            raise EngineDead(f"request {req.request_id}: engine returned no hidden_states_path")
-                        pending_capture.append((result, path))
-                    else:
-                        # A capture-enabled engine captures every request; drop what nobody asked for.
-                        if path:
-                            pending_capture.append((None, path))
-                        on_done(result)
-                pending_capture = self._collect_captures(pending_capture, on_done)
-        finally:
-            self.busy_seconds += time.monotonic() - started
+                    if out.finished:
+                        self._finish(out, active, pending)
+                pending = self._collect_captures(pending)
+        except BaseException as exc:  # the engine is gone: every waiting batch learns it, and so does run()
+            message = str(exc) if isinstance(exc, EngineDead) else f"engine thread failed: {exc!r}"
+            with self._lock:
+                self._dead = message
+            failed = {id(j): j for j, _ in active.values()}
+            while True:
+                try:
+                    j = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if j is not _SHUTDOWN:
+                    failed[id(j)] = j
+            for j in failed.values():
+                j.fail(EngineDead(message))
+
+    def _admit(self, job: _Job, active: dict) -> None:
+        from vllm.inputs import TokensPrompt
+
+        added = []
+        for req in job.requests:
+            self._counter += 1
+            rid = f"{req.request_id}#{self._counter}"
+            try:
+                self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)),
+                                        self._sampling_params(req))
+            except (ValueError, TypeError) as exc:  # vLLM refused the request itself: it will every time
+                if added:
+                    self.engine.abort_request(added)
+                    for a in added:
+                        active.pop(a, None)
+                job.fail(PermanentError(f"vLLM refused request {req.request_id}: {exc}"))
+                return
+            added.append(rid)
+            active[rid] = (job, req)
+
+    def _finish(self, out, active: dict, pending: list) -> None:
+        job, req = active.pop(out.request_id)
+        comp = out.outputs[0]
+        result = GenResult(
+            request_id=req.request_id,
+            prompt_token_ids=list(out.prompt_token_ids),
+            output_token_ids=list(comp.token_ids),
+            text=comp.text,
+            finish_reason=comp.finish_reason,
+            stop_reason=comp.stop_reason,
+            seconds=time.monotonic() - job.started,
+        )
+        path = (out.kv_transfer_params or {}).get("hidden_states_path")
+        if req.capture:
+            if not path:
+                raise EngineDead(f"request {req.request_id}: engine returned no hidden_states_path")
+            pending.append((job, result, path))
+        else:
+            if path:  # a capture-enabled engine captures every request; drop what nobody asked for
+                pending.append((None, None, path))
+            job.deliver(result)
 
     def _step(self):
         """One engine step. Any exception from inside the engine leaves it in an unknown state (and a dead
@@ -198,9 +297,9 @@ class Engine:
         except Exception as exc:
             raise EngineDead(f"vLLM engine failed: {type(exc).__name__}: {exc}") from exc
 
-    def _collect_captures(self, pending, on_done):
+    def _collect_captures(self, pending):
         still = []
-        for result, path in pending:
+        for job, result, path in pending:
             if not self.options.in_process:
                 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
                     load_hidden_states,
@@ -212,21 +311,19 @@ class Engine:
 
                 data = load_file(path) if result is not None else None
             else:
-                still.append((result, path))
+                still.append((job, result, path))
                 continue
             _remove_scratch(path)
             if result is None:
                 continue
-            states = data["hidden_states"]
-            if states.dtype.is_floating_point and str(states.dtype) != "torch.bfloat16":
-                import torch
-
-                states = states.to(torch.bfloat16)
             import torch
 
+            states = data["hidden_states"]
+            if states.dtype != torch.bfloat16:
+                states = states.to(torch.bfloat16)
             result.captured_states = states.contiguous().view(torch.int16).numpy().view(np.uint16)
             result.captured_token_ids = data["token_ids"].numpy().astype(np.int64)
-            on_done(result)
+            job.deliver(result)
         return still
 
     def self_test(self) -> float:
@@ -250,6 +347,9 @@ class Engine:
         return time.monotonic() - t0
 
     def shutdown(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(_SHUTDOWN)
+            self._thread.join(timeout=30)
         try:
             core = getattr(self.engine, "engine_core", None)
             if core is not None and hasattr(core, "shutdown"):

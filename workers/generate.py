@@ -56,7 +56,8 @@ def generate_shard(ctx, manifest: dict, run_id: str, shard_id: str, samples: lis
             "worker": ctx.worker_name, "device": ctx.config.device_class,
         }
         try:
-            prompt_ids = render_prompt(ctx.tokenizer, sample["messages"], sample.get("tools"), thinking)
+            with ctx.tokenizer_lock:
+                prompt_ids = render_prompt(ctx.tokenizer, sample["messages"], sample.get("tools"), thinking)
         except Exception as exc:  # a template that cannot render this conversation
             records[i] = rejected_record(base, "template_error", f"{type(exc).__name__}: {exc}")
             continue
@@ -105,9 +106,10 @@ def generate_shard(ctx, manifest: dict, run_id: str, shard_id: str, samples: lis
         if is_stub(flags):
             stubs += 1
 
-    t0 = time.monotonic()
+    t0, wall0 = time.monotonic(), time.time()
     ctx.engine.run(requests, on_done)
     gen_seconds = time.monotonic() - t0
+    engine_window = (wall0, time.time())
 
     hidden = None
     if capture_inline:
@@ -117,6 +119,8 @@ def generate_shard(ctx, manifest: dict, run_id: str, shard_id: str, samples: lis
             records[i]["hidden"] = {"index": len(hidden), "n_tokens": sample.n_tokens, "layers": layers}
             hidden.append(sample)
     summary = summarise(records, gen_seconds, ctx)
+    # Wall-clock span the engine was busy with this shard: the gaps between spans are the engine's idle time.
+    summary["engine_started"], summary["engine_finished"] = (round(t, 4) for t in engine_window)
     return records, hidden, summary
 
 

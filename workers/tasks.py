@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+import time
 
 from celery import Task
 from celery.exceptions import Reject
@@ -68,16 +70,50 @@ def _manifest(ctx: WorkerContext, store: RunStore) -> dict:
     return ctx.manifests[key]
 
 
+_dying = threading.Lock()
+
+
 def _exit_for_restart(task: Task, kwargs: dict, reason: str) -> None:
-    """Re-publish the shard so it is not stuck until the visibility timeout, then die without acking."""
+    """Re-publish the shard so it is not stuck until the visibility timeout, then die without acking.
+
+    Both task slots see the dead engine; each re-publishes its own shard first, and the process exits once
+    no other slot is still re-publishing (or after 10 s).
+    """
     queue = (task.request.delivery_info or {}).get("routing_key") or "regen"
     try:
         task.app.send_task(task.name, kwargs=kwargs, queue=queue)
     finally:
         log.error("%s; exiting so the supervisor restarts this worker", reason)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(75)
+        _inflight.release_one()
+        _inflight.wait_empty(10)
+        with _dying:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(75)
+
+
+class _InFlight:
+    """Counts running tasks, so a dying process can let the other slot re-publish its shard first."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.count = 0
+
+    def add(self) -> None:
+        with self.cond:
+            self.count += 1
+
+    def release_one(self) -> None:
+        with self.cond:
+            self.count = max(0, self.count - 1)
+            self.cond.notify_all()
+
+    def wait_empty(self, timeout: float) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.count == 0, timeout=timeout)
+
+
+_inflight = _InFlight()
 
 
 def _begin(task: Task, stage: str, run_id: str, storage: str, shard_id: str):
@@ -134,7 +170,9 @@ def register(celery) -> None:
 
     @celery.task(name=GENERATE_TASK, bind=True, acks_late=True, max_retries=None)
     def generate_shard(self, run_id: str, storage: str, shard_id: str, samples: list[dict]):
+        task_started = time.time()
         kwargs = {"run_id": run_id, "storage": storage, "shard_id": shard_id, "samples": samples}
+        _inflight.add()
         try:
             begun = _begin(self, "generate", run_id, storage, shard_id)
             if begun is None:
@@ -145,7 +183,12 @@ def register(celery) -> None:
             try:
                 records, hidden, summary = run_generation(ctx, manifest, run_id, shard_id, samples)
                 level = int(manifest["settings"].get("compression_level", 3))
+                summary["task_started"] = round(task_started, 4)
+                t_pub = time.time()
                 won = publish_shard(store, shard_id, attempt, records, hidden, summary, level=level)
+                log.info("%s/%s timings: begin %.1f ms, engine-end->publish %.1f ms, publish %.1f ms", run_id,
+                         shard_id, (summary["engine_started"] - task_started) * 1000,
+                         (t_pub - summary["engine_finished"]) * 1000, (time.time() - t_pub) * 1000)
             except EngineDead as exc:
                 record_attempt_error(store, shard_id, attempt, str(exc))
                 _exit_for_restart(self, kwargs, str(exc))
@@ -164,10 +207,20 @@ def register(celery) -> None:
             return "done" if won else "duplicate"
         except RETRYABLE as exc:  # storage trouble before the attempt began
             raise self.retry(exc=exc, countdown=min(60, 2 ** self.request.retries)) from exc
+        finally:
+            _inflight.release_one()
 
     @celery.task(name=CAPTURE_TASK, bind=True, acks_late=True, max_retries=None)
     def capture_shard(self, run_id: str, storage: str, shard_id: str):
         kwargs = {"run_id": run_id, "storage": storage, "shard_id": shard_id}
+        _inflight.add()
+        try:
+            return _capture(self, kwargs)
+        finally:
+            _inflight.release_one()
+
+    def _capture(self, kwargs: dict):
+        run_id, storage, shard_id = kwargs["run_id"], kwargs["storage"], kwargs["shard_id"]
         begun = _begin(self, "capture", run_id, storage, shard_id)
         if begun is None:
             return "skipped"

@@ -1,7 +1,14 @@
-"""Entry point of one worker process (one per GPU, or one on the CPU): a solo-pool Celery worker.
+"""Entry point of one worker process (one per GPU, or one on the CPU).
 
 Started by `regen worker` with CUDA_VISIBLE_DEVICES and REGEN_WORKER_CONFIG already set, so nothing touches
-CUDA before the device is pinned.
+CUDA before the device is pinned. The engine is built and self-tested *before* the Celery consumer starts,
+so a broken engine never takes a shard (exit 70: the supervisor restarts it with backoff).
+
+Pool: Celery's thread pool with two slots, both feeding the one engine thread (workers/engine.py). While
+one shard is written to storage and acked, the next is already generating, so the engine does not idle
+between shards; each shard is still acked only after its completion marker exists. (Prefork cannot work:
+its children are daemonic and cannot start vLLM's processes, NOTES.md.) The thread pool also keeps the
+consumer answering heartbeats and `inspect` while a shard runs, unlike the solo pool.
 """
 
 from __future__ import annotations
@@ -17,12 +24,20 @@ def main() -> None:
     queues = os.environ.get("REGEN_QUEUES", "regen")
     logging.basicConfig(level=os.environ.get("REGEN_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from workers.context import WorkerConfig, WorkerContext
+
+    try:
+        WorkerContext.current = WorkerContext(WorkerConfig.from_env())
+    except BaseException:  # an engine that cannot start must not consume shards
+        logging.getLogger("regen.worker").exception("worker start-up failed")
+        sys.stderr.flush()
+        os._exit(70)
     from workers.celery_worker import celery
 
     celery.worker_main([
         "worker",
-        "--pool=solo",
-        "--concurrency=1",
+        "--pool=threads",
+        f"--concurrency={os.environ.get('REGEN_TASK_SLOTS', '2')}",
         f"--hostname={config['hostname']}",
         f"--queues={queues}",
         f"--loglevel={os.environ.get('REGEN_LOG_LEVEL', 'INFO')}",

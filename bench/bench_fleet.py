@@ -1,0 +1,142 @@
+"""Fleet throughput vs vLLM called directly, on the CPU with the tiny Qwen3 (one command, ~3 minutes).
+
+    python bench/bench_fleet.py [--prompts 256] [--max-tokens 64] [--shard-size 64]
+
+Direct: one `LLM.generate` over all prompts (token-id prompts, same sampling, same capture settings).
+Fleet: `regen produce` -> local Redis -> a real `regen worker --cpu` process -> shards on storage; steady-state
+tokens/s is measured from the first shard's engine start to the last shard's engine end, so the worker's
+start-up is not counted, but everything between shards (writing, marker, ack, fetching the next message,
+rendering prompts) is. The worker's two task slots let the next shard start while the previous one is
+written, so the engine's idle time is the gaps in the union of the shards' engine spans; it is printed too.
+Both runs happen in this one invocation, so the ratio is meaningful on a noisy machine; absolute figures are
+not. On this 2-core CPU the worker's compression and writes compete with the engine for the same cores; on
+a GPU host they overlap with GPU work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+BROKER = "redis://127.0.0.1:6379/8"
+LAYERS = [1, 2, 4]
+
+
+def direct(model: str, prompts: list[list[int]], max_tokens: int, scratch: str) -> tuple[int, float]:
+    """Generated tokens and seconds for one LLM.generate call (run in a fresh process)."""
+    code = f"""
+import json, os, sys, time
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+sys.path.insert(0, {str(REPO)!r})
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from workers.engine import EngineOptions
+prompts = json.load(open({scratch + '/prompts.json'!r}))
+o = EngineOptions(model={model!r}, capture_layers=tuple({LAYERS!r}), max_model_len=4096, scratch_dir={scratch + '/hs'!r})
+llm = LLM(model=o.model, dtype="bfloat16", max_model_len=o.max_model_len, max_num_seqs=o.max_num_seqs,
+          gpu_memory_utilization=o.gpu_memory_utilization, enforce_eager=True, enable_chunked_prefill=False,
+          distributed_executor_backend="uni", disable_log_stats=True,
+          speculative_config={{"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                               "draft_model_config": {{"hf_config": {{"eagle_aux_hidden_state_layer_ids": list(o.capture_layers)}}}}}},
+          kv_transfer_config={{"kv_connector": "CpuCapableHiddenStatesConnector",
+                               "kv_connector_module_path": "workers.capture_connector", "kv_role": "kv_producer",
+                               "kv_connector_extra_config": {{"shared_storage_path": o.scratch_dir}}}})
+params = [SamplingParams(temperature=0.6, top_p=0.95, max_tokens={max_tokens}, seed=i,
+                         extra_args={{"kv_transfer_params": {{"include_output_tokens": True}}}})
+          for i in range(len(prompts))]
+llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:8]], params[:8], use_tqdm=False)  # warm-up
+t = time.monotonic()
+outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+dt = time.monotonic() - t
+print(json.dumps({{"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": dt}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    return result["tokens"], result["seconds"]
+
+
+def fleet(model: str, inputs: Path, storage: str, max_tokens: int, shard_size: int) -> tuple[int, float, list]:
+    import redis
+
+    redis.Redis.from_url(BROKER).flushdb()
+    env = {**os.environ, "REGEN_BROKER_URL": BROKER, "HF_HUB_OFFLINE": "1"}
+    subprocess.run([sys.executable, "-m", "app.cli", "produce", str(inputs), "--run", "bench", "--storage", storage,
+                    "--model", model, "--layers", "vllm:" + ",".join(map(str, LAYERS)), "--max-tokens",
+                    str(max_tokens), "--top-k", "0", "--shard-size", str(shard_size), "--max-prompt-tokens", "2048",
+                    "--pause-stub-rate", "1"], env=env, check=True, capture_output=True)
+    shards = json.loads(Path(storage, "bench", "produce.json").read_text())["counts"]["shards"]
+    worker = subprocess.Popen([sys.executable, "-m", "app.cli", "worker", "--cpu", "--run", "bench", "--storage",
+                               storage, "--name", "bench"], env=env, stdout=open(Path(storage, "worker.log"), "wb"),  # noqa: SIM115
+                              stderr=subprocess.STDOUT)
+    done = Path(storage, "bench", "done")
+    try:
+        deadline = time.monotonic() + 900
+        while not (done.exists() and len(list(done.iterdir())) >= shards):
+            if time.monotonic() > deadline:
+                raise SystemExit("fleet run timed out")
+            time.sleep(0.2)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=120)
+    if os.environ.get("REGEN_BENCH_KEEP_LOG"):
+        import shutil
+
+        shutil.copy(Path(storage, "worker.log"), os.environ["REGEN_BENCH_KEEP_LOG"])
+    markers = sorted((json.loads(p.read_text()) for p in done.iterdir()), key=lambda m: m["engine_started"])
+    tokens = sum(m["generated_tokens"] for m in markers)
+    span = markers[-1]["engine_finished"] - markers[0]["engine_started"]
+    # Shards overlap on the engine (two task slots), so idle time is the gaps in the union of busy spans.
+    gaps, end = [], markers[0]["engine_finished"]
+    for m in markers[1:]:
+        gaps.append(max(0.0, m["engine_started"] - end))
+        end = max(end, m["engine_finished"])
+    return tokens, span, gaps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--shard-size", type=int, default=64,
+                    help="the production default; the second task slot queues its shard behind the first")
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    from workers.generate import render_prompt
+    from workers.tiny_model import build_tiny_qwen3
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_tiny_qwen3(os.path.join(tmp, "tiny"))
+        tok = AutoTokenizer.from_pretrained(model)
+        rows = [{"question": f"Question {i}: what is {i} * {i + 3}? Explain the steps briefly."}
+                for i in range(args.prompts)]
+        inputs = Path(tmp, "prompts.jsonl")
+        inputs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        prompts = [render_prompt(tok, [{"role": "user", "content": r["question"]}], None, True) for r in rows]
+        Path(tmp, "prompts.json").write_text(json.dumps(prompts))
+        d_tokens, d_seconds = direct(model, prompts, args.max_tokens, tmp)
+        f_tokens, f_seconds, gaps = fleet(model, inputs, os.path.join(tmp, "storage"), args.max_tokens,
+                                          args.shard_size)
+    d_rate, f_rate = d_tokens / d_seconds, f_tokens / f_seconds
+    gaps_ms = sorted(g * 1000 for g in gaps)
+    print(f"prompts {args.prompts}, max_tokens {args.max_tokens}, shard size {args.shard_size}, capture inline "
+          f"(vLLM layers {LAYERS})")
+    print(f"direct vLLM : {d_tokens} tokens in {d_seconds:.2f}s = {d_rate:,.0f} tok/s")
+    print(f"fleet       : {f_tokens} tokens in {f_seconds:.2f}s = {f_rate:,.0f} tok/s (steady state)")
+    print(f"fleet / direct = {f_rate / d_rate:.3f}  (target >= 0.95)")
+    if gaps_ms:
+        print(f"engine idle gap between shards: median {gaps_ms[len(gaps_ms) // 2]:.1f} ms, "
+              f"max {gaps_ms[-1]:.1f} ms over {len(gaps_ms)} gaps  (target < 50 ms)")
+
+
+if __name__ == "__main__":
+    main()
