@@ -3,7 +3,7 @@
 Why each setting (see NOTES.md for the measurements behind them):
 - JSON only, never pickle: a message pushed by anyone who reaches Redis must not be able to run code.
 - Late acks + prefetch multiplier 1: a shard is acked only after its outputs and completion marker are on
-  storage, and a solo-pool worker holds at most one unstarted shard.
+  storage, and a worker holds at most one unstarted shard per task slot.
 - `visibility_timeout` (default 4 h) is set in both transport-option dicts Celery reads: Redis re-delivers an
   unacked message after it *even while it still runs*, so it must exceed the longest shard. Re-delivery is
   harmless because storage, not Redis, records what is done.

@@ -181,11 +181,31 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
             sender.send(run_id, storage_url, shard)
             acc.shards_sent += 1
             acc.samples_sent += len(shard.samples)
+        if opts.resume and settings_capture_mode(store) == "staged":
+            resend_missing_captures(store, sender.app, storage_url)
     acc.check_identity()
     write_produce_state(store, producer_settings=psettings, accounting=acc, complete=True, queue=opts.queue,
                         started=started)
     record_counts(store, acc)
     return ProduceResult(run_id, "produced", acc, paths, storage_url=storage_url)
+
+
+def settings_capture_mode(store: RunStore) -> str:
+    return load(store)["settings"]["capture_mode"]
+
+
+def resend_missing_captures(store: RunStore, app, storage_url: str) -> int:
+    """Staged runs: a shard generated but never captured (its capture message was lost) gets one again."""
+    from app.celery_app import CAPTURE_TASK
+    from app.config import DEFAULT_CAPTURE_QUEUE
+
+    captured = {n[: -len(".json")] for n in store.storage.listdir(store.rel("captured"))}
+    dead = store.dead_shards()
+    missing = sorted(s for s in store.done_shards() if s not in captured and f"{s}.capture" not in dead)
+    for shard in missing:
+        app.send_task(CAPTURE_TASK, kwargs={"run_id": store.run_id, "storage": storage_url, "shard_id": shard},
+                      queue=DEFAULT_CAPTURE_QUEUE)
+    return len(missing)
 
 
 def _counts_only(counts: dict | None) -> dict:

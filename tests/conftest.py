@@ -134,7 +134,7 @@ def cpu_worker(tiny_qwen3, e2e_redis, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("worker-logs")
     worker = WorkerProcess(
         ["--cpu", "--model", str(tiny_qwen3), "--layers", E2E_LAYERS, "--queues", "regen,regen.capture",
-         "--max-model-len", "4096", "--max-num-seqs", "16", "--name", "e2e"],
+         "--max-model-len", "4096", "--max-num-seqs", "16", "--name", "e2e", "--max-attempts", "3"],
         log_dir / "supervisor.log", worker_env(),
     )
     try:

