@@ -131,10 +131,14 @@ def test_a_poison_shard_is_dead_lettered_and_the_rest_completes(cpu_worker, e2e_
     assert dead == {"shard-000000"}
     letter = store.storage.read_json(store.dead_path("shard-000000"))
     errors = [a.get("error", "") for a in letter["attempts"]]
-    assert sum("engine" in e.lower() for e in errors) >= 3, errors
+    # The letter is written by the delivery that found the attempts used up; a copy of the shard still running
+    # beside it (re-published message and Redis' re-delivered original) may record its error just after.
+    assert sum("engine failed" in e for e in errors) >= 2, errors
+    assert "attempts without success" in letter["reason"]
     assert not store.done_shards()
-    # The worker came back after each death and still serves healthy runs.
-    cpu_worker.wait_ready(count=restarts_before + 3)
+    # The worker came back after the deaths and still serves healthy runs. (How many restarts it took varies:
+    # a re-published copy and Redis' re-delivered original can both be attempted in one life of the worker.)
+    cpu_worker.wait_ready(count=restarts_before + 1)
     (tmp_path / "healthy").mkdir()
     healthy = prompts_file(tmp_path / "healthy", n_synthetic=4, with_formats=False)
     state = produce(e2e_storage, "after-poison", [healthy], tiny_qwen3)
