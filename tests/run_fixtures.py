@@ -8,8 +8,10 @@ leaves one shard running, and pauses the run. It returns the numbers a correct s
 from __future__ import annotations
 
 import datetime as dt
+import os
 
 import numpy as np
+import pytest
 
 from app.hidden_file import encode_sample
 from app.storage import RunStore, Storage
@@ -74,3 +76,18 @@ def build_run(root: str, run_id: str = "r1") -> dict:
     record_attempt(store, RUNNING, "r1", "gpu1@hostA", stage="generate")
     storage.write_json(store.pause_path, {"reason": PAUSE_REASON, "rate": 0.25, "window": 11, "by": "gpu1@hostA"})
     return {"store": store, "summaries": summaries}
+
+
+OPS_BROKER = os.environ.get("REGEN_TEST_OPS_REDIS", "redis://127.0.0.1:6379/7")
+
+
+@pytest.fixture
+def redis7():
+    """Redis db 7 for the operations tests, flushed before and after each test."""
+    from tests.conftest import redis_or_fail
+
+    client = redis_or_fail(OPS_BROKER)
+    client.flushdb()
+    yield client
+    client.flushdb()
+    client.close()

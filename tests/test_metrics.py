@@ -10,19 +10,10 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import redis_or_fail, wait_for
-from tests.run_fixtures import DONE, QUEUE, TOTAL_SHARDS, build_run, publish_synthetic
+from tests.conftest import wait_for
+from tests.run_fixtures import DONE, OPS_BROKER, QUEUE, TOTAL_SHARDS, build_run, publish_synthetic
 
-BROKER = "redis://127.0.0.1:6379/7"
-
-
-@pytest.fixture
-def redis7():
-    client = redis_or_fail(BROKER)
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
+BROKER = OPS_BROKER
 
 
 def _scrape(url: str) -> dict:

@@ -3,25 +3,24 @@
 from __future__ import annotations
 
 import json
-import os
 
-import pytest
 from click.testing import CliRunner
 
 from app.cli import main
-from tests.conftest import redis_or_fail, wait_for
-from tests.run_fixtures import DEAD, DONE, FAILED, PAUSE_REASON, QUEUE, RUNNING, TOTAL_SHARDS, build_run
+from tests.conftest import wait_for
+from tests.run_fixtures import (
+    DEAD,
+    DONE,
+    FAILED,
+    OPS_BROKER,
+    PAUSE_REASON,
+    QUEUE,
+    RUNNING,
+    TOTAL_SHARDS,
+    build_run,
+)
 
-BROKER = os.environ.get("REGEN_TEST_OPS_REDIS", "redis://127.0.0.1:6379/7")
-
-
-@pytest.fixture
-def redis7():
-    client = redis_or_fail(BROKER)
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
+BROKER = OPS_BROKER
 
 
 def _status(*args: str) -> dict:
