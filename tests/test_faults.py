@@ -144,3 +144,60 @@ def test_a_poison_shard_is_dead_lettered_and_the_rest_completes(cpu_worker, e2e_
     state = produce(e2e_storage, "after-poison", [healthy], tiny_qwen3)
     wait_run_done(e2e_storage, "after-poison", timeout=180)
     report(e2e_storage, "after-poison", state["counts"]["enqueued"])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_redis(port: int):
+    import shutil
+    import subprocess
+
+    import redis
+
+    proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    wait_for(lambda: _pings(client), 10, f"redis-server on port {port}")
+    return proc
+
+
+def _pings(client) -> bool:
+    import redis
+
+    try:
+        return bool(client.ping())
+    except redis.exceptions.ConnectionError:
+        return False
+
+
+def test_a_redis_restart_that_keeps_nothing_is_recovered_by_resume(tiny_qwen3, e2e_storage, tmp_path):
+    """Redis dies mid-run and comes back empty: workers reconnect, `produce --resume` re-sends what is missing."""
+    port = _free_port()
+    broker = f"redis://127.0.0.1:{port}/0"
+    redis_proc = _start_redis(port)
+    worker = WorkerProcess(["--cpu", "--model", str(tiny_qwen3), "--layers", "vllm:1,2,4", "--max-model-len", "4096",
+                            "--name", "restart"], tmp_path / "worker.log", worker_env(broker))
+    try:
+        worker.wait_ready()
+        inputs = prompts_file(tmp_path, n_synthetic=32, with_formats=False)
+        state = produce(e2e_storage, "redis-restart", [inputs], tiny_qwen3, "--max-tokens", "48", broker=broker)
+        store = RunStore(Storage(str(e2e_storage)), "redis-restart")
+        wait_for(lambda: store.done_shards(), 180, "the first finished shard")
+        redis_proc.kill()
+        redis_proc.wait()
+        redis_proc = _start_redis(port)  # same address, nothing kept
+        result = CliRunner().invoke(main, ["produce", "--resume", "redis-restart", "--storage", str(e2e_storage),
+                                           "--broker", broker], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        wait_run_done(e2e_storage, "redis-restart", timeout=300)
+        report(e2e_storage, "redis-restart", state["counts"]["enqueued"])
+    finally:
+        worker.stop()
+        redis_proc.kill()
+        redis_proc.wait()
