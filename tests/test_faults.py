@@ -7,6 +7,7 @@ conditions (no bare sleeps); Redis' re-delivery wait is shortened through the wo
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections import Counter
@@ -201,3 +202,72 @@ def test_a_redis_restart_that_keeps_nothing_is_recovered_by_resume(tiny_qwen3, e
         worker.stop()
         redis_proc.kill()
         redis_proc.wait()
+
+
+def _status_json(storage: Path, run_id: str) -> dict:
+    import json
+
+    result = CliRunner().invoke(main, ["status", run_id, "--storage", str(storage), "--broker", E2E_BROKER, "--json",
+                                       "--inspect-timeout", "0"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_a_storage_fault_is_retried_never_half_visible_and_shown_in_status(cpu_worker, tiny_qwen3, tmp_path):
+    """The shard's output folder cannot be created (a file blocks its path): every write fails with an OSError.
+    The attempt's error is recorded, Celery retries with backoff, nothing partial appears; once the fault is
+    cleared the retry publishes the shard."""
+    storage = tmp_path / "storage"
+    inputs = prompts_file(tmp_path, n_synthetic=4, with_formats=False)
+    blocker = storage / "storage-fault" / "shards" / "shard-000000"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("not a folder")
+    state = produce(storage, "storage-fault", [inputs], tiny_qwen3)
+    store = RunStore(Storage(str(storage)), "storage-fault")
+
+    def failed_attempt():
+        for name in store.storage.listdir(store.attempts_dir("shard-000000")):
+            body = store.storage.read_json(f"{store.attempts_dir('shard-000000')}/{name}")
+            if body.get("error"):
+                return body
+        return None
+
+    failure = wait_for(failed_attempt, 120, "a failed attempt on the blocked shard")
+    assert "Error" in failure["error"]
+    assert not store.is_done("shard-000000")
+    status = _status_json(storage, "storage-fault")
+    assert "Error" in json.dumps(status), status
+    blocker.unlink()  # the operator fixes the storage; the retry finishes the shard
+    wait_run_done(storage, "storage-fault", timeout=180)
+    report(storage, "storage-fault", state["counts"]["enqueued"])
+
+
+def test_disk_full_leaves_no_partial_shard_and_the_retry_completes(cpu_worker, tiny_qwen3, tmp_path):
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root in a mount namespace)")
+    try:
+        inputs = prompts_file(tmp_path, n_synthetic=4, with_formats=False)
+        state = produce(mount, "disk-full", [inputs], tiny_qwen3, "--max-tokens", "64")
+        store = RunStore(Storage(str(mount)), "disk-full")
+
+        def failed():
+            for name in store.storage.listdir(store.attempts_dir("shard-000000")):
+                body = store.storage.read_json(f"{store.attempts_dir('shard-000000')}/{name}")
+                if "No space left" in body.get("error", ""):
+                    return body
+            return None
+
+        wait_for(failed, 120, "an attempt to fail with ENOSPC")
+        assert not store.is_done("shard-000000")
+        leftovers = store.storage.listdir(store.rel("shards", "shard-000000"))
+        assert not [n for n in leftovers if not n.startswith(".")], leftovers  # nothing half-written is visible
+        subprocess.run(["mount", "-o", "remount,size=64m", str(mount)], check=True)
+        wait_run_done(mount, "disk-full", timeout=180)
+        report(mount, "disk-full", state["counts"]["enqueued"])
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)

@@ -42,6 +42,11 @@ log = logging.getLogger("regen.tasks")
 RETRYABLE = (OSError, TimeoutError)
 
 
+def _backoff(retries: int) -> int:
+    """5, 10, 20 ... 300 s: long enough for an NFS server or a full disk to be fixed between attempts."""
+    return min(300, 5 * 2**retries)
+
+
 def check_manifest(ctx: WorkerContext, manifest: dict, stage: str) -> None:
     settings = manifest["settings"]
     problems = []
@@ -198,7 +203,7 @@ def register(celery) -> None:
                 return "dead"
             except Exception as exc:  # storage trouble or a bug: retried; the attempt count dead-letters it
                 record_attempt_error(store, shard_id, attempt, f"{type(exc).__name__}: {exc}")
-                raise self.retry(exc=exc, countdown=min(60, 2 ** self.request.retries)) from exc
+                raise self.retry(exc=exc, countdown=_backoff(self.request.retries)) from exc
             if manifest["settings"]["capture_mode"] == "staged" and won:
                 self.app.send_task(CAPTURE_TASK, kwargs={"run_id": run_id, "storage": storage,
                                                          "shard_id": shard_id},
@@ -206,7 +211,7 @@ def register(celery) -> None:
             _after_records(ctx, store, manifest, records)
             return "done" if won else "duplicate"
         except RETRYABLE as exc:  # storage trouble before the attempt began
-            raise self.retry(exc=exc, countdown=min(60, 2 ** self.request.retries)) from exc
+            raise self.retry(exc=exc, countdown=_backoff(self.request.retries)) from exc
         finally:
             _inflight.release_one()
 
@@ -235,5 +240,5 @@ def register(celery) -> None:
             _exit_for_restart(self, kwargs, str(exc))
         except Exception as exc:
             record_attempt_error(store, key, attempt, f"{type(exc).__name__}: {exc}")
-            raise self.retry(exc=exc, countdown=min(60, 2 ** self.request.retries)) from exc
+            raise self.retry(exc=exc, countdown=_backoff(self.request.retries)) from exc
         return "done" if won else "duplicate"
