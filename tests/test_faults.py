@@ -271,3 +271,34 @@ def test_disk_full_leaves_no_partial_shard_and_the_retry_completes(cpu_worker, t
         report(mount, "disk-full", state["counts"]["enqueued"])
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_host_added_mid_run_shares_the_work_and_duplicates_collapse(cpu_worker, e2e_storage, tiny_qwen3,
+                                                                       tmp_path):
+    """A second worker joins during a run (adding a host is one command), and every shard is also published
+    twice (as Redis re-delivery or a second produce would), so the two workers run copies of the same shards
+    at once: each shard still has exactly one output."""
+    inputs = prompts_file(tmp_path, n_synthetic=48, with_formats=False)
+    state = produce(e2e_storage, "two-hosts", [inputs], tiny_qwen3, "--max-tokens", "48")
+    store = RunStore(Storage(str(e2e_storage)), "two-hosts")
+    second = WorkerProcess(["--cpu", "--model", str(tiny_qwen3), "--layers", "vllm:1,2,4", "--max-model-len", "4096",
+                            "--name", "second"], tmp_path / "second.log", worker_env())
+    try:
+        resent = CliRunner().invoke(main, ["reconcile", "two-hosts", "--storage", str(e2e_storage), "--broker",
+                                           E2E_BROKER], catch_exceptions=False)
+        assert resent.exit_code == 0, resent.output
+        second.wait_ready()
+        wait_run_done(e2e_storage, "two-hosts", timeout=300)
+        workers = {store.done_marker(s)["worker"].split("@")[0] for s in store.done_shards()}
+        assert workers == {"e2e", "second"}, workers
+        ids = report(e2e_storage, "two-hosts", state["counts"]["enqueued"])
+        assert len(ids) == state["counts"]["enqueued"]
+
+        def leftovers():
+            return [n for s in store.done_shards() for n in store.storage.listdir(store.rel("shards", s))
+                    if not n.startswith(store.done_marker(s)["attempt"])]
+
+        # Copies that lost the race delete their files (one may still be finishing when the last marker lands).
+        wait_for(lambda: not leftovers(), 120, "losing copies to remove their files")
+    finally:
+        second.stop()
