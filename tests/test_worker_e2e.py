@@ -160,3 +160,18 @@ def test_multi_turn_mode_regenerates_every_assistant_turn_in_order(cpu_worker, e
         assert r["messages"][1]["role"] == "assistant" and r["messages"][1]["content"] == first["answer"]
         assert r["input_ids"][: r["num_prompt_tokens"]] == render_prompt(tok, r["messages"], None, thinking=True)
         assert sum(r["loss_mask"]) == r["num_output_tokens"]
+
+
+def test_a_shard_for_other_layers_is_refused_with_the_reason_on_the_run(cpu_worker, e2e_storage, tiny_qwen3,
+                                                                         tmp_path):
+    from app.storage import RunStore, Storage
+    from tests.conftest import wait_for
+
+    inputs = prompts_file(tmp_path, n_synthetic=2, with_formats=False)
+    produce(e2e_storage, "other-layers", [inputs], tiny_qwen3, "--layers", "vllm:1,3")
+    store = RunStore(Storage(str(e2e_storage)), "other-layers")
+    dead = wait_for(store.dead_shards, 120, "the refused shard to be dead-lettered")
+    assert dead == {"shard-000000"} and not store.done_shards()
+    letter = store.storage.read_json(store.dead_path("shard-000000"))
+    errors = [a.get("error", "") for a in letter["attempts"] if a.get("error")]
+    assert errors and all("refuses shard" in e and "[1, 3] != engine's [1, 2, 4]" in e for e in errors), errors
