@@ -278,8 +278,9 @@ def test_a_host_added_mid_run_shares_the_work_and_duplicates_collapse(cpu_worker
     """A second worker joins during a run (adding a host is one command), and every shard is also published
     twice (as Redis re-delivery or a second produce would), so the two workers run copies of the same shards
     at once: each shard still has exactly one output."""
-    inputs = prompts_file(tmp_path, n_synthetic=48, with_formats=False)
-    state = produce(e2e_storage, "two-hosts", [inputs], tiny_qwen3, "--max-tokens", "48")
+    # Long enough (about a minute for one worker) that the second one joins while shards are still queued.
+    inputs = prompts_file(tmp_path, n_synthetic=200, with_formats=False)
+    state = produce(e2e_storage, "two-hosts", [inputs], tiny_qwen3, "--max-tokens", "64")
     store = RunStore(Storage(str(e2e_storage)), "two-hosts")
     second = WorkerProcess(["--cpu", "--model", str(tiny_qwen3), "--layers", "vllm:1,2,4", "--max-model-len", "4096",
                             "--name", "second"], tmp_path / "second.log", worker_env())

@@ -73,23 +73,28 @@ def publish_shard(
     """Write outputs, then the completion marker last. True if this attempt's outputs are the shard's."""
     records_rel = store.records_path(shard, attempt)
     records_bytes = dumps_jsonl_zst(records, level=level)
-    store.storage.write_bytes(records_rel, records_bytes)
-    files = {"records": {"path": records_rel, "bytes": len(records_bytes),
-                         "sha256": hashlib.sha256(records_bytes).hexdigest()}}
-    if hidden_samples is not None:
-        hidden_rel = store.hidden_path(shard, attempt)
-        with store.storage.atomic_writer(hidden_rel) as fh:
-            hashing = _HashingWriter(fh)
-            writer = HiddenFileWriter(hashing)
-            for sample in hidden_samples:
-                writer.append(sample)
-            size = writer.close()
-        files["hidden"] = {"path": hidden_rel, "bytes": size, "sha256": hashing.hexdigest()}
-    marker = {"shard_id": shard, "attempt": attempt, "files": files, "finished": _now(), **summary}
-    won = store.storage.create_exclusive(store.done_path(shard), orjson.dumps(marker, option=orjson.OPT_INDENT_2))
-    if not won:
-        for info in files.values():
-            store.storage.delete(info["path"])
+    files: dict[str, dict] = {}
+    won = False
+    try:
+        store.storage.write_bytes(records_rel, records_bytes)
+        files["records"] = {"path": records_rel, "bytes": len(records_bytes),
+                            "sha256": hashlib.sha256(records_bytes).hexdigest()}
+        if hidden_samples is not None:
+            hidden_rel = store.hidden_path(shard, attempt)
+            with store.storage.atomic_writer(hidden_rel) as fh:
+                hashing = _HashingWriter(fh)
+                writer = HiddenFileWriter(hashing)
+                for sample in hidden_samples:
+                    writer.append(sample)
+                size = writer.close()
+            files["hidden"] = {"path": hidden_rel, "bytes": size, "sha256": hashing.hexdigest()}
+        marker = {"shard_id": shard, "attempt": attempt, "files": files, "finished": _now(), **summary}
+        won = store.storage.create_exclusive(store.done_path(shard),
+                                             orjson.dumps(marker, option=orjson.OPT_INDENT_2))
+    finally:
+        if not won:  # lost the race, or a write failed (disk full, NFS error): leave nothing behind
+            for info in files.values():
+                store.storage.delete(info["path"])
     return won
 
 
