@@ -47,7 +47,7 @@ def summarise(store: RunStore, console: Console, seconds: float) -> dict:
     for k, v in totals.items():
         table.add_row(k.replace("_", " "), f"{v:,}")
     table.add_row("dead-lettered shards", str(len(store.dead_shards())))
-    table.add_row("generated tokens/s (wall)", f"{totals['generated_tokens'] / max(seconds, 1e-9):,.0f}")
+    table.add_row("generated tokens/s (wall, with start-up)", f"{totals['generated_tokens'] / max(seconds, 1e-9):,.0f}")
     for f, n in sorted(flags.items()):
         table.add_row(f"flag {f}", f"{n} ({n / max(totals['ok'], 1):.0%})")
     console.print(table)
