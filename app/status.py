@@ -126,7 +126,7 @@ class RunScanner:
                        store.pause_state())
         scan.done = {_stem(p): m for p, m in self._read_dir(store.rel("done"), cache_all=True).items()}
         scan.dead = {_stem(p): m for p, m in self._read_dir(store.rel("dead"), cache_all=True).items()}
-        scan.captured = {_stem(n) for n in storage.listdir(store.rel("captured")) if n.endswith(".json")}
+        scan.captured = store.captured_shards()
         for path, body in self._read_dir(store.rel("attempts"), cache_all=False).items():
             key = path.rsplit("/", 2)[-2]
             scan.attempts.setdefault(key, []).append(body)

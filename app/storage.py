@@ -228,12 +228,21 @@ class RunStore:
         except FileNotFoundError:
             return None
 
+    def _markers(self, folder: str) -> set[str]:
+        """Names of the `*.json` markers in one folder of the run, from one listing (no per-shard round trips)."""
+        return {n[: -len(".json")] for n in self.storage.listdir(self.rel(folder)) if n.endswith(".json")}
+
     def done_shards(self) -> set[str]:
-        """All shards with a completion marker, from one listing (no per-shard round trips)."""
-        return {n[: -len(".json")] for n in self.storage.listdir(self.rel("done")) if n.endswith(".json")}
+        """All shards with a completion marker."""
+        return self._markers("done")
+
+    def captured_shards(self) -> set[str]:
+        """Shards whose staged capture is published."""
+        return self._markers("captured")
 
     def dead_shards(self) -> set[str]:
-        return {n[: -len(".json")] for n in self.storage.listdir(self.rel("dead")) if n.endswith(".json")}
+        """Dead-lettered keys: shard ids, and `{shard}.capture` for the staged capture stage."""
+        return self._markers("dead")
 
     def pause_state(self) -> dict | None:
         try:

@@ -199,7 +199,7 @@ def resend_missing_captures(store: RunStore, app, storage_url: str) -> int:
     from app.celery_app import CAPTURE_TASK
     from app.config import DEFAULT_CAPTURE_QUEUE
 
-    captured = {n[: -len(".json")] for n in store.storage.listdir(store.rel("captured"))}
+    captured = store.captured_shards()
     dead = store.dead_shards()
     missing = sorted(s for s in store.done_shards() if s not in captured and f"{s}.capture" not in dead)
     for shard in missing:

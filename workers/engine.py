@@ -143,12 +143,9 @@ class Engine:
                 "kv_connector_extra_config": {"shared_storage_path": options.scratch_dir},
             }
         kwargs.update(options.extra)
-        t0 = time.monotonic()
         self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
-        self.startup_seconds = time.monotonic() - t0
-        self.busy_seconds = 0.0
         self._counter = 0
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -207,13 +204,9 @@ class Engine:
     def _loop(self) -> None:
         active: dict[str, tuple[_Job, GenRequest]] = {}
         pending: list[tuple[_Job | None, GenResult | None, str]] = []
-        busy_since = None
         try:
             while True:
                 idle = not self.engine.has_unfinished_requests() and not pending
-                if idle and busy_since is not None:
-                    self.busy_seconds += time.monotonic() - busy_since
-                    busy_since = None
                 try:
                     job = self._jobs.get(block=idle)
                 except queue.Empty:
@@ -221,7 +214,6 @@ class Engine:
                 while job is not None:
                     if job is _SHUTDOWN:
                         return
-                    busy_since = busy_since or time.monotonic()
                     self._admit(job, active)
                     try:
                         job = self._jobs.get_nowait()

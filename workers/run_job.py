@@ -24,8 +24,7 @@ from app.storage import RunStore, Storage
 def _progress_counts(store: RunStore, staged: bool) -> tuple[int, int]:
     done = store.done_shards()
     if staged:
-        captured = {n[:-5] for n in store.storage.listdir(store.rel("captured")) if n.endswith(".json")}
-        done = done & captured
+        done = done & store.captured_shards()
     dead = {d.split(".")[0] for d in store.dead_shards()}
     return len(done), len(dead - done)
 

@@ -183,75 +183,66 @@ def _after_records(ctx: WorkerContext, store: RunStore, manifest: dict, records:
         log.error("run %s paused: %s", store.run_id, reason)
 
 
+def _run_attempt(task: Task, stage: str, kwargs: dict, work) -> str:
+    """Steps 1-7 of the module docstring around `work(ctx, store, manifest, attempt) -> result`, for both stages."""
+    run_id, storage, shard_id = kwargs["run_id"], kwargs["storage"], kwargs["shard_id"]
+    key = shard_id if stage == "generate" else f"{shard_id}.capture"
+    _inflight.add()
+    try:
+        begun = _begin(task, stage, run_id, storage, shard_id)
+        if begun is None:
+            return "skipped"
+        ctx, store, manifest, attempt = begun
+        try:
+            return work(ctx, store, manifest, attempt)
+        except EngineDead as exc:
+            record_attempt_error(store, key, attempt, str(exc))
+            _exit_for_restart(task, kwargs, str(exc))
+        except PermanentError as exc:
+            record_attempt_error(store, key, attempt, str(exc))
+            dead_letter(store, key, str(exc))
+            return "dead"
+        except Exception as exc:  # storage trouble or a bug: retried; the attempt count dead-letters it
+            record_attempt_error(store, key, attempt, f"{type(exc).__name__}: {exc}")
+            raise task.retry(exc=exc, countdown=_backoff(task.request.retries)) from exc
+    except RETRYABLE as exc:  # storage trouble before the attempt began
+        raise task.retry(exc=exc, countdown=_backoff(task.request.retries)) from exc
+    finally:
+        _inflight.release_one()
+
+
 def register(celery) -> None:
     """Register the tasks on `celery` (only worker processes import this module)."""
 
     @celery.task(name=GENERATE_TASK, bind=True, acks_late=True, max_retries=None)
     def generate_shard(self, run_id: str, storage: str, shard_id: str, samples: list[dict]):
         task_started = time.time()
-        kwargs = {"run_id": run_id, "storage": storage, "shard_id": shard_id, "samples": samples}
-        _inflight.add()
-        try:
-            begun = _begin(self, "generate", run_id, storage, shard_id)
-            if begun is None:
-                return "skipped"
-            ctx, store, manifest, attempt = begun
+
+        def work(ctx, store, manifest, attempt):
             from workers.generate import generate_shard as run_generation
 
-            try:
-                records, hidden, summary = run_generation(ctx, manifest, run_id, shard_id, samples)
-                level = int(manifest["settings"].get("compression_level", 3))
-                summary["task_started"] = round(task_started, 4)
-                t_pub = time.time()
-                won = publish_shard(store, shard_id, attempt, records, hidden, summary, level=level)
-                log.info("%s/%s timings: begin %.1f ms, engine-end->publish %.1f ms, publish %.1f ms", run_id,
-                         shard_id, (summary["engine_started"] - task_started) * 1000,
-                         (t_pub - summary["engine_finished"]) * 1000, (time.time() - t_pub) * 1000)
-            except EngineDead as exc:
-                record_attempt_error(store, shard_id, attempt, str(exc))
-                _exit_for_restart(self, kwargs, str(exc))
-            except PermanentError as exc:
-                record_attempt_error(store, shard_id, attempt, str(exc))
-                dead_letter(store, shard_id, str(exc))
-                return "dead"
-            except Exception as exc:  # storage trouble or a bug: retried; the attempt count dead-letters it
-                record_attempt_error(store, shard_id, attempt, f"{type(exc).__name__}: {exc}")
-                raise self.retry(exc=exc, countdown=_backoff(self.request.retries)) from exc
+            records, hidden, summary = run_generation(ctx, manifest, run_id, shard_id, samples)
+            summary["task_started"] = round(task_started, 4)
+            t_pub = time.time()
+            level = int(manifest["settings"].get("compression_level", 3))
+            won = publish_shard(store, shard_id, attempt, records, hidden, summary, level=level)
+            log.info("%s/%s timings: begin %.1f ms, engine-end->publish %.1f ms, publish %.1f ms", run_id,
+                     shard_id, (summary["engine_started"] - task_started) * 1000,
+                     (t_pub - summary["engine_finished"]) * 1000, (time.time() - t_pub) * 1000)
             if manifest["settings"]["capture_mode"] == "staged" and won:
-                self.app.send_task(CAPTURE_TASK, kwargs={"run_id": run_id, "storage": storage,
-                                                         "shard_id": shard_id},
+                self.app.send_task(CAPTURE_TASK, kwargs={"run_id": run_id, "storage": storage, "shard_id": shard_id},
                                    queue=manifest["settings"].get("capture_queue", "regen.capture"))
             _after_records(ctx, store, manifest, records)
             return "done" if won else "duplicate"
-        except RETRYABLE as exc:  # storage trouble before the attempt began
-            raise self.retry(exc=exc, countdown=_backoff(self.request.retries)) from exc
-        finally:
-            _inflight.release_one()
+
+        kwargs = {"run_id": run_id, "storage": storage, "shard_id": shard_id, "samples": samples}
+        return _run_attempt(self, "generate", kwargs, work)
 
     @celery.task(name=CAPTURE_TASK, bind=True, acks_late=True, max_retries=None)
     def capture_shard(self, run_id: str, storage: str, shard_id: str):
-        kwargs = {"run_id": run_id, "storage": storage, "shard_id": shard_id}
-        _inflight.add()
-        try:
-            return _capture(self, kwargs)
-        finally:
-            _inflight.release_one()
+        def work(ctx, store, manifest, attempt):
+            from workers.capture_stage import capture_shard as run_capture
 
-    def _capture(self, kwargs: dict):
-        run_id, storage, shard_id = kwargs["run_id"], kwargs["storage"], kwargs["shard_id"]
-        begun = _begin(self, "capture", run_id, storage, shard_id)
-        if begun is None:
-            return "skipped"
-        ctx, store, manifest, attempt = begun
-        from workers.capture_stage import capture_shard as run_capture
+            return "done" if run_capture(ctx, store, manifest, shard_id, attempt) else "duplicate"
 
-        key = f"{shard_id}.capture"
-        try:
-            won = run_capture(ctx, store, manifest, shard_id, attempt)
-        except EngineDead as exc:
-            record_attempt_error(store, key, attempt, str(exc))
-            _exit_for_restart(self, kwargs, str(exc))
-        except Exception as exc:
-            record_attempt_error(store, key, attempt, f"{type(exc).__name__}: {exc}")
-            raise self.retry(exc=exc, countdown=_backoff(self.request.retries)) from exc
-        return "done" if won else "duplicate"
+        return _run_attempt(self, "capture", {"run_id": run_id, "storage": storage, "shard_id": shard_id}, work)
