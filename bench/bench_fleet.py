@@ -80,7 +80,7 @@ def fleet(model: str, inputs: Path, storage: str, max_tokens: int, shard_size: i
     done = Path(storage, "bench", "done")
     try:
         deadline = time.monotonic() + 900
-        while not (done.exists() and len(list(done.iterdir())) >= shards):
+        while not (done.exists() and len(list(done.glob("shard-*.json"))) >= shards):
             if time.monotonic() > deadline:
                 raise SystemExit("fleet run timed out")
             time.sleep(0.2)
@@ -91,7 +91,7 @@ def fleet(model: str, inputs: Path, storage: str, max_tokens: int, shard_size: i
         import shutil
 
         shutil.copy(Path(storage, "worker.log"), os.environ["REGEN_BENCH_KEEP_LOG"])
-    markers = sorted((json.loads(p.read_text()) for p in done.iterdir()), key=lambda m: m["engine_started"])
+    markers = sorted((json.loads(p.read_text()) for p in done.glob("shard-*.json")), key=lambda m: m["engine_started"])
     tokens = sum(m["generated_tokens"] for m in markers)
     span = markers[-1]["engine_finished"] - markers[0]["engine_started"]
     # Shards overlap on the engine (two task slots), so idle time is the gaps in the union of busy spans.

@@ -43,8 +43,10 @@ def wait_run_done(storage: Path, run_id: str, timeout: float = 180, marker: str 
     store = RunStore(Storage(str(storage)), run_id)
     shards = json.loads((storage / run_id / "produce.json").read_text())["counts"]["shards"]
 
-    def finished():
-        names = store.storage.listdir(store.rel(marker))
+    markers = store.done_shards if marker == "done" else store.captured_shards
+
+    def finished():  # marker sets, not raw listings: a marker being created has a temporary name beside it
+        names = markers()
         return sorted(names) if len(names) >= shards else None
 
     return wait_for(finished, timeout, f"{shards} {marker} markers of run {run_id}")
