@@ -12,6 +12,7 @@ import hashlib
 import re
 
 import orjson
+from xxhash import xxh3_64_hexdigest
 
 from app.errors import InvalidId
 
@@ -26,9 +27,13 @@ def validate_id(value: str, what: str = "id") -> str:
 
 
 def sample_id(messages: list[dict], tools: object | None = None) -> str:
-    """A 16-hex-digit id of the normalised prompt; key order inside messages does not matter."""
-    payload = orjson.dumps({"m": messages, "t": tools}, option=orjson.OPT_SORT_KEYS)
-    return hashlib.blake2b(payload, digest_size=8).hexdigest()
+    """A 16-hex-digit id of the normalised prompt; key order inside messages does not matter.
+
+    XXH3-64 of the canonical JSON: a stable, seedless, non-cryptographic hash (nothing here needs resistance
+    to crafted collisions; an accidental one among 10^6 samples has odds ~3e-8), ~8x faster than blake2b on
+    2 KB prompts, which matters at 50K prompts/s on one producer core.
+    """
+    return xxh3_64_hexdigest(orjson.dumps({"m": messages, "t": tools}, option=orjson.OPT_SORT_KEYS))
 
 
 def shard_id(index: int) -> str:

@@ -26,6 +26,7 @@ from app.manifest import CAPTURE_MODES
 from producer.normalise import REGENERATE_MODES
 from producer.produce import ProduceResult, produce
 from producer.run_setup import (
+    COMPRESS_MODES,
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_TOKENS,
     DEFAULT_SHARD_SIZE,
@@ -39,6 +40,9 @@ _SETTING_FLAGS = ("shard_size", "max_tokens", "thinking", "temperature", "top_p"
 
 
 def _broker_options(f):
+    f = click.option("--compress", type=click.Choice(COMPRESS_MODES), default="auto", show_default=True,
+                     help="zstd shard messages: 2-3x smaller in Redis, a third of the producer's CPU. "
+                          "auto: zstd when no --max-pending bounds the queue and the inputs exceed 1 GiB.")(f)
     f = click.option("--max-pending", type=click.IntRange(min=0), default=None,
                      help="Wait while more than N shards wait in the queue (Redis brokers).")(f)
     f = click.option("--queue", default=DEFAULT_QUEUE, show_default=True, help="Celery queue to publish to.")(f)

@@ -158,19 +158,29 @@ def _turn(raw, index: int) -> dict | None:
     return message
 
 
+def _turns(turns: list) -> list[dict]:
+    out = []
+    append = out.append
+    for i, t in enumerate(turns):
+        m = _turn(t, i)
+        if m is not None:
+            append(m)
+    return out
+
+
 def _conversation(row: dict) -> list[dict]:
     for key in _CONVERSATION_KEYS:
-        if key in row and row[key] is not None:
-            turns = row[key]
-            if not isinstance(turns, list) or not turns:
+        turns = row.get(key)
+        if turns is not None:
+            if type(turns) is not list or not turns:
                 raise Rejected("no_conversation", f"{key!r} is empty or not a list")
-            return [m for i, t in enumerate(turns) if (m := _turn(t, i)) is not None]
+            return _turns(turns)
     for key in _SINGLE_TURN_KEYS:
         value = row.get(key)
         if isinstance(value, list) and key == "prompt":  # some datasets put the messages in `prompt`
             if not value:
                 raise Rejected("no_conversation", "'prompt' is an empty list")
-            return [m for i, t in enumerate(value) if (m := _turn(t, i)) is not None]
+            return _turns(value)
         if value is None:
             continue
         text = _text(value, key)

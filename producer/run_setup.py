@@ -20,6 +20,7 @@ from app.model_info import read_model_info
 from producer.normalise import REGENERATE_MODES
 from producer.readers import describe_input, expand_inputs, file_sha256
 
+COMPRESS_MODES = ("auto", "zstd", "none")
 DEFAULT_SHARD_SIZE = 64
 DEFAULT_MAX_PROMPT_TOKENS = 32768
 DEFAULT_MAX_TOKENS = 4096
@@ -37,6 +38,7 @@ class ProduceOptions:
     broker: str | None = None
     queue: str = "regen"
     max_pending: int | None = None
+    compress: str = "auto"
     shard_size: int = DEFAULT_SHARD_SIZE
     max_tokens: int = DEFAULT_MAX_TOKENS
     thinking: bool = True
@@ -83,6 +85,8 @@ def validate_options(opts: ProduceOptions) -> None:
         raise ConfigError(f"--max-tokens must be at least 1, not {opts.max_tokens}")
     if opts.max_prompt_tokens < 1:
         raise ConfigError(f"--max-prompt-tokens must be at least 1, not {opts.max_prompt_tokens}")
+    if opts.compress not in COMPRESS_MODES:
+        raise ConfigError(f"--compress must be one of {', '.join(COMPRESS_MODES)}, not {opts.compress!r}")
     if opts.max_pending is not None and opts.max_pending < 0:
         raise ConfigError(f"--max-pending must be 0 or more, not {opts.max_pending}")
     if opts.capture not in CAPTURE_MODES:

@@ -103,10 +103,11 @@ def producer_redis():
 def decode_queue(client, queue: str = QUEUE) -> list[dict]:
     """The task messages waiting in a Celery Redis queue, oldest first (kombu LPUSHes and workers BRPOP)."""
     from kombu.compression import decompress
+    from kombu.utils.json import loads as kombu_loads
 
     out = []
     for raw in reversed(client.lrange(queue, 0, -1)):
-        envelope = json.loads(raw)
+        envelope = kombu_loads(raw)  # kombu's decoder: it restores {"__type__": "bytes"} bodies
         body = envelope["body"]
         if envelope["properties"].get("body_encoding") == "base64":
             body = base64.b64decode(body)

@@ -44,7 +44,7 @@ def store_of(opts: ProduceOptions) -> RunStore:
 
 def test_produce_enqueues_one_message_per_shard_with_the_samples(producer_redis, options, tmp_path):  # noqa: F811
     path = write_jsonl(tmp_path / "in.jsonl", [sharegpt_row(i, "q" * 1200) for i in range(10)])
-    opts = options([path])
+    opts = options([path], compress="zstd")
     result = produce(opts)
     assert producer_redis.llen(QUEUE) == 3
     messages = decode_queue(producer_redis)
@@ -64,7 +64,7 @@ def test_produce_enqueues_one_message_per_shard_with_the_samples(producer_redis,
 
 def test_small_shards_are_sent_uncompressed(producer_redis, options, tmp_path):  # noqa: F811
     path = write_jsonl(tmp_path / "in.jsonl", [sharegpt_row(0)])
-    produce(options([path]))
+    produce(options([path], compress="zstd"))
     assert [m["compression"] for m in decode_queue(producer_redis)] == [None]
 
 
@@ -282,8 +282,63 @@ def test_regenerate_all_sends_turns_to_regenerate_in_place(producer_redis, optio
         ("user", False), ("assistant", True)] * 3
 
 
-def test_a_real_celery_worker_receives_the_shard_as_sent(producer_redis, options, tmp_path):  # noqa: F811
-    """The orjson body, zstd level 1 and batched publishes decode in a stock Celery worker."""
+@pytest.mark.parametrize(("extra", "compression"), [
+    ({"compress": "none"}, None),
+    ({}, None),  # auto: a small input parks little in Redis, so compression would only cost
+    ({"max_pending": 1000, "compress": "zstd"}, "application/zstd"),
+])
+def test_compress_mode_decides_the_message_encoding(producer_redis, options, tmp_path, extra, compression):  # noqa: F811
+    path = write_jsonl(tmp_path / "in.jsonl", [sharegpt_row(i, "q" * 1200) for i in range(8)])
+    produce(options([path], **extra))
+    messages = decode_queue(producer_redis)
+    assert [m["compression"] for m in messages] == [compression, compression]
+    assert [len(m["kwargs"]["samples"]) for m in messages] == [4, 4]
+
+
+def test_auto_compression_compresses_only_a_large_unbounded_backlog():
+    from producer.enqueue import AUTO_COMPRESS_INPUT_BYTES, choose_compression
+
+    big, small = AUTO_COMPRESS_INPUT_BYTES + 1, AUTO_COMPRESS_INPUT_BYTES // 2
+    assert choose_compression("auto", None, big) == "zstd"
+    assert choose_compression("auto", 5000, big) == "none"  # --max-pending bounds what Redis holds
+    assert choose_compression("auto", None, small) == "none"
+    assert choose_compression("zstd", 5000, small) == "zstd" and choose_compression("none", None, big) == "none"
+
+
+def test_max_pending_asks_redis_only_when_the_cap_could_be_reached(producer_redis):  # noqa: F811
+    shard = Shard(0, "shard-000000", [], 0)
+    with ShardSender(REDIS_URL, QUEUE, max_pending=100) as sender:
+        for _ in range(10):
+            sender.send("r1", "/tmp/x", shard)
+    assert producer_redis.llen(QUEUE) == 10
+    assert sender.length_checks == 1  # the first send; 1 + 9 more can never exceed 100
+    producer_redis.rpush(QUEUE, *[b"x"] * 95)  # someone else filled the queue: the next sender must look again
+    with ShardSender(REDIS_URL, QUEUE, max_pending=100, sleep=lambda _s: producer_redis.lpop(QUEUE)) as sender:
+        for _ in range(10):
+            sender.send("r1", "/tmp/x", shard)
+    assert producer_redis.llen(QUEUE) <= 101
+    assert sender.length_checks > 1 and sender.waits > 0
+
+
+def test_a_publish_error_in_the_sending_thread_fails_produce_and_sends_nothing(producer_redis):  # noqa: F811
+    from app.errors import RetryableError
+
+    good = Shard(0, "shard-000000", [{"id": "a"}], 0)
+    bad = Shard(1, "shard-000001", [{"id": object()}], 0)  # not JSON: the publish raises in the thread
+    with pytest.raises(RetryableError, match="shard-000001"), ShardSender(REDIS_URL, QUEUE) as sender:
+        sender.send("r1", "/tmp/x", good)
+        sender.send("r1", "/tmp/x", bad)
+        for _ in range(20):
+            sender.send("r1", "/tmp/x", good)
+    assert producer_redis.llen(QUEUE) == 0  # the batch holding the good shards was discarded, not half-sent
+
+
+_WORKER_INBOX: dict = {}  # the test task below is registered once per app; each test points it at its own list
+
+
+@pytest.mark.parametrize("compress", ["zstd", "none"])
+def test_a_real_celery_worker_receives_the_shard_as_sent(producer_redis, options, tmp_path, compress):  # noqa: F811
+    """The orjson body and envelope, zstd level 1 (or none) and batched publishes decode in a stock Celery worker."""
     import threading
 
     from celery.contrib.testing.worker import start_worker
@@ -293,16 +348,20 @@ def test_a_real_celery_worker_receives_the_shard_as_sent(producer_redis, options
 
     received: list[dict] = []
     got_all = threading.Event()
+    _WORKER_INBOX.update(received=received, got_all=got_all)
     app = create_app(BrokerSettings(url=REDIS_URL))
-
-    @app.task(name=GENERATE_TASK)
-    def generate_shard(run_id, storage, shard_id, samples):
-        received.append({"run_id": run_id, "storage": storage, "shard_id": shard_id, "samples": samples})
-        if len(received) == 2:
-            got_all.set()
+    if GENERATE_TASK not in app.tasks:
+        @app.task(name=GENERATE_TASK)
+        def generate_shard(run_id, storage, shard_id, samples):
+            inbox = _WORKER_INBOX["received"]
+            inbox.append({"run_id": run_id, "storage": storage, "shard_id": shard_id, "samples": samples})
+            if len(inbox) == 2:
+                _WORKER_INBOX["got_all"].set()
 
     path = write_jsonl(tmp_path / "in.jsonl", [sharegpt_row(i, "long question " * 100) for i in range(6)])
-    produce(options([path]))
+    produce(options([path], compress=compress))
+    assert [m["compression"] for m in decode_queue(producer_redis)] == (
+        ["application/zstd", None] if compress == "zstd" else [None, None])
     with start_worker(app, pool="solo", perform_ping_check=False, queues=[QUEUE], loglevel="WARNING",
                       shutdown_timeout=10):
         assert got_all.wait(timeout=20), f"worker received {len(received)} of 2 shards"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from producer.estimate import (
     Reservoir,
     build_estimate,
@@ -17,6 +20,19 @@ def test_deduper_counts_repeats_by_sample_id():
     ids = ["00000000000000ff", "ffffffffffffffff", "00000000000000ff", "ffffffffffffffff", "0000000000000001"]
     assert [d.first_time(i) for i in ids] == [True, True, False, False, True]
     assert d.duplicates == 2 and len(d) == 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([0, 1, 2**63, 2**64 - 1])), max_size=400),
+       st.integers(1, 40))
+def test_deduper_agrees_with_a_plain_set_across_archive_merges(keys, window):
+    """Small windows force many merges into the sorted archive and its bitmap: answers must stay exact."""
+    d, seen = Deduper(window=window), set()
+    for key in keys:
+        sid = f"{key:016x}"
+        assert d.first_time(sid) == (sid not in seen)
+        seen.add(sid)
+    assert len(d) == len(seen) and d.duplicates == len(keys) - len(seen)
 
 
 def test_shards_are_fixed_size_groups_in_input_order_with_deterministic_ids():
