@@ -278,17 +278,22 @@ def test_a_host_added_mid_run_shares_the_work_and_duplicates_collapse(cpu_worker
     """A second worker joins during a run (adding a host is one command), and every shard is also published
     twice (as Redis re-delivery or a second produce would), so the two workers run copies of the same shards
     at once: each shard still has exactly one output."""
-    # Long enough (about a minute for one worker) that the second one joins while shards are still queued.
     inputs = prompts_file(tmp_path, n_synthetic=200, with_formats=False)
     state = produce(e2e_storage, "two-hosts", [inputs], tiny_qwen3, "--max-tokens", "64")
     store = RunStore(Storage(str(e2e_storage)), "two-hosts")
+    wait_for(lambda: store.done_shards() or None, 120, "the first worker to finish a shard")  # the run is under way
+    # Hold the run while the new host loads its engine (a fast first worker could otherwise finish alone): a
+    # paused run's messages are dropped, and resume-run re-sends every shard without a marker.
+    store.storage.write_json(store.pause_path, {"reason": "test: waiting for the second host"})
     second = WorkerProcess(["--cpu", "--model", str(tiny_qwen3), "--layers", "vllm:1,2,4", "--max-model-len", "4096",
                             "--name", "second"], tmp_path / "second.log", worker_env())
     try:
-        resent = CliRunner().invoke(main, ["reconcile", "two-hosts", "--storage", str(e2e_storage), "--broker",
-                                           E2E_BROKER], catch_exceptions=False)
-        assert resent.exit_code == 0, resent.output
         second.wait_ready()
+        assert len(store.done_shards()) < state["counts"]["shards"] - 4, "the run ended before the second host came"
+        for command in ("resume-run", "reconcile"):  # every remaining shard is published twice
+            resent = CliRunner().invoke(main, [command, "two-hosts", "--storage", str(e2e_storage), "--broker",
+                                               E2E_BROKER], catch_exceptions=False)
+            assert resent.exit_code == 0, resent.output
         wait_run_done(e2e_storage, "two-hosts", timeout=300)
         workers = {store.done_marker(s)["worker"].split("@")[0] for s in store.done_shards()}
         assert workers == {"e2e", "second"}, workers
