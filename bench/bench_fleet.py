@@ -1,6 +1,6 @@
 """Fleet throughput vs vLLM called directly, on the CPU with the tiny Qwen3 (one command, ~3 minutes).
 
-    python bench/bench_fleet.py [--prompts 256] [--max-tokens 64] [--shard-size 64]
+    python bench/bench_fleet.py [--prompts 512] [--max-tokens 64] [--shard-size 64] [--rounds 3]
 
 Direct: one `LLM.generate` over all prompts (token-id prompts, same sampling, same capture settings).
 Fleet: `regen produce` -> local Redis -> a real `regen worker --cpu` process -> shards on storage; steady-state
@@ -8,8 +8,8 @@ tokens/s is measured from the first shard's engine start to the last shard's eng
 start-up is not counted, but everything between shards (writing, marker, ack, fetching the next message,
 rendering prompts) is. The worker's two task slots let the next shard start while the previous one is
 written, so the engine's idle time is the gaps in the union of the shards' engine spans; it is printed too.
-Both runs happen in this one invocation, so the ratio is meaningful on a noisy machine; absolute figures are
-not. On this 2-core CPU the worker's compression and writes compete with the engine for the same cores; on
+Both runs happen in this one invocation, alternating (direct, fleet) for `--rounds` rounds; the ratio is taken
+within each round and the median printed, so it is meaningful on a noisy machine; absolute figures are not. On this 2-core CPU the worker's compression and writes compete with the engine for the same cores; on
 a GPU host they overlap with GPU work.
 """
 
@@ -104,16 +104,19 @@ def fleet(model: str, inputs: Path, storage: str, max_tokens: int, shard_size: i
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--shard-size", type=int, default=64,
                     help="the production default; the second task slot queues its shard behind the first")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="direct then fleet, this many times; the ratio is taken per round, then the median")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
     from workers.generate import render_prompt
     from workers.tiny_model import build_tiny_qwen3
 
+    rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_qwen3(os.path.join(tmp, "tiny"))
         tok = AutoTokenizer.from_pretrained(model)
@@ -123,16 +126,21 @@ def main() -> None:
         inputs.write_text("".join(json.dumps(r) + "\n" for r in rows))
         prompts = [render_prompt(tok, [{"role": "user", "content": r["question"]}], None, True) for r in rows]
         Path(tmp, "prompts.json").write_text(json.dumps(prompts))
-        d_tokens, d_seconds = direct(model, prompts, args.max_tokens, tmp)
-        f_tokens, f_seconds, gaps = fleet(model, inputs, os.path.join(tmp, "storage"), args.max_tokens,
-                                          args.shard_size)
-    d_rate, f_rate = d_tokens / d_seconds, f_tokens / f_seconds
-    gaps_ms = sorted(g * 1000 for g in gaps)
-    print(f"prompts {args.prompts}, max_tokens {args.max_tokens}, shard size {args.shard_size}, capture inline "
-          f"(vLLM layers {LAYERS})")
-    print(f"direct vLLM : {d_tokens} tokens in {d_seconds:.2f}s = {d_rate:,.0f} tok/s")
-    print(f"fleet       : {f_tokens} tokens in {f_seconds:.2f}s = {f_rate:,.0f} tok/s (steady state)")
-    print(f"fleet / direct = {f_rate / d_rate:.3f}  (target >= 0.95)")
+        print(f"prompts {args.prompts}, max_tokens {args.max_tokens}, shard size {args.shard_size}, capture inline "
+              f"(vLLM layers {LAYERS}), {args.rounds} rounds of direct then fleet", flush=True)
+        for r in range(args.rounds):
+            d_tokens, d_seconds = direct(model, prompts, args.max_tokens, tmp)
+            f_tokens, f_seconds, gaps = fleet(model, inputs, os.path.join(tmp, f"storage-{r}"), args.max_tokens,
+                                              args.shard_size)
+            d_rate, f_rate = d_tokens / d_seconds, f_tokens / f_seconds
+            rounds.append((f_rate / d_rate, gaps))
+            print(f"round {r + 1}: direct {d_tokens} tokens in {d_seconds:.2f}s = {d_rate:,.0f} tok/s; fleet "
+                  f"{f_tokens} tokens in {f_seconds:.2f}s = {f_rate:,.0f} tok/s (steady state); "
+                  f"fleet/direct {f_rate / d_rate:.3f}", flush=True)
+    ratios = sorted(r for r, _ in rounds)
+    gaps_ms = sorted(g * 1000 for _, gaps in rounds for g in gaps)
+    print(f"fleet / direct = {ratios[len(ratios) // 2]:.3f} median of {len(ratios)} rounds "
+          f"(min {ratios[0]:.3f}, max {ratios[-1]:.3f}; target >= 0.95)")
     if gaps_ms:
         print(f"engine idle gap between shards: median {gaps_ms[len(gaps_ms) // 2]:.1f} ms, "
               f"max {gaps_ms[-1]:.1f} ms over {len(gaps_ms)} gaps  (target < 50 ms)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from app.hidden_file import float32_to_bf16
 from app.manifest import QualitySettings
@@ -73,6 +75,26 @@ def test_repetition_loops_are_found(period):
 def test_varied_text_is_not_a_loop():
     rng = np.random.default_rng(0)
     assert not repetition_loop(rng.integers(0, 5000, 400).tolist(), Q.repetition_min_repeats)
+
+
+def _loop_by_definition(ids, min_repeats, max_period=64, min_span=16):
+    """The definition, written the slow way: the last `span` tokens equal themselves shifted by `p`."""
+    for p in range(1, max_period + 1):
+        span = max(p * min_repeats, min_span)
+        if span > len(ids):
+            break
+        tail = ids[len(ids) - span:]
+        if all(tail[i] == tail[i + p] for i in range(span - p)):
+            return True
+    return False
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 2), max_size=120), st.lists(st.integers(0, 3), min_size=1, max_size=5),
+       st.integers(0, 40), st.integers(2, 6))
+def test_repetition_loop_matches_its_definition(prefix, block, repeats, min_repeats):
+    ids = prefix + block * repeats  # a tiny alphabet makes near-misses and real loops both common
+    assert repetition_loop(ids, min_repeats) == _loop_by_definition(ids, min_repeats)
 
 
 def test_states_checks_find_zero_layers_and_non_finite_values():

@@ -109,8 +109,38 @@ class Engine:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         os.environ.setdefault("DO_NOT_TRACK", "1")
+        self._counter = 0
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._dead: str | None = None
+        self._deliveries: queue.Queue = queue.Queue()
+        self._delivery = threading.Thread(target=self._deliver_loop, name="regen-deliver", daemon=True)
+        self._delivery.start()
+        # On the CPU the connector writes a request's file synchronously inside an engine step, so in-process
+        # a file that exists is complete: no per-step lock probe (it cost ~5% of a CPU engine's time).
+        self._sync_capture = options.device == "cpu"
+        if options.in_process:
+            # The engine thread builds vLLM itself, so every torch op of the model runs on one thread. With
+            # torch on OpenMP, each thread that runs parallel ops gets its own OpenMP team; once a second team
+            # exists (build on the main thread, steps on this one), libgomp sees more threads than cores and
+            # stops spin-waiting between parallel regions, and every region pays a futex wake-up: measured here,
+            # the CPU engine ran at 0.55-0.8x the speed of the same `LLM.generate` on one thread.
+            built = threading.Event()
+            failure: list[BaseException] = []
+            self._thread = threading.Thread(target=self._own_engine, args=(built, failure), name="regen-engine",
+                                            daemon=True)
+            self._thread.start()
+            built.wait()
+            if failure:
+                raise failure[0]
+        else:
+            self._build()
+
+    def _build(self) -> None:
         from vllm import LLM
 
+        options = self.options
         kwargs: dict = {
             "model": options.model,
             "dtype": options.dtype,
@@ -146,14 +176,17 @@ class Engine:
         self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
-        self._counter = 0
-        self._jobs: queue.Queue = queue.Queue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._dead: str | None = None
-        # On the CPU the connector writes a request's file synchronously inside an engine step, so in-process
-        # a file that exists is complete: no per-step lock probe (it cost ~5% of a CPU engine's time).
-        self._sync_capture = options.device == "cpu"
+
+    def _own_engine(self, built: threading.Event, failure: list) -> None:
+        """The in-process engine thread: build vLLM here, then serve jobs here until shutdown."""
+        try:
+            self._build()
+        except BaseException as exc:  # handed to __init__, which raises it in the caller's thread
+            failure.append(exc)
+            return
+        finally:
+            built.set()
+        self._loop()
 
     # -- generation -------------------------------------------------------------------------------------
     def _sampling_params(self, req: GenRequest):
@@ -183,7 +216,7 @@ class Engine:
         """Generate every request (continuous batching) and call `on_done` as each one finishes.
 
         Blocks until the whole batch is done. Thread-safe: batches from several callers share the engine.
-        `on_done` runs on the engine thread, so it must be quick (hand heavy work to a pool).
+        `on_done` runs on the engine's delivery thread (one call at a time, in finishing order); keep it quick.
         """
         if self.options.capture_layers is None and any(r.capture for r in requests):
             raise ConfigError("capture requested but this engine was built without capture layers")
@@ -192,7 +225,7 @@ class Engine:
         with self._lock:
             if self._dead:
                 raise EngineDead(self._dead)
-            if self._thread is None:
+            if self._thread is None:  # an engine-core process: this thread only steps the client
                 self._thread = threading.Thread(target=self._loop, name="regen-engine", daemon=True)
                 self._thread.start()
         job = _Job(requests, on_done)
@@ -232,6 +265,7 @@ class Engine:
             with self._lock:
                 self._dead = message
             failed = {id(j): j for j, _ in active.values()}
+            failed.update({id(j): j for j, _, _ in pending if j is not None})  # finished, capture not yet handed on
             while True:
                 try:
                     j = self._jobs.get_nowait()
@@ -282,7 +316,7 @@ class Engine:
         else:
             if path:  # a capture-enabled engine captures every request; drop what nobody asked for
                 pending.append((None, None, path))
-            job.deliver(result)
+            self._deliveries.put((job, result, None))
 
     def _step(self):
         """One engine step. Any exception from inside the engine leaves it in an unknown state (and a dead
@@ -293,33 +327,61 @@ class Engine:
             raise EngineDead(f"vLLM engine failed: {type(exc).__name__}: {exc}") from exc
 
     def _collect_captures(self, pending):
+        """Hand every request whose capture file is complete to the delivery thread; keep the rest."""
         still = []
-        for job, result, path in pending:
-            if not self.options.in_process:
-                from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-                    load_hidden_states,
-                )
-
-                data = load_hidden_states(path) if result is not None else None
-            elif os.path.exists(path) and (self._sync_capture or not _locked(path)):
-                from safetensors.torch import load_file
-
-                data = load_file(path) if result is not None else None
+        for item in pending:
+            path = item[2]
+            if not self.options.in_process or (os.path.exists(path) and (self._sync_capture or not _locked(path))):
+                self._deliveries.put(item)
             else:
-                still.append((job, result, path))
-                continue
-            _remove_scratch(path)
-            if result is None:
-                continue
-            import torch
-
-            states = data["hidden_states"]
-            if states.dtype != torch.bfloat16:
-                states = states.to(torch.bfloat16)
-            result.captured_states = states.contiguous().view(torch.int16).numpy().view(np.uint16)
-            result.captured_token_ids = data["token_ids"].numpy().astype(np.int64)
-            job.deliver(result)
+                still.append(item)
         return still
+
+    # The delivery thread -------------------------------------------------------------------------------
+    # Loading a capture file, the caller's `on_done` (checks, quality flags, handing states to the encoder)
+    # and removing scratch files cost ~5% of a CPU engine's step time; done on the engine thread they were
+    # serial with every step. One delivery thread does them instead, in finishing order, so `on_done` is
+    # still called from one thread at a time.
+    def _deliver_loop(self) -> None:
+        while True:
+            item = self._deliveries.get()
+            if item is _SHUTDOWN:
+                return
+            job, result, path = item
+            try:
+                if path is not None:
+                    self._load_capture(result, path)
+            except BaseException as exc:  # a capture the engine wrote but nobody can read: the engine is suspect
+                message = f"capture file {path} unreadable: {exc!r}"
+                with self._lock:
+                    self._dead = self._dead or message
+                if job is not None:
+                    job.fail(EngineDead(message))
+                continue
+            if job is not None and result is not None:
+                job.deliver(result)
+
+    def _load_capture(self, result: GenResult | None, path: str) -> None:
+        if self.options.in_process:
+            from safetensors.torch import load_file
+
+            data = load_file(path) if result is not None else None
+        else:
+            from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+                load_hidden_states,
+            )
+
+            data = load_hidden_states(path) if result is not None else None
+        _remove_scratch(path)
+        if result is None:
+            return
+        import torch
+
+        states = data["hidden_states"]
+        if states.dtype != torch.bfloat16:
+            states = states.to(torch.bfloat16)
+        result.captured_states = states.contiguous().view(torch.int16).numpy().view(np.uint16)
+        result.captured_token_ids = data["token_ids"].numpy().astype(np.int64)
 
     def self_test(self) -> float:
         """Generate a few tokens before consuming, so a broken engine never takes a shard."""
@@ -345,6 +407,8 @@ class Engine:
         if self._thread is not None:
             self._jobs.put(_SHUTDOWN)
             self._thread.join(timeout=30)
+        self._deliveries.put(_SHUTDOWN)
+        self._delivery.join(timeout=30)
         try:
             core = getattr(self.engine, "engine_core", None)
             if core is not None and hasattr(core, "shutdown"):
