@@ -362,6 +362,12 @@ class Engine:
                 job.deliver(result)
 
     def _load_capture(self, result: GenResult | None, path: str) -> None:
+        if self.options.in_process and result is not None:
+            loaded = _read_capture_file(path)
+            if loaded is not None:
+                _remove_scratch(path)
+                result.captured_token_ids, result.captured_states = loaded
+                return
         if self.options.in_process:
             from safetensors.torch import load_file
 
@@ -415,6 +421,28 @@ class Engine:
                 core.shutdown()
         except Exception:  # best effort at exit
             log.debug("engine shutdown raised", exc_info=True)
+
+
+_TOKEN_DTYPES = {"I64": np.int64, "I32": np.int32}
+
+
+def _read_capture_file(path: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(token ids int64, bf16 states as uint16) straight from the safetensors bytes, or None for other dtypes.
+
+    `safetensors.deserialize` hands back each tensor's raw bytes: no torch tensors are built, which matters
+    because this runs once per sample beside the engine (~20 us instead of ~90 us, and less time holding the GIL).
+    """
+    import safetensors
+
+    if not hasattr(safetensors, "deserialize"):  # older safetensors: the torch loader does it
+        return None
+    with open(path, "rb") as fh:
+        tensors = dict(safetensors.deserialize(fh.read()))
+    states, ids = tensors["hidden_states"], tensors["token_ids"]
+    if states["dtype"] != "BF16" or ids["dtype"] not in _TOKEN_DTYPES:
+        return None
+    token_ids = np.frombuffer(ids["data"], dtype=_TOKEN_DTYPES[ids["dtype"]]).astype(np.int64)
+    return token_ids, np.frombuffer(states["data"], dtype=np.uint16).reshape(states["shape"])
 
 
 def _locked(path: str) -> bool:
