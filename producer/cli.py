@@ -23,10 +23,10 @@ from rich.table import Table
 from app.config import DEFAULT_QUEUE
 from app.errors import ConfigError
 from app.manifest import CAPTURE_MODES
+from producer.enqueue import COMPRESS_MODES
 from producer.normalise import REGENERATE_MODES
 from producer.produce import ProduceResult, produce
 from producer.run_setup import (
-    COMPRESS_MODES,
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_TOKENS,
     DEFAULT_SHARD_SIZE,

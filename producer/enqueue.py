@@ -38,12 +38,14 @@ from app.errors import ConfigError, RetryableError
 from producer.sharding import Shard
 
 COMPRESS_ABOVE = 4096
-BATCH_OPERATIONS = 32  # Redis commands per pipeline (a shard is two: its message and its task-sent event)
+COMPRESS_MODES = ("auto", "zstd", "none")
+BATCH_OPERATIONS = 32  # Redis commands (one LPUSH per shard) per pipeline
 SERIALIZER = "regen-orjson"
 ZSTD_LEVEL = 1
 AUTO_COMPRESS_INPUT_BYTES = 1 << 30
-QUEUE_DEPTH = 8
-TRIM_EVERY = 64  # shards between malloc_trim calls (see _heap_trimmer)  # shards handed to the publishing thread and not yet published
+QUEUE_DEPTH = 8  # shards handed to the publishing thread and not yet published
+TRIM_EVERY = 64  # shards between malloc_trim calls (see _heap_trimmer)
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _STOP = object()
 
 
@@ -80,7 +82,7 @@ def _register_codecs() -> None:
 def _use_orjson_envelope() -> None:
     """Encode the Redis transport's message envelope with orjson in this (producer) process.
 
-    kombu's Redis channel JSON-encodes every message envelope (headers, properties and the base64 body) with the
+    kombu's Redis channel JSON-encodes every message envelope (headers, properties and the body) with the
     stdlib encoder before the LPUSH: ~170 us for a 64-prompt shard, a quarter of what publishing costs. orjson
     writes the same JSON ~4x faster. Types orjson would write differently from kombu (datetimes, dataclasses,
     subclasses of str/int/dict) are passed to kombu's own encoder, so the bytes in Redis decode to the same
@@ -106,7 +108,7 @@ def _use_orjson_envelope() -> None:
 
 def choose_compression(mode: str, max_pending: int | None, input_bytes: int) -> str:
     """`zstd` or `none` for `--compress MODE`; see the module docstring for why `auto` decides as it does."""
-    if mode not in ("auto", "zstd", "none"):
+    if mode not in COMPRESS_MODES:
         raise ConfigError(f"unknown compression {mode!r} (auto, zstd or none)")
     if mode != "auto":
         return mode
@@ -153,7 +155,8 @@ class ShardSender:
         self.poll_interval = poll_interval
         self._sleep = sleep
         self.app = create_app(self.settings)
-        if self.settings.url.startswith(("redis://", "rediss://", "unix://")):
+        self._is_redis = self.settings.url.startswith(_REDIS_SCHEMES)
+        if self._is_redis:
             # The body goes into the envelope as JSON text (kombu tags it {"__type__": "bytes"}) instead of base64:
             # no encode/decode pass and 25% fewer bytes through Redis. Receivers read the encoding from each
             # message's properties, so workers need no matching setting; zstd bodies fall back to base64 tagging.
@@ -173,7 +176,7 @@ class ShardSender:
 
     def __enter__(self) -> ShardSender:
         if self.max_pending is not None:
-            if self.settings.url.startswith(("redis://", "rediss://", "unix://")):
+            if self._is_redis:
                 import redis
 
                 self._redis = redis.Redis.from_url(self.settings.url)
@@ -237,9 +240,7 @@ class ShardSender:
                 if trim is not None and published % TRIM_EVERY == 0:
                     trim(0)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            self._error = exc if isinstance(exc, RetryableError) else RetryableError(
-                f"publishing to {self.settings.masked_url} failed: {exc} "
-                "(re-run the same produce command: finished shards are skipped)")
+            self._error = exc if isinstance(exc, RetryableError) else self._failure(exc)
             self._abort = True
         finally:
             self._batch = None
@@ -251,14 +252,16 @@ class ShardSender:
                         batch.__exit__(None, None, None)  # flushes
                 except Exception as flush_error:
                     if self._error is None:
-                        self._error = RetryableError(
-                            f"publishing to {self.settings.masked_url} failed: {flush_error} "
-                            "(re-run the same produce command: finished shards are skipped)")
+                        self._error = self._failure(flush_error)
             while True:  # unblock a sender waiting on a full inbox after an error
                 try:
                     self._inbox.get_nowait()
                 except queue_module.Empty:
                     break
+
+    def _failure(self, exc: BaseException, what: str = "") -> RetryableError:
+        return RetryableError(f"publishing {what}to {self.settings.masked_url} failed: {exc} "
+                              "(re-run the same produce command: finished shards are skipped)")
 
     def flush(self) -> None:
         if self._batch is not None:
@@ -305,7 +308,4 @@ class ShardSender:
                 kwargsrepr=f"{{run_id: {run_id}, shard_id: {shard.id}, samples: <{len(shard.samples)}>}}",
             )
         except Exception as exc:
-            raise RetryableError(
-                f"publishing {shard.id} to {self.settings.masked_url} failed: {exc} "
-                "(re-run the same produce command: finished shards are skipped)"
-            ) from None
+            raise self._failure(exc, f"{shard.id} ") from None

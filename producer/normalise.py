@@ -159,13 +159,7 @@ def _turn(raw, index: int) -> dict | None:
 
 
 def _turns(turns: list) -> list[dict]:
-    out = []
-    append = out.append
-    for i, t in enumerate(turns):
-        m = _turn(t, i)
-        if m is not None:
-            append(m)
-    return out
+    return [m for i, t in enumerate(turns) if (m := _turn(t, i)) is not None]
 
 
 def _conversation(row: dict) -> list[dict]:

@@ -22,8 +22,6 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import orjson
-
 from app.errors import ConfigError
 from app.ids import validate_id
 from app.manifest import load, open_or_create
@@ -70,7 +68,6 @@ def iter_samples(paths: list[str], opts: ProduceOptions, acc: Accounting, reject
                  progress: ProgressFn | None = None) -> Iterator[tuple[dict, int]]:
     """Every record of every input, counted once as read and then as a reject, a duplicate or a yielded sample."""
     regenerate, cap = opts.regenerate, opts.prompt_char_cap
-    loads, JSONDecodeError = orjson.loads, orjson.JSONDecodeError  # noqa: N806 - hot-loop locals
     first_time = dedupe.first_time
     done_bytes = 0
     total_bytes = sum(os.path.getsize(p) for p in paths)
@@ -85,10 +82,7 @@ def iter_samples(paths: list[str], opts: ProduceOptions, acc: Accounting, reject
                 try:
                     if type(payload) is bytes:
                         nbytes = len(payload)
-                        try:
-                            row = loads(payload)
-                        except JSONDecodeError:
-                            row = parse_line(payload)  # raises Rejected with the reason
+                        row = parse_line(payload)
                     elif isinstance(payload, ReadFailure):
                         raise Rejected(payload.reason, payload.detail)
                     else:
@@ -193,17 +187,13 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
             sender.send(run_id, storage_url, shard)
             acc.shards_sent += 1
             acc.samples_sent += len(shard.samples)
-        if opts.resume and settings_capture_mode(store) == "staged":
+        if opts.resume and settings["capture_mode"] == "staged":
             resend_missing_captures(store, sender.app, storage_url)
     acc.check_identity()
     write_produce_state(store, producer_settings=psettings, accounting=acc, complete=True, queue=opts.queue,
                         started=started)
     record_counts(store, acc)
     return ProduceResult(run_id, "produced", acc, paths, storage_url=storage_url)
-
-
-def settings_capture_mode(store: RunStore) -> str:
-    return load(store)["settings"]["capture_mode"]
 
 
 def resend_missing_captures(store: RunStore, app, storage_url: str) -> int:

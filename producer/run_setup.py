@@ -17,10 +17,10 @@ from app.errors import ConfigError, InputError, ManifestMismatch
 from app.layers import parse_layers
 from app.manifest import CAPTURE_MODES, QualitySettings, RunSettings, Sampling
 from app.model_info import read_model_info
+from producer.enqueue import COMPRESS_MODES
 from producer.normalise import REGENERATE_MODES
 from producer.readers import describe_input, expand_inputs, file_sha256
 
-COMPRESS_MODES = ("auto", "zstd", "none")
 DEFAULT_SHARD_SIZE = 64
 DEFAULT_MAX_PROMPT_TOKENS = 32768
 DEFAULT_MAX_TOKENS = 4096

@@ -112,7 +112,7 @@ class Engine:
         self._counter = 0
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread
         self._dead: str | None = None
         self._deliveries: queue.Queue = queue.Queue()
         self._delivery = threading.Thread(target=self._deliver_loop, name="regen-deliver", daemon=True)
@@ -134,8 +134,10 @@ class Engine:
             built.wait()
             if failure:
                 raise failure[0]
-        else:
+        else:  # an engine-core process does the compute; this thread only steps the client
             self._build()
+            self._thread = threading.Thread(target=self._loop, name="regen-engine", daemon=True)
+            self._thread.start()
 
     def _build(self) -> None:
         from vllm import LLM
@@ -225,9 +227,6 @@ class Engine:
         with self._lock:
             if self._dead:
                 raise EngineDead(self._dead)
-            if self._thread is None:  # an engine-core process: this thread only steps the client
-                self._thread = threading.Thread(target=self._loop, name="regen-engine", daemon=True)
-                self._thread.start()
         job = _Job(requests, on_done)
         self._jobs.put(job)
         job.finished.wait()
@@ -362,32 +361,28 @@ class Engine:
                 job.deliver(result)
 
     def _load_capture(self, result: GenResult | None, path: str) -> None:
-        if self.options.in_process and result is not None:
-            loaded = _read_capture_file(path)
-            if loaded is not None:
-                _remove_scratch(path)
-                result.captured_token_ids, result.captured_states = loaded
-                return
-        if self.options.in_process:
-            from safetensors.torch import load_file
-
-            data = load_file(path) if result is not None else None
-        else:
-            from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-                load_hidden_states,
-            )
-
-            data = load_hidden_states(path) if result is not None else None
+        """Attach the capture file's token ids and states to `result` (None: nobody asked), then remove it."""
+        if result is not None:
+            loaded = _read_capture_file(path) if self.options.in_process else None
+            result.captured_token_ids, result.captured_states = loaded or self._load_capture_with_torch(path)
         _remove_scratch(path)
-        if result is None:
-            return
+
+    def _load_capture_with_torch(self, path: str) -> tuple[np.ndarray, np.ndarray]:
+        """vLLM's own loader (an engine-core process: it waits on the writer's file lock), or other dtypes."""
         import torch
 
+        if self.options.in_process:
+            from safetensors.torch import load_file as load
+        else:
+            from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+                load_hidden_states as load,
+            )
+        data = load(path)
         states = data["hidden_states"]
         if states.dtype != torch.bfloat16:
             states = states.to(torch.bfloat16)
-        result.captured_states = states.contiguous().view(torch.int16).numpy().view(np.uint16)
-        result.captured_token_ids = data["token_ids"].numpy().astype(np.int64)
+        return (data["token_ids"].numpy().astype(np.int64),
+                states.contiguous().view(torch.int16).numpy().view(np.uint16))
 
     def self_test(self) -> float:
         """Generate a few tokens before consuming, so a broken engine never takes a shard."""
@@ -410,9 +405,8 @@ class Engine:
         return time.monotonic() - t0
 
     def shutdown(self) -> None:
-        if self._thread is not None:
-            self._jobs.put(_SHUTDOWN)
-            self._thread.join(timeout=30)
+        self._jobs.put(_SHUTDOWN)
+        self._thread.join(timeout=30)
         self._deliveries.put(_SHUTDOWN)
         self._delivery.join(timeout=30)
         try:
