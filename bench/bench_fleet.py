@@ -2,7 +2,8 @@
 
     python bench/bench_fleet.py [--prompts 512] [--max-tokens 64] [--shard-size 64] [--rounds 3]
 
-Direct: one `LLM.generate` over all prompts (token-id prompts, same sampling, same capture settings).
+Direct: one `LLM.generate` over all prompts (token-id prompts, same sampling, same capture settings, and the
+max_model_len the worker derives from the run).
 Fleet: `regen produce` -> local Redis -> a real `regen worker --cpu` process -> shards on storage; steady-state
 tokens/s is measured from the first shard's engine start to the last shard's engine end, so the worker's
 start-up is not counted, but everything between shards (writing, marker, ack, fetching the next message,
@@ -28,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 BROKER = "redis://127.0.0.1:6379/8"
 LAYERS = [1, 2, 4]
+MAX_PROMPT_TOKENS = 2048  # the fleet's worker derives max_model_len = this + max_tokens from the run; direct uses the same
 
 
 def direct(model: str, prompts: list[list[int]], max_tokens: int, scratch: str) -> tuple[int, float]:
@@ -40,7 +42,8 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from workers.engine import EngineOptions
 prompts = json.load(open({scratch + '/prompts.json'!r}))
-o = EngineOptions(model={model!r}, capture_layers=tuple({LAYERS!r}), max_model_len=4096, scratch_dir={scratch + '/hs'!r})
+o = EngineOptions(model={model!r}, capture_layers=tuple({LAYERS!r}), max_model_len={MAX_PROMPT_TOKENS + max_tokens},
+                  scratch_dir={scratch + '/hs'!r})
 llm = LLM(model=o.model, dtype="bfloat16", max_model_len=o.max_model_len, max_num_seqs=o.max_num_seqs,
           gpu_memory_utilization=o.gpu_memory_utilization, enforce_eager=True, enable_chunked_prefill=False,
           distributed_executor_backend="uni", disable_log_stats=True,
@@ -71,8 +74,8 @@ def fleet(model: str, inputs: Path, storage: str, max_tokens: int, shard_size: i
     env = {**os.environ, "REGEN_BROKER_URL": BROKER, "HF_HUB_OFFLINE": "1"}
     subprocess.run([sys.executable, "-m", "app.cli", "produce", str(inputs), "--run", "bench", "--storage", storage,
                     "--model", model, "--layers", "vllm:" + ",".join(map(str, LAYERS)), "--max-tokens",
-                    str(max_tokens), "--top-k", "0", "--shard-size", str(shard_size), "--max-prompt-tokens", "2048",
-                    "--pause-stub-rate", "1"], env=env, check=True, capture_output=True)
+                    str(max_tokens), "--top-k", "0", "--shard-size", str(shard_size),
+                    "--max-prompt-tokens", str(MAX_PROMPT_TOKENS), "--pause-stub-rate", "1"], env=env, check=True, capture_output=True)
     shards = json.loads(Path(storage, "bench", "produce.json").read_text())["counts"]["shards"]
     worker = subprocess.Popen([sys.executable, "-m", "app.cli", "worker", "--cpu", "--run", "bench", "--storage",
                                storage, "--name", "bench"], env=env, stdout=open(Path(storage, "worker.log"), "wb"),  # noqa: SIM115

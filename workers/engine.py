@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from app.errors import ConfigError, EngineDead, PermanentError
+from app.hidden_file import float32_to_bf16
 
 log = logging.getLogger("regen.engine")
 
@@ -193,6 +194,7 @@ class Engine:
     # -- generation -------------------------------------------------------------------------------------
     def _sampling_params(self, req: GenRequest):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         s = req.sampling
         top_k = int(s.get("top_k") or 0)
@@ -209,6 +211,10 @@ class Engine:
             repetition_penalty=float(s.get("repetition_penalty", 1.0)),
             extra_args=extra,
             detokenize=True,
+            # Only finished requests are used. The default (CUMULATIVE) builds a RequestOutput, text so far
+            # included, for every running request on every step, on the engine thread; `LLM.generate` sets
+            # FINAL_ONLY too.
+            output_kind=RequestOutputKind.FINAL_ONLY,
         )
 
     # The engine thread ------------------------------------------------------------------------------
@@ -418,6 +424,7 @@ class Engine:
 
 
 _TOKEN_DTYPES = {"I64": np.int64, "I32": np.int32}
+_FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16}
 
 
 def _read_capture_file(path: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -425,6 +432,9 @@ def _read_capture_file(path: str) -> tuple[np.ndarray, np.ndarray] | None:
 
     `safetensors.deserialize` hands back each tensor's raw bytes: no torch tensors are built, which matters
     because this runs once per sample beside the engine (~20 us instead of ~90 us, and less time holding the GIL).
+    States of an fp32/fp16 model are rounded to bf16 in numpy for the same reason, and one more: a torch op on
+    this thread would give torch a second OpenMP team beside the engine thread's, and libgomp, seeing more
+    threads than cores, stops spin-waiting (measured: an fp32 CPU engine ran at ~0.8x).
     """
     import safetensors
 
@@ -433,10 +443,15 @@ def _read_capture_file(path: str) -> tuple[np.ndarray, np.ndarray] | None:
     with open(path, "rb") as fh:
         tensors = dict(safetensors.deserialize(fh.read()))
     states, ids = tensors["hidden_states"], tensors["token_ids"]
-    if states["dtype"] != "BF16" or ids["dtype"] not in _TOKEN_DTYPES:
+    if ids["dtype"] not in _TOKEN_DTYPES:
         return None
     token_ids = np.frombuffer(ids["data"], dtype=_TOKEN_DTYPES[ids["dtype"]]).astype(np.int64)
-    return token_ids, np.frombuffer(states["data"], dtype=np.uint16).reshape(states["shape"])
+    if states["dtype"] == "BF16":
+        return token_ids, np.frombuffer(states["data"], dtype=np.uint16).reshape(states["shape"])
+    if states["dtype"] in _FLOAT_DTYPES:
+        values = np.frombuffer(states["data"], dtype=_FLOAT_DTYPES[states["dtype"]]).reshape(states["shape"])
+        return token_ids, float32_to_bf16(values.astype(np.float32, copy=False))
+    return None
 
 
 def _locked(path: str) -> bool:

@@ -1,0 +1,56 @@
+"""Reading the capture connector's per-request files without torch (workers/engine.py `_read_capture_file`).
+
+The files are written here with safetensors' torch writer, as the connector writes them; what the reader
+returns must be bit-identical to torch's own `.to(torch.bfloat16)` for every dtype a model may run in.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from workers.engine import _read_capture_file
+
+
+def _write(path, states: torch.Tensor, ids: torch.Tensor) -> str:
+    save_file({"hidden_states": states.contiguous(), "token_ids": ids.contiguous()}, str(path))
+    return str(path)
+
+
+def _bf16_bits(states: torch.Tensor) -> np.ndarray:
+    return states.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+def test_capture_file_read_matches_torch(tmp_path, dtype, id_dtype):
+    gen = torch.Generator().manual_seed(7)
+    states = (torch.randn(13, 3, 64, generator=gen) * 40).to(dtype)
+    ids = torch.randint(0, 5000, (13,), generator=gen, dtype=id_dtype)
+    got = _read_capture_file(_write(tmp_path / "r.safetensors", states, ids))
+    assert got is not None
+    token_ids, bits = got
+    assert token_ids.dtype == np.int64 and token_ids.tolist() == ids.tolist()
+    assert bits.dtype == np.uint16 and bits.shape == (13, 3, 64)
+    assert np.array_equal(bits, _bf16_bits(states))
+
+
+def test_capture_file_keeps_non_finite_values(tmp_path):
+    """A NaN or Inf in an fp32 capture must reach the sample check as NaN/Inf, never as a finite number."""
+    states = torch.ones(4, 2, 8)
+    states[1, 0, 3] = float("nan")
+    states[2, 1, 5] = float("inf")
+    states[3, 0, 0] = -float("inf")
+    _, bits = _read_capture_file(_write(tmp_path / "r.safetensors", states, torch.arange(4)))
+    values = (bits.astype(np.uint32) << 16).view(np.float32)
+    assert np.isnan(values[1, 0, 3])
+    assert values[2, 1, 5] == np.inf and values[3, 0, 0] == -np.inf
+    assert np.isfinite(values).sum() == values.size - 3
+
+
+def test_capture_file_other_dtypes_go_to_torch_loader(tmp_path):
+    """float64 states (no model runs in it) are left to the torch fallback instead of being misread."""
+    path = _write(tmp_path / "r.safetensors", torch.zeros(2, 1, 4, dtype=torch.float64), torch.arange(2))
+    assert _read_capture_file(path) is None
