@@ -2,8 +2,8 @@
 
     python bench/bench_fleet.py [--prompts 512] [--max-tokens 64] [--shard-size 64] [--rounds 3]
 
-Direct: one `LLM.generate` over all prompts (token-id prompts, same sampling, same capture settings, and the
-max_model_len the worker derives from the run).
+Direct: one `LLM.generate` over all prompts (token-id prompts, same sampling, vLLM built from the worker's own
+`llm_kwargs` with the max_model_len the worker derives from the run).
 Fleet: `regen produce` -> local Redis -> a real `regen worker --cpu` process -> shards on storage; steady-state
 tokens/s is measured from the first shard's engine start to the last shard's engine end, so the worker's
 start-up is not counted, but everything between shards (writing, marker, ack, fetching the next message,
@@ -40,19 +40,11 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, {str(REPO)!r})
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-from workers.engine import CPU_KV_CACHE_BYTES, EngineOptions
+from workers.engine import EngineOptions, llm_kwargs
 prompts = json.load(open({scratch + '/prompts.json'!r}))
 o = EngineOptions(model={model!r}, capture_layers=tuple({LAYERS!r}), max_model_len={MAX_PROMPT_TOKENS + max_tokens},
                   scratch_dir={scratch + '/hs'!r})
-llm = LLM(model=o.model, dtype="bfloat16", max_model_len=o.max_model_len, max_num_seqs=o.max_num_seqs,
-          gpu_memory_utilization=o.gpu_memory_utilization, kv_cache_memory_bytes=CPU_KV_CACHE_BYTES,
-          enforce_eager=True, enable_chunked_prefill=False,
-          distributed_executor_backend="uni", disable_log_stats=True,
-          speculative_config={{"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                               "draft_model_config": {{"hf_config": {{"eagle_aux_hidden_state_layer_ids": list(o.capture_layers)}}}}}},
-          kv_transfer_config={{"kv_connector": "CpuCapableHiddenStatesConnector",
-                               "kv_connector_module_path": "workers.capture_connector", "kv_role": "kv_producer",
-                               "kv_connector_extra_config": {{"shared_storage_path": o.scratch_dir}}}})
+llm = LLM(**llm_kwargs(o))
 params = [SamplingParams(temperature=0.6, top_p=0.95, max_tokens={max_tokens}, seed=i,
                          extra_args={{"kv_transfer_params": {{"include_output_tokens": True}}}})
           for i in range(len(prompts))]

@@ -157,32 +157,12 @@ def vllm_engine(tiny_dir, tmp_path_factory):
         mp.setenv("HF_HUB_OFFLINE", "1")
         from vllm import LLM
 
-        from workers.engine import CPU_KV_CACHE_BYTES
+        from workers.engine import EngineOptions, llm_kwargs
 
-        llm = LLM(
-            model=tiny_dir,
-            dtype="bfloat16",
-            gpu_memory_utilization=0.1,
-            # Explicit, as the worker's engine does: the default subtracts this process's RSS (models loaded
-            # by other tests) from a tenth of the node's RAM and can leave no KV cache at all.
-            kv_cache_memory_bytes=CPU_KV_CACHE_BYTES,
-            enable_chunked_prefill=False,  # per-request seeds + chunked prefill crash the CPU engine (NOTES.md)
-            max_model_len=1024,
-            max_num_seqs=16,
-            enforce_eager=True,
-            distributed_executor_backend="uni",
-            speculative_config={
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": CAPTURE_LAYERS}},
-            },
-            kv_transfer_config={
-                "kv_connector": "CpuCapableHiddenStatesConnector",
-                "kv_connector_module_path": "workers.capture_connector",
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": store},
-            },
-        )
+        # Built from the worker's own arguments (explicit CPU KV size, chunked prefill off, capture connector).
+        options = EngineOptions(model=tiny_dir, capture_layers=tuple(CAPTURE_LAYERS), max_model_len=1024,
+                                max_num_seqs=16, scratch_dir=store)
+        llm = LLM(**llm_kwargs(options))
         yield llm
         del llm
 

@@ -111,6 +111,41 @@ _SHUTDOWN = object()
 CPU_KV_CACHE_BYTES = 256 << 20
 
 
+def llm_kwargs(options: EngineOptions) -> dict:
+    """The `vllm.LLM(...)` arguments for these options: the worker's engine, the fleet bench's direct baseline
+    and the reference-capture test all build vLLM from this, so they run on the same settings."""
+    kv_bytes = options.kv_cache_memory_bytes or (CPU_KV_CACHE_BYTES if options.device == "cpu" else None)
+    kwargs: dict = {
+        "model": options.model,
+        "dtype": options.dtype,
+        "max_model_len": options.max_model_len,
+        "max_num_seqs": options.max_num_seqs,
+        "gpu_memory_utilization": options.gpu_memory_utilization,
+        "tensor_parallel_size": options.tensor_parallel_size,
+        "enforce_eager": options.enforce_eager,
+        "disable_log_stats": True,
+    }
+    if kv_bytes:
+        kwargs["kv_cache_memory_bytes"] = kv_bytes
+    if options.device == "cpu":
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["distributed_executor_backend"] = "uni"
+    if options.capture_layers:
+        kwargs["speculative_config"] = {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(options.capture_layers)}},
+        }
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "CpuCapableHiddenStatesConnector",
+            "kv_connector_module_path": "workers.capture_connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": options.scratch_dir},
+        }
+    kwargs.update(options.extra)
+    return kwargs
+
+
 class Engine:
     """One vLLM `LLM` per process, driven by one thread; `run()` takes a batch and streams results back."""
 
@@ -154,42 +189,12 @@ class Engine:
         from vllm import LLM
 
         options = self.options
-        kwargs: dict = {
-            "model": options.model,
-            "dtype": options.dtype,
-            "max_model_len": options.max_model_len,
-            "max_num_seqs": options.max_num_seqs,
-            "gpu_memory_utilization": options.gpu_memory_utilization,
-            "tensor_parallel_size": options.tensor_parallel_size,
-            "enforce_eager": options.enforce_eager,
-            "disable_log_stats": True,
-        }
-        if options.device == "cpu":
-            kwargs["enable_chunked_prefill"] = False
-            kwargs["distributed_executor_backend"] = "uni"
-            kwargs["kv_cache_memory_bytes"] = options.kv_cache_memory_bytes or CPU_KV_CACHE_BYTES
-        elif options.kv_cache_memory_bytes:
-            kwargs["kv_cache_memory_bytes"] = options.kv_cache_memory_bytes
         if options.capture_layers:
             from workers.capture_connector import check_vllm_version
 
             check_vllm_version()
             os.makedirs(options.scratch_dir, exist_ok=True)
-            kwargs["speculative_config"] = {
-                "method": "extract_hidden_states",
-                "num_speculative_tokens": 1,
-                "draft_model_config": {
-                    "hf_config": {"eagle_aux_hidden_state_layer_ids": list(options.capture_layers)}
-                },
-            }
-            kwargs["kv_transfer_config"] = {
-                "kv_connector": "CpuCapableHiddenStatesConnector",
-                "kv_connector_module_path": "workers.capture_connector",
-                "kv_role": "kv_producer",
-                "kv_connector_extra_config": {"shared_storage_path": options.scratch_dir},
-            }
-        kwargs.update(options.extra)
-        self.llm = LLM(**kwargs)
+        self.llm = LLM(**llm_kwargs(options))
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
 
