@@ -3,8 +3,8 @@
 Storage is the record of what is done (datatrove's lesson): a shard is done exactly when its completion marker
 exists, and the marker is written last. Writers never expose a partial file: each file is written under a
 temporary name and renamed into place (on object stores a single PUT is already atomic). The completion
-marker is created *exclusively* where the filesystem allows it, so when Redis delivers one shard to two
-workers at once (NOTES.md), exactly one of them publishes its outputs.
+marker is created *exclusively* (a hard link locally, a conditional PUT on S3), so when Redis delivers one
+shard to two workers at once (NOTES.md), exactly one of them publishes its outputs.
 
 Layout of a run, relative to the storage root (all names deterministic):
 
@@ -140,15 +140,18 @@ class Storage:
         """Create `rel` holding `data` unless it exists; True when this call created it.
 
         Local and NFS (v3+ honours link()): written to a temporary file, then hard-linked into place, which
-        fails if the name exists, so two concurrent callers cannot both win. Object stores: exists-then-PUT,
-        which leaves a small race; the loser's files are never referenced by the marker either way.
+        fails if the name exists, so two concurrent callers cannot both win. Object stores: fsspec's
+        `pipe_file(mode="create")`; s3fs sends it as a conditional PUT (`If-None-Match: *`), which the store
+        refuses when the key exists, so the race is decided by the store (AWS S3, MinIO; moto in the tests).
+        Filesystems without conditional writes fall back, inside fsspec, to exists-then-write.
         """
         full = self.path(rel)
         self.fs.makedirs(full.rpartition("/")[0], exist_ok=True)
         if not self.is_local:
-            if self.fs.exists(full):
+            try:
+                self.fs.pipe_file(full, data, mode="create")
+            except FileExistsError:
                 return False
-            self.fs.pipe_file(full, data)
             return True
         tmp = self._tmp_name(full)
         with open(tmp, "wb") as fh:

@@ -123,6 +123,27 @@ def test_create_exclusive_on_s3_refuses_the_second_writer(s3_root):
     assert storage.read_bytes("r1/done/x.json") == b"first"
 
 
+def test_create_exclusive_on_s3_is_decided_by_the_store_not_by_a_prior_check(s3_root):
+    """Two deliveries of one shard that both looked before either wrote: the store's conditional PUT refuses
+    the second. The wrapper makes every existence check answer "absent", which is that race frozen open."""
+
+    class _StaleChecks:
+        def __init__(self, fs):
+            self._fs = fs
+
+        def __getattr__(self, name):
+            return getattr(self._fs, name)
+
+        def exists(self, path, **kw):
+            return False
+
+    storage = Storage(s3_root)
+    storage.fs = _StaleChecks(storage.fs)
+    assert storage.create_exclusive("r1/done/y.json", b"first") is True
+    assert storage.create_exclusive("r1/done/y.json", b"second") is False
+    assert storage.read_bytes("r1/done/y.json") == b"first"
+
+
 def test_done_shards_and_status_work_on_s3(s3_root):
     built = build_run(s3_root)
     assert built["store"].done_shards() == set(DONE)
