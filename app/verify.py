@@ -77,23 +77,89 @@ class VerifyReport:
 def _file_check(res: ShardResult, reader: RunReader, what: str, info: dict) -> bytes | None:
     """Size and sha256 of a file a marker names; returns its bytes when `what` is the (small) records file."""
     path = info.get("path")
+    if not _size_check(res, reader, what, info):
+        return None
+    digest, data = _hash_file(reader, path, keep=what == "records")
+    _sha_check(res, what, info, digest)
+    return data
+
+
+def _hash_file(reader: RunReader, path: str, keep: bool) -> tuple[str, bytes]:
+    """sha256 of a whole file in one read, and its bytes when `keep`."""
+    h = hashlib.sha256()
+    kept = bytearray()
+    with reader.storage.open(path) as fh:
+        while chunk := fh.read(1 << 22):
+            h.update(chunk)
+            if keep:
+                kept += chunk
+    return h.hexdigest(), bytes(kept)
+
+
+def _size_check(res: ShardResult, reader: RunReader, what: str, info: dict) -> bool:
+    """False (and a problem) when the file is missing; a size that differs from the marker's is a problem too."""
+    path = info.get("path")
     try:
         size = reader.storage.size(path)
     except FileNotFoundError:
         res.add("missing_file", f"{what} file {path} named by the marker does not exist")
-        return None
+        return False
     if "bytes" in info and size != info["bytes"]:
         res.add("size_mismatch", f"{what} file {path}: {size} bytes, marker says {info['bytes']}")
-    h = hashlib.sha256()
-    keep = bytearray() if what == "records" else None
-    with reader.storage.open(path) as fh:
-        while chunk := fh.read(1 << 22):
-            h.update(chunk)
-            if keep is not None:
-                keep += chunk
-    if "sha256" in info and h.hexdigest() != info["sha256"]:
-        res.add("sha256_mismatch", f"{what} file {path}: sha256 differs from the marker's")
-    return bytes(keep) if keep is not None else b""
+    return True
+
+
+def _sha_check(res: ShardResult, what: str, info: dict, digest: str) -> None:
+    if "sha256" in info and digest != info["sha256"]:
+        res.add("sha256_mismatch", f"{what} file {info.get('path')}: sha256 differs from the marker's")
+
+
+class OnePassSha256:
+    """A hidden file seen through a forward-only window that hashes every byte it passes.
+
+    Why: a shard's hidden file is gigabytes on real models, and on an object store reading it once for the
+    marker's sha256 and again to decode its samples doubles what verify pulls over the network. Verify decodes
+    samples in record order, which is file order, so sample reads only move forward: every byte they read or
+    skip is fed to the hash, and `finish()` hashes the tail (index, footer). A backward seek (samples out of
+    file order) gives the one-pass hash up; `finish()` then returns None and the caller hashes the file apart.
+    """
+
+    def __init__(self, fh):
+        self.fh, self.pos, self.hash = fh, 0, hashlib.sha256()
+        fh.seek(0)
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        if whence != 0:
+            raise ValueError("OnePassSha256 seeks from the start only")
+        if self.hash is not None and offset >= self.pos:
+            self._advance(offset - self.pos)
+        else:
+            self.hash = None
+            self.fh.seek(offset)
+            self.pos = offset
+        return self.pos
+
+    def read(self, n: int) -> bytes:
+        data = self.fh.read(n)
+        if self.hash is not None:
+            self.hash.update(data)
+        self.pos += len(data)
+        return data
+
+    def _advance(self, n: int) -> None:
+        while n > 0 and (chunk := self.read(min(n, 1 << 22))):
+            n -= len(chunk)
+
+    def finish(self) -> str | None:
+        """The whole file's sha256, or None when the reads were not one forward pass."""
+        if self.hash is None:
+            return None
+        while self.read(1 << 22):
+            pass
+        return self.hash.hexdigest()
 
 
 def _check_record(res: ShardResult, rec: dict, run_id: str) -> bool:
@@ -169,19 +235,27 @@ def verify_shard(reader: RunReader, info: ShardInfo) -> ShardResult:
             res.add("capture_dead", "staged capture was dead-lettered: records without states", severity="warning")
         else:
             res.add("capture_missing", "no captured/ marker: staged capture has not finished")
-    hreader = fh = None
-    if hidden_info is not None:
-        _file_check(res, reader, "hidden", hidden_info)
+    hreader = fh = window = None
+    if hidden_info is not None and _size_check(res, reader, "hidden", hidden_info):
         try:
             fh = reader.storage.open(hidden_info["path"])
             hreader = HiddenFileReader(fh)
+            window = hreader.fh = OnePassSha256(fh)
         except FileNotFoundError:
-            pass  # reported by _file_check
+            res.add("missing_file", f"hidden file {hidden_info['path']} named by the marker does not exist")
         except CorruptHiddenFile as exc:
             res.add("hidden_unreadable", f"{hidden_info['path']}: {exc}")
+            hreader = None
     try:
         if raw is not None:
             _check_records(res, reader, info, raw, hreader)
+        if fh is not None:
+            digest = window.finish() if window is not None else None
+            if digest is None:  # unreadable, or samples read out of file order: hash it apart
+                fh.close()
+                fh = None
+                digest, _ = _hash_file(reader, hidden_info["path"], keep=False)
+            _sha_check(res, "hidden", hidden_info, digest)
     finally:
         if fh is not None:
             fh.close()

@@ -96,6 +96,70 @@ def test_flipped_byte_in_hidden_file(tmp_path):
     assert ("hidden_corrupt", "shard-000001", first) in found
 
 
+def test_flipped_byte_in_hidden_index_is_a_sha256_mismatch(tmp_path):
+    """The index and footer are hashed at the end of the one pass (after the samples); damage there is caught."""
+    built = build_run(tmp_path)
+    rel = built.store.done_marker("shard-000001")["files"]["hidden"]["path"]
+    path = tmp_path / rel
+    data = bytearray(path.read_bytes())
+    data[-20] ^= 0x01  # in the footer's index offset/length: the file no longer opens as a hidden file
+    path.write_bytes(bytes(data))
+    code, report = run_verify(tmp_path)
+    assert code == 1
+    found = kinds(report)
+    assert ("sha256_mismatch", "shard-000001", None) in found
+    assert ("hidden_unreadable", "shard-000001", None) in found
+
+
+def test_hidden_files_are_read_once(tmp_path, monkeypatch):
+    """verify checks each hidden file's sha256 in the same pass that decodes its samples (not a second read)."""
+    from app.storage import Storage
+
+    built = build_run(tmp_path)
+    read: dict[str, int] = {}
+    original = Storage.open
+
+    def counting_open(self, rel, mode="rb"):
+        fh = original(self, rel, mode)
+        inner_read = fh.read
+
+        def read_and_count(n=-1):
+            data = inner_read(n)
+            read[rel] = read.get(rel, 0) + len(data)
+            return data
+
+        fh.read = read_and_count
+        return fh
+
+    monkeypatch.setattr(Storage, "open", counting_open)
+    code, report = run_verify(tmp_path)
+    assert code == 0, report["problems"]
+    hidden = {s: built.store.done_marker(s)["files"]["hidden"] for s in built.store.done_shards()}
+    for info in hidden.values():
+        # Once through, plus what opening it reads again: the magic, the footer and the (small) index.
+        assert info["bytes"] <= read[info["path"]] < info["bytes"] + 1024, (read[info["path"]], info["bytes"])
+
+
+def test_one_pass_hash_gives_up_on_a_backward_seek():
+    import hashlib
+    import io
+
+    from app.verify import OnePassSha256
+
+    data = bytes(range(256)) * 100
+    window = OnePassSha256(io.BytesIO(data))
+    window.seek(10)
+    assert window.read(5) == data[10:15]
+    window.seek(1000)
+    assert window.read(3) == data[1000:1003]
+    assert window.finish() == hashlib.sha256(data).hexdigest()
+    window = OnePassSha256(io.BytesIO(data))
+    window.seek(1000)
+    window.seek(10)
+    assert window.read(5) == data[10:15]
+    assert window.finish() is None
+
+
 def test_zeroed_sample(tmp_path):
     built = build_run(tmp_path, Spec(zero_samples={6}))
     code, report = run_verify(tmp_path)
