@@ -3,7 +3,8 @@
     python bench/bench_fleet.py [--prompts 512] [--max-tokens 64] [--shard-size 64] [--rounds 3]
 
 Direct: one `LLM.generate` over all prompts (token-id prompts, same sampling, vLLM built from the worker's own
-`llm_kwargs` with the max_model_len the worker derives from the run).
+`llm_kwargs` with the max_model_len the worker derives from the run, capture files in the worker's scratch
+place, /dev/shm: on a disk-backed /tmp their writes cost the direct side ~7%).
 Fleet: `regen produce` -> local Redis -> a real `regen worker --cpu` process -> shards on storage; steady-state
 tokens/s is measured from the first shard's engine start to the last shard's engine end, so the worker's
 start-up is not counted, but everything between shards (writing, marker, ack, fetching the next message,
@@ -42,8 +43,9 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from workers.engine import EngineOptions, llm_kwargs
 prompts = json.load(open({scratch + '/prompts.json'!r}))
+from workers.context import scratch_root
 o = EngineOptions(model={model!r}, capture_layers=tuple({LAYERS!r}), max_model_len={MAX_PROMPT_TOKENS + max_tokens},
-                  scratch_dir={scratch + '/hs'!r})
+                  scratch_dir=os.path.join(scratch_root(), f"regen-bench-direct-{{os.getpid()}}"))
 llm = LLM(**llm_kwargs(o))
 params = [SamplingParams(temperature=0.6, top_p=0.95, max_tokens={max_tokens}, seed=i,
                          extra_args={{"kv_transfer_params": {{"include_output_tokens": True}}}})
@@ -52,6 +54,8 @@ llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:8]], params[:8]
 t = time.monotonic()
 outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 dt = time.monotonic() - t
+import shutil
+shutil.rmtree(o.scratch_dir, ignore_errors=True)
 print(json.dumps({{"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": dt}}))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -46,6 +46,12 @@ class WorkerConfig:
         return json.dumps(self.__dict__)
 
 
+def scratch_root() -> str:
+    """Where the capture connector's per-request files go: `REGEN_SCRATCH`, else /dev/shm (RAM), else /tmp.
+    They live for one engine step or two; on a disk-backed /tmp writing them cost a CPU engine ~7% of its time."""
+    return os.environ.get("REGEN_SCRATCH", "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
+
+
 class WorkerContext:
     """The process-wide singleton the tasks use."""
 
@@ -60,10 +66,7 @@ class WorkerContext:
             model=config.model,
             device="cpu" if config.device == "cpu" else "cuda",
             capture_layers=tuple(config.capture_layers) if config.capture_layers else None,
-            scratch_dir=os.path.join(
-                os.environ.get("REGEN_SCRATCH", "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"),
-                f"regen-capture-{os.getpid()}",
-            ),
+            scratch_dir=os.path.join(scratch_root(), f"regen-capture-{os.getpid()}"),
             **config.engine,
         )
         _remove_stale_scratch(os.path.dirname(options.scratch_dir))
