@@ -74,13 +74,13 @@ class VerifyReport:
                 "reference": self.reference, "problems": [asdict(p) for p in self.problems]}
 
 
-def _file_check(res: ShardResult, reader: RunReader, what: str, info: dict) -> bytes | None:
-    """Size and sha256 of a file a marker names; returns its bytes when `what` is the (small) records file."""
-    path = info.get("path")
-    if not _size_check(res, reader, what, info):
+def _read_records_file(res: ShardResult, reader: RunReader, info: dict) -> bytes | None:
+    """Size and sha256 of the records file a marker names, and its bytes (it is small); None when missing.
+    Hidden files are checked in `verify_shard`, in the pass that decodes them."""
+    if not _size_check(res, reader, "records", info):
         return None
-    digest, data = _hash_file(reader, path, keep=what == "records")
-    _sha_check(res, what, info, digest)
+    digest, data = _hash_file(reader, info["path"], keep=True)
+    _sha_check(res, "records", info, digest)
     return data
 
 
@@ -220,7 +220,7 @@ def verify_shard(reader: RunReader, info: ShardInfo) -> ShardResult:
     if m.get("shard_id") != info.shard_id:
         res.add("marker", f"marker names shard {m.get('shard_id')!r}")
     files = m.get("files") or {}
-    raw = _file_check(res, reader, "records", files["records"]) if "records" in files else None
+    raw = _read_records_file(res, reader, files["records"]) if "records" in files else None
     if "records" not in files:
         res.add("marker", "marker names no records file")
     hidden_info = None
@@ -245,7 +245,6 @@ def verify_shard(reader: RunReader, info: ShardInfo) -> ShardResult:
             res.add("missing_file", f"hidden file {hidden_info['path']} named by the marker does not exist")
         except CorruptHiddenFile as exc:
             res.add("hidden_unreadable", f"{hidden_info['path']}: {exc}")
-            hreader = None
     try:
         if raw is not None:
             _check_records(res, reader, info, raw, hreader)
