@@ -11,12 +11,18 @@ import click
 from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, BrokerSettings
 from app.errors import ConfigError
 
+log = logging.getLogger("regen.worker")
+
 
 def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: list[int] | None, storage: str | None,
-                   name: str | None, max_attempts: int, engine_overrides: dict, tensor_parallel_size: int = 1):
-    """One (WorkerConfig, CUDA_VISIBLE_DEVICES) per child process."""
+                   name: str | None, max_attempts: int, engine_overrides: dict,
+                   tensor_parallel_size: int | None = None):
+    """One (WorkerConfig, CUDA_VISIBLE_DEVICES) per child process.
+
+    `tensor_parallel_size` None: the smallest size that fits the model's weights (devices.choose_tensor_parallel).
+    """
     from workers.context import WorkerConfig
-    from workers.devices import detect_gpus, preset_for
+    from workers.devices import choose_tensor_parallel, detect_gpus, preset_for
 
     host = socket.gethostname()
     if cpu:
@@ -33,8 +39,18 @@ def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: li
             found = [by_index[g] for g in wanted]
         if not found:
             raise ConfigError("no GPU found (nvidia-smi); use --cpu to run on the CPU")
-        tp = max(1, tensor_parallel_size)
-        if len(found) % tp:
+        classes = sorted({d.device_class for d in found})
+        if len(classes) > 1:  # presets and tensor-parallel groups assume one kind of GPU per worker set
+            raise ConfigError(f"GPUs {', '.join(d.index for d in found)} mix {' and '.join(classes)}: start one "
+                              "`regen worker --gpus ...` per kind")
+        if tensor_parallel_size:
+            tp = tensor_parallel_size
+        else:
+            utilization = preset_for(found[0].device_class, engine_overrides)["gpu_memory_utilization"]
+            choice = choose_tensor_parallel(model, found, utilization)
+            tp = choice.size
+            log.info("%s: %s", model, choice.describe())
+        if tp < 1 or len(found) % tp:
             raise ConfigError(f"{len(found)} GPUs cannot be split into tensor-parallel groups of {tp}")
         devices = []
         for k in range(0, len(found), tp):
@@ -45,7 +61,7 @@ def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: li
     for label, visible, device_class in devices:
         engine = preset_for(device_class, engine_overrides)
         if device_class != "cpu":
-            engine["tensor_parallel_size"] = tensor_parallel_size
+            engine["tensor_parallel_size"] = tp
         prefix = name or ("cpu" if visible is None else f"gpu{label}")
         configs.append((WorkerConfig(model=model, device="cpu" if visible is None else "cuda",
                                      device_class=device_class, capture_layers=layers, storage=storage,
@@ -101,7 +117,9 @@ def _model_max_len(path: str) -> int | None:
 @click.option("--gpu-memory-utilization", type=float, default=None)
 @click.option("--kv-cache-gib", type=float, default=None,
               help="KV cache size per engine in GiB (default: from --gpu-memory-utilization on a GPU, 0.25 on the CPU).")
-@click.option("--tensor-parallel-size", type=int, default=1, show_default=True)
+@click.option("--tensor-parallel-size", type=int, default=None,
+              help="GPUs per engine (default: the smallest of 1, 2, 4, 8 whose share of the model's weights takes "
+                   "at most 60% of each GPU's memory budget).")
 @click.option("--log-dir", default=None, help="Write each child's log to DIR/NAME.log.")
 def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_attempts, max_num_seqs,
            max_model_len, gpu_memory_utilization, kv_cache_gib, tensor_parallel_size, log_dir):

@@ -1,4 +1,5 @@
-"""Which devices a host has, what class each is, and the engine presets for that class.
+"""Which devices a host has, what class each is, the engine presets for that class, and how many GPUs one
+engine needs (tensor parallelism) for a model that does not fit one.
 
 Detection uses `nvidia-smi` (no CUDA initialisation in the supervisor, so each child pins its own GPU with
 CUDA_VISIBLE_DEVICES before anything touches CUDA). Every preset value can be overridden on the command line.
@@ -6,9 +7,14 @@ CUDA_VISIBLE_DEVICES before anything touches CUDA). Every preset value can be ov
 
 from __future__ import annotations
 
+import glob
+import json
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass
+
+from app.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -16,6 +22,7 @@ class Device:
     index: str  # "cpu" or the GPU index as nvidia-smi numbers it
     name: str
     device_class: str  # cpu, sm_90, sm_100, sm_120, sm_other
+    memory_mib: int = 0  # total device memory as nvidia-smi reports it (0: unknown)
 
 
 # max_num_seqs, gpu_memory_utilization, enforce_eager, in_process engine core
@@ -38,15 +45,17 @@ def detect_gpus() -> list[Device]:
         return []
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index,name,compute_cap", "--format=csv,noheader"],
+            ["nvidia-smi", "--query-gpu=index,name,compute_cap,memory.total", "--format=csv,noheader,nounits"],
             capture_output=True, text=True, timeout=30, check=True,
         ).stdout
     except (subprocess.SubprocessError, OSError):
         return []
     devices = []
     for line in out.strip().splitlines():
-        idx, name, cap = (p.strip() for p in line.split(",", 2))
-        devices.append(Device(idx, name, classify(cap)))
+        # the name may contain commas; index first, compute capability and memory last
+        idx, rest = line.split(",", 1)
+        name, cap, memory = (p.strip() for p in rest.rsplit(",", 2))
+        devices.append(Device(idx.strip(), name, classify(cap), int(memory) if memory.isdigit() else 0))
     return devices
 
 
@@ -54,3 +63,72 @@ def preset_for(device_class: str, overrides: dict) -> dict:
     values = dict(PRESETS.get(device_class, PRESETS["sm_other"]))
     values.update({k: v for k, v in overrides.items() if v is not None})
     return values
+
+
+# The share of an engine's memory budget (device memory x gpu_memory_utilization, per GPU) the weights may take.
+# The rest is KV cache and activations: a thinking-mode run keeps max_num_seqs sequences of up to max_model_len
+# tokens in flight, and an engine whose weights leave it a sliver of KV cache runs a handful of sequences at a
+# time (or refuses to start). With the presets' utilisations, 0.6 keeps a 27B bf16 model (~50 GiB) on one H200,
+# B200 or RTX PRO 6000, and puts a 70B bf16 model (~131 GiB) on 2 H200s or 2 B200s, or 4 RTX PRO 6000s.
+WEIGHT_SHARE = 0.6
+TP_SIZES = (1, 2, 4, 8)
+_WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt")
+
+
+def weights_bytes(model_path: str) -> int:
+    """Bytes of the checkpoint's weight files (safetensors preferred; .bin/.pt for older checkpoints)."""
+    for pattern in _WEIGHT_PATTERNS:
+        files = [f for f in glob.glob(os.path.join(model_path, pattern)) if not f.endswith("training_args.bin")]
+        if files:
+            return sum(os.path.getsize(f) for f in files)
+    return 0
+
+
+def attention_heads(model_path: str) -> int | None:
+    """num_attention_heads of the language model (tensor parallelism must divide it)."""
+    try:
+        with open(os.path.join(model_path, "config.json"), encoding="utf-8") as fh:
+            config = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config") or config
+    heads = config.get("num_attention_heads")
+    return int(heads) if heads else None
+
+
+@dataclass(frozen=True)
+class TensorParallelChoice:
+    size: int
+    weights_bytes: int
+    budget_bytes: int  # one GPU's engine budget (memory x gpu_memory_utilization)
+
+    def describe(self) -> str:
+        gib = 1 << 30
+        return (f"tensor parallel {self.size}: weights {self.weights_bytes / gib:.1f} GiB, "
+                f"{self.weights_bytes / self.size / gib:.1f} GiB per GPU of a {self.budget_bytes / gib:.1f} GiB budget")
+
+
+def choose_tensor_parallel(model_path: str, devices: list[Device], memory_utilization: float) -> TensorParallelChoice:
+    """The smallest tensor-parallel size (1, 2, 4, 8) whose per-GPU share of the weights stays within
+    WEIGHT_SHARE of one GPU's budget, that divides the GPUs given and the model's attention heads.
+
+    Unknown memory (nvidia-smi said nothing) or no weight files: 1, as before; `--tensor-parallel-size` decides.
+    """
+    weights = weights_bytes(model_path)
+    memory = min((d.memory_mib for d in devices), default=0) << 20
+    budget = int(memory * memory_utilization)
+    if not weights or not budget:
+        return TensorParallelChoice(1, weights, budget)
+    heads = attention_heads(model_path)
+    for tp in TP_SIZES:
+        if tp > len(devices) or len(devices) % tp or (heads and heads % tp):
+            continue
+        if weights / tp <= WEIGHT_SHARE * budget:
+            return TensorParallelChoice(tp, weights, budget)
+    gib = 1 << 30
+    raise ConfigError(
+        f"{model_path}: weights {weights / gib:.1f} GiB do not fit {len(devices)} GPU(s) of "
+        f"{memory / gib:.0f} GiB at gpu_memory_utilization {memory_utilization} (weights may take "
+        f"{WEIGHT_SHARE:.0%} of each GPU's budget, with a tensor-parallel size dividing the GPU count"
+        f"{f' and the {heads} attention heads' if heads else ''}); give --tensor-parallel-size to override"
+    )
