@@ -1,6 +1,6 @@
-"""Fleet throughput vs vLLM called directly, on the CPU with the tiny Qwen3 (one command, ~3 minutes).
+"""Fleet throughput vs vLLM called directly, on the CPU with the tiny Qwen3 (one command, 3-7 minutes on 2 cores).
 
-    python bench/bench_fleet.py [--prompts 512] [--max-tokens 64] [--shard-size 64] [--rounds 3]
+    python bench/bench_fleet.py [--prompts 512] [--max-tokens 64] [--shard-size 64] [--rounds 3] [--engine-only]
 
 Direct: one `LLM.generate` over all prompts (token-id prompts, same sampling, vLLM built from the worker's own
 `llm_kwargs` with the max_model_len the worker derives from the run, capture files in the worker's scratch
@@ -64,6 +64,50 @@ print(json.dumps({{"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "se
     return result["tokens"], result["seconds"]
 
 
+def engine_only(model: str, max_tokens: int, shard_size: int, scratch: str) -> tuple[int, float]:
+    """The worker's `Engine` class alone (fresh process, no Celery, no records): shards of `shard_size` from two
+    threads, like the worker's two task slots, capture files read and removed. Separates what the engine class
+    costs from what the rest of the worker costs."""
+    code = f"""
+import json, os, sys, threading, time
+sys.path.insert(0, {str(REPO)!r})
+from workers.context import scratch_root
+from workers.engine import Engine, EngineOptions, GenRequest
+prompts = json.load(open({scratch + '/prompts.json'!r}))
+o = EngineOptions(model={model!r}, capture_layers=tuple({LAYERS!r}), max_model_len={MAX_PROMPT_TOKENS + max_tokens},
+                  scratch_dir=os.path.join(scratch_root(), f"regen-bench-engine-{{os.getpid()}}"))
+engine = Engine(o)
+def requests(ids, first):
+    return [GenRequest(str(first + i), p, {{"temperature": 0.6, "top_p": 0.95, "max_tokens": {max_tokens},
+                                           "seed": first + i}}, capture=True) for i, p in enumerate(ids)]
+engine.run(requests(prompts[:8], 0), lambda r: None)  # warm-up
+shards = iter([(k, prompts[k:k + {shard_size}]) for k in range(0, len(prompts), {shard_size})])
+lock, tokens = threading.Lock(), []
+def slot():
+    while True:
+        with lock:
+            k, ids = next(shards, (None, None))
+        if ids is None:
+            return
+        engine.run(requests(ids, k), lambda r: tokens.append(len(r.output_token_ids)))
+t = time.monotonic()
+slots = [threading.Thread(target=slot) for _ in range(2)]
+for th in slots:
+    th.start()
+for th in slots:
+    th.join()
+dt = time.monotonic() - t
+import shutil
+shutil.rmtree(o.scratch_dir, ignore_errors=True)
+print(json.dumps({{"tokens": sum(tokens), "seconds": dt}}), flush=True)
+os._exit(0)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    return result["tokens"], result["seconds"]
+
+
 def fleet(model: str, inputs: Path, storage: str, max_tokens: int, shard_size: int) -> tuple[int, float, list]:
     import redis
 
@@ -110,13 +154,16 @@ def main() -> None:
                     help="the production default; the second task slot queues its shard behind the first")
     ap.add_argument("--rounds", type=int, default=3,
                     help="direct then fleet, this many times; the ratio is taken per round, then the median")
+    ap.add_argument("--engine-only", action="store_true",
+                    help="also run the worker's Engine class alone each round (no Celery, no records), to tell what the "
+                         "engine class costs from what the rest of the worker costs")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
     from workers.generate import render_prompt
     from workers.tiny_model import build_tiny_qwen3
 
-    rounds = []
+    rounds, engine_ratios = [], []
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_qwen3(os.path.join(tmp, "tiny"))
         tok = AutoTokenizer.from_pretrained(model)
@@ -134,13 +181,22 @@ def main() -> None:
                                               args.shard_size)
             d_rate, f_rate = d_tokens / d_seconds, f_tokens / f_seconds
             rounds.append((f_rate / d_rate, gaps))
-            print(f"round {r + 1}: direct {d_tokens} tokens in {d_seconds:.2f}s = {d_rate:,.0f} tok/s; fleet "
-                  f"{f_tokens} tokens in {f_seconds:.2f}s = {f_rate:,.0f} tok/s (steady state); "
-                  f"fleet/direct {f_rate / d_rate:.3f}", flush=True)
+            line = (f"round {r + 1}: direct {d_tokens} tokens in {d_seconds:.2f}s = {d_rate:,.0f} tok/s; fleet "
+                    f"{f_tokens} tokens in {f_seconds:.2f}s = {f_rate:,.0f} tok/s (steady state); "
+                    f"fleet/direct {f_rate / d_rate:.3f}")
+            if args.engine_only:
+                e_tokens, e_seconds = engine_only(model, args.max_tokens, args.shard_size, tmp)
+                engine_ratios.append(e_tokens / e_seconds / d_rate)
+                line += f"; engine class alone {e_tokens / e_seconds:,.0f} tok/s = {engine_ratios[-1]:.3f} of direct"
+            print(line, flush=True)
     ratios = sorted(r for r, _ in rounds)
     gaps_ms = sorted(g * 1000 for _, gaps in rounds for g in gaps)
     print(f"fleet / direct = {ratios[len(ratios) // 2]:.3f} median of {len(ratios)} rounds "
           f"(min {ratios[0]:.3f}, max {ratios[-1]:.3f}; target >= 0.95)")
+    if engine_ratios:
+        engine_ratios.sort()
+        print(f"engine class alone / direct = {engine_ratios[len(engine_ratios) // 2]:.3f} median "
+              f"(min {engine_ratios[0]:.3f}, max {engine_ratios[-1]:.3f})")
     if gaps_ms:
         print(f"engine idle gap between shards: median {gaps_ms[len(gaps_ms) // 2]:.1f} ms, "
               f"max {gaps_ms[-1]:.1f} ms over {len(gaps_ms)} gaps  (target < 50 ms)")
