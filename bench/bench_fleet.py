@@ -113,13 +113,16 @@ def fleet(model: str, inputs: Path, storage: str, max_tokens: int, shard_size: i
 
     redis.Redis.from_url(BROKER).flushdb()
     env = {**os.environ, "REGEN_BROKER_URL": BROKER, "HF_HUB_OFFLINE": "1"}
+    # A queue of this run's own: a worker left over from an interrupted bench would otherwise take these shards
+    # and write them to its own (gone) storage, and this run would wait for them until its deadline.
+    queue = f"regen-bench-{os.getpid()}-{Path(storage).name}"
     subprocess.run([sys.executable, "-m", "app.cli", "produce", str(inputs), "--run", "bench", "--storage", storage,
                     "--model", model, "--layers", "vllm:" + ",".join(map(str, LAYERS)), "--max-tokens",
                     str(max_tokens), "--top-k", "0", "--shard-size", str(shard_size),
-                    "--max-prompt-tokens", str(MAX_PROMPT_TOKENS), "--pause-stub-rate", "1"], env=env, check=True, capture_output=True)
+                    "--max-prompt-tokens", str(MAX_PROMPT_TOKENS), "--pause-stub-rate", "1", "--queue", queue], env=env, check=True, capture_output=True)
     shards = json.loads(Path(storage, "bench", "produce.json").read_text())["counts"]["shards"]
     worker = subprocess.Popen([sys.executable, "-m", "app.cli", "worker", "--cpu", "--run", "bench", "--storage",
-                               storage, "--name", "bench"], env=env, stdout=open(Path(storage, "worker.log"), "wb"),  # noqa: SIM115
+                               storage, "--name", "bench", "--queues", queue], env=env, stdout=open(Path(storage, "worker.log"), "wb"),  # noqa: SIM115
                               stderr=subprocess.STDOUT)
     done = Path(storage, "bench", "done")
     try:
