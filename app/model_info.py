@@ -48,6 +48,16 @@ def _text_config(config: dict) -> dict:
     return config.get("text_config") or config
 
 
+def read_text_config(path: str) -> dict:
+    """The language model's settings from `path/config.json`; {} when there is none or it does not parse
+    (callers then fall back to their defaults; `read_model_info` is the check that refuses such a folder)."""
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
+            return _text_config(json.load(fh))
+    except (OSError, ValueError):
+        return {}
+
+
 def read_model_info(path: str) -> ModelInfo:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):

@@ -33,19 +33,34 @@ LAYERS = [1, 2, 4]
 MAX_PROMPT_TOKENS = 2048  # the fleet's worker derives max_model_len = this + max_tokens from the run; direct uses the same
 
 
-def direct(model: str, prompts: list[list[int]], max_tokens: int, scratch: str) -> tuple[int, float]:
-    """Generated tokens and seconds for one LLM.generate call (run in a fresh process)."""
-    code = f"""
-import json, os, sys, time
+def _options_code(model: str, max_tokens: int, scratch: str, tag: str) -> str:
+    """Start of a timed child process: the prompts, and `o`, the worker's EngineOptions for this bench."""
+    return f"""
+import json, os, shutil, sys, threading, time
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, {str(REPO)!r})
+from workers.context import scratch_root
+from workers.engine import EngineOptions
+prompts = json.load(open({scratch + '/prompts.json'!r}))
+o = EngineOptions(model={model!r}, capture_layers=tuple({LAYERS!r}), max_model_len={MAX_PROMPT_TOKENS + max_tokens},
+                  scratch_dir=os.path.join(scratch_root(), f"regen-bench-{tag}-{{os.getpid()}}"))
+"""
+
+
+def _timed(code: str) -> tuple[int, float]:
+    """Run `code` in a fresh process; it prints {"tokens", "seconds"} as its last line."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=True).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    return result["tokens"], result["seconds"]
+
+
+def direct(model: str, prompts: list[list[int]], max_tokens: int, scratch: str) -> tuple[int, float]:
+    """Generated tokens and seconds for one LLM.generate call (run in a fresh process)."""
+    return _timed(_options_code(model, max_tokens, scratch, "direct") + f"""
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-from workers.engine import EngineOptions, llm_kwargs
-prompts = json.load(open({scratch + '/prompts.json'!r}))
-from workers.context import scratch_root
-o = EngineOptions(model={model!r}, capture_layers=tuple({LAYERS!r}), max_model_len={MAX_PROMPT_TOKENS + max_tokens},
-                  scratch_dir=os.path.join(scratch_root(), f"regen-bench-direct-{{os.getpid()}}"))
+from workers.engine import llm_kwargs
 llm = LLM(**llm_kwargs(o))
 params = [SamplingParams(temperature=0.6, top_p=0.95, max_tokens={max_tokens}, seed=i,
                          extra_args={{"kv_transfer_params": {{"include_output_tokens": True}}}})
@@ -54,28 +69,17 @@ llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:8]], params[:8]
 t = time.monotonic()
 outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 dt = time.monotonic() - t
-import shutil
 shutil.rmtree(o.scratch_dir, ignore_errors=True)
 print(json.dumps({{"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "seconds": dt}}))
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=True).stdout
-    result = json.loads(out.strip().splitlines()[-1])
-    return result["tokens"], result["seconds"]
+""")
 
 
 def engine_only(model: str, max_tokens: int, shard_size: int, scratch: str) -> tuple[int, float]:
     """The worker's `Engine` class alone (fresh process, no Celery, no records): shards of `shard_size` from two
     threads, like the worker's two task slots, capture files read and removed. Separates what the engine class
     costs from what the rest of the worker costs."""
-    code = f"""
-import json, os, sys, threading, time
-sys.path.insert(0, {str(REPO)!r})
-from workers.context import scratch_root
-from workers.engine import Engine, EngineOptions, GenRequest
-prompts = json.load(open({scratch + '/prompts.json'!r}))
-o = EngineOptions(model={model!r}, capture_layers=tuple({LAYERS!r}), max_model_len={MAX_PROMPT_TOKENS + max_tokens},
-                  scratch_dir=os.path.join(scratch_root(), f"regen-bench-engine-{{os.getpid()}}"))
+    return _timed(_options_code(model, max_tokens, scratch, "engine") + f"""
+from workers.engine import Engine, GenRequest
 engine = Engine(o)
 def requests(ids, first):
     return [GenRequest(str(first + i), p, {{"temperature": 0.6, "top_p": 0.95, "max_tokens": {max_tokens},
@@ -97,15 +101,10 @@ for th in slots:
 for th in slots:
     th.join()
 dt = time.monotonic() - t
-import shutil
 shutil.rmtree(o.scratch_dir, ignore_errors=True)
 print(json.dumps({{"tokens": sum(tokens), "seconds": dt}}), flush=True)
 os._exit(0)
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=True).stdout
-    result = json.loads(out.strip().splitlines()[-1])
-    return result["tokens"], result["seconds"]
+""")
 
 
 def fleet(model: str, inputs: Path, storage: str, max_tokens: int, shard_size: int) -> tuple[int, float, list]:

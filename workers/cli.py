@@ -26,7 +26,7 @@ def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: li
 
     host = socket.gethostname()
     if cpu:
-        devices = [("cpu", None, "cpu")]
+        devices, tp = [("cpu", None, "cpu")], 1
     else:
         found = detect_gpus()
         if gpus:
@@ -87,15 +87,9 @@ def settings_from_run(storage: str, run_id: str, queues: str) -> tuple[str, list
 
 def _model_max_len(path: str) -> int | None:
     """The model's own context limit (vLLM refuses a larger max_model_len)."""
-    import json
+    from app.model_info import read_text_config
 
-    try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
-            config = json.load(fh)
-    except OSError:
-        return None
-    config = config.get("text_config") or config
-    value = config.get("max_position_embeddings")
+    value = read_text_config(path).get("max_position_embeddings")
     return int(value) if value else None
 
 

@@ -8,13 +8,13 @@ CUDA_VISIBLE_DEVICES before anything touches CUDA). Every preset value can be ov
 from __future__ import annotations
 
 import glob
-import json
 import os
 import shutil
 import subprocess
 from dataclasses import dataclass
 
 from app.errors import ConfigError
+from app.model_info import read_text_config
 
 
 @dataclass(frozen=True)
@@ -86,13 +86,7 @@ def weights_bytes(model_path: str) -> int:
 
 def attention_heads(model_path: str) -> int | None:
     """num_attention_heads of the language model (tensor parallelism must divide it)."""
-    try:
-        with open(os.path.join(model_path, "config.json"), encoding="utf-8") as fh:
-            config = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    config = config.get("text_config") or config
-    heads = config.get("num_attention_heads")
+    heads = read_text_config(model_path).get("num_attention_heads")
     return int(heads) if heads else None
 
 
