@@ -130,6 +130,19 @@ def test_round_trip_property(states, compress_low, level):
     np.testing.assert_array_equal(join_bytes(high, low).reshape(states.shape), states)
 
 
+@pytest.mark.parametrize("shape", [(1, 3, 1), (3, 3, 21_845), (7, 3, 40_000)])
+def test_split_bytes_across_blocks_matches_the_byte_view(shape):
+    # Sizes below, at and beyond the 64K-value block, with a partial last block; and a non-contiguous input.
+    states = np.random.default_rng(3).integers(0, 2**16, size=shape, dtype=np.uint16)
+    as_bytes = states.reshape(-1).view(np.uint8)  # little-endian: low byte first
+    high, low = split_bytes(states)
+    np.testing.assert_array_equal(high, as_bytes[1::2])
+    np.testing.assert_array_equal(low, as_bytes[0::2])
+    strided = states[:, ::-1, :]
+    high, low = split_bytes(strided)
+    np.testing.assert_array_equal(join_bytes(high, low).reshape(strided.shape), strided)
+
+
 def _small_file() -> tuple[bytes, list]:
     samples = _samples(seed=5, lengths=(4, 3, 6))
     samples = [(sid, tok, st_[:, :, :16].copy()) for sid, tok, st_ in samples]

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.hidden_file import float32_to_bf16
+from app.hidden_file import bf16_to_float32, float32_to_bf16
 from app.manifest import QualitySettings
 from workers.quality import (
     StubWindow,
@@ -109,6 +109,38 @@ def test_states_checks_find_zero_layers_and_non_finite_values():
         broken = good.copy()
         broken[2, 0, 3] = float32_to_bf16(np.array([bad], dtype=np.float32))[0]
         assert states_problem(broken) == "states_nonfinite"
+
+
+def _states_problem_by_definition(states: np.ndarray) -> str | None:
+    values = bf16_to_float32(states)
+    if not np.isfinite(values).all():
+        return "states_nonfinite"
+    if states.size == 0 or not (values != 0).any(axis=(0, 2)).all():
+        return "states_zero"
+    return None
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    shape=st.tuples(st.integers(1, 40), st.integers(1, 4), st.sampled_from([1, 8, 4096, 20000])),
+    seed=st.integers(0, 2**31),
+    damage=st.sampled_from(["none", "zero_layer", "nan", "inf", "neg_inf", "max_finite", "tiny", "neg_zero"]),
+    where=st.floats(0, 1, exclude_max=True),
+)
+def test_states_check_matches_its_definition_across_blocks(shape, seed, damage, where):
+    # Wide rows (4096, 20000 channels) split the check into blocks of a few rows, or one row per block; the
+    # damaged value lands anywhere, the last block included.
+    rng = np.random.default_rng(seed)
+    states = float32_to_bf16(rng.normal(size=shape).astype(np.float32))
+    t, layer, ch = int(where * shape[0]), int(where * shape[1]), int(where * shape[2])
+    special = {"nan": np.nan, "inf": np.inf, "neg_inf": -np.inf, "max_finite": 3.3e38, "tiny": 1e-40}
+    if damage == "zero_layer":
+        states[:, layer, :] = 0
+    elif damage == "neg_zero":
+        states[:, layer, :] = 0x8000
+    elif damage in special:
+        states[t, layer, ch] = float32_to_bf16(np.array([special[damage]], dtype=np.float32))[0]
+    assert states_problem(states) == _states_problem_by_definition(states)
 
 
 def test_the_window_pauses_after_enough_stubs_only():
