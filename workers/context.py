@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 from app.model_info import ModelInfo, read_model_info
 from workers.quality import StubWindow
+from workers.scheduling import ENV as SIDE_THREADS_ENV
+from workers.scheduling import make_idle, name_thread, side_threads_idle
 
 log = logging.getLogger("regen.worker")
 
@@ -77,13 +79,21 @@ class WorkerContext:
         self.tokenizer = self.engine.tokenizer
         # Two task slots render prompts at once; HF fast tokenizers are not safe to share across threads.
         self.tokenizer_lock = threading.Lock()
-        self.encode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="regen-encode")
+        self.idle_side_threads = side_threads_idle(config.device)
+        self.encode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="regen-encode",
+                                              initializer=_encoder_thread_start, initargs=(self.idle_side_threads,))
         self.windows: dict[str, StubWindow] = {}
         self.manifests: dict[str, dict] = {}
         self.closed = False
         if config.self_test:
             seconds = self.engine.self_test()
             log.info("engine self-test passed in %.2fs", seconds)
+        if self.idle_side_threads:
+            # After the engine thread and its OpenMP team exist: threads started from here on inherit this.
+            delivery = self.engine.delivery_thread_id
+            if make_idle() and (delivery is None or make_idle(delivery)):
+                log.info("side threads run under SCHED_IDLE, so they never stall the engine's cores "
+                         "(%s=normal turns this off)", SIDE_THREADS_ENV)
 
     @property
     def worker_name(self) -> str:
@@ -96,6 +106,12 @@ class WorkerContext:
         self.encode_pool.shutdown(wait=True)
         self.engine.shutdown()
         shutil.rmtree(self.engine.options.scratch_dir, ignore_errors=True)
+
+
+def _encoder_thread_start(idle: bool) -> None:
+    name_thread("regen-encode")
+    if idle:
+        make_idle()
 
 
 def _remove_stale_scratch(parent: str) -> None:

@@ -27,6 +27,7 @@ import numpy as np
 
 from app.errors import ConfigError, EngineDead, PermanentError
 from app.hidden_file import float32_to_bf16
+from workers.scheduling import name_thread
 
 log = logging.getLogger("regen.engine")
 
@@ -198,8 +199,14 @@ class Engine:
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()
 
+    @property
+    def delivery_thread_id(self) -> int | None:
+        """The delivery thread's native id (the worker lowers its scheduling priority: workers/scheduling.py)."""
+        return self._delivery.native_id
+
     def _own_engine(self, built: threading.Event, failure: list) -> None:
         """The in-process engine thread: build vLLM here, then serve jobs here until shutdown."""
+        name_thread("regen-engine")  # its OpenMP threads inherit the name
         try:
             self._build()
         except BaseException as exc:  # handed to __init__, which raises it in the caller's thread
@@ -366,6 +373,7 @@ class Engine:
     # serial with every step. One delivery thread does them instead, in finishing order, so `on_done` is
     # still called from one thread at a time.
     def _deliver_loop(self) -> None:
+        name_thread("regen-deliver")
         while True:
             item = self._deliveries.get()
             if item is _SHUTDOWN:
