@@ -172,12 +172,12 @@ class Fleet:
         # Queues of this bench's own: a worker left over from an interrupted bench must not take these shards.
         self.prefix = f"regen-bench-{os.getpid()}"
         self.name = f"bench{os.getpid()}"  # remote control goes to this worker alone
-        self._produce("warm", shard_size=WARM_UP_PROMPTS // 2)
+        warm_shards = self._produce("warm", shard_size=WARM_UP_PROMPTS // 2)
         self.worker = subprocess.Popen(
             [sys.executable, "-m", "app.cli", "worker", "--cpu", "--run", "bench-warm", "--storage", self.storage,
              "--name", self.name, "--queues", f"{self.prefix}-warm"],
             env=self.env, stdout=open(Path(scratch, "worker.log"), "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
-        self._wait_done("warm")
+        self._wait_done("warm", warm_shards)
 
     def _produce(self, round_name: str, shard_size: int | None = None) -> int:
         subprocess.run(
@@ -190,9 +190,8 @@ class Fleet:
         produced = json.loads(Path(self.storage, f"bench-{round_name}", "produce.json").read_text())
         return produced["counts"]["shards"]
 
-    def _wait_done(self, round_name: str, shards: int | None = None) -> list[dict]:
+    def _wait_done(self, round_name: str, shards: int) -> list[dict]:
         done = Path(self.storage, f"bench-{round_name}", "done")
-        shards = shards or json.loads(Path(done.parent, "produce.json").read_text())["counts"]["shards"]
         deadline = time.monotonic() + 900
         while not (done.exists() and len(list(done.glob("shard-*.json"))) >= shards):
             if self.worker.poll() is not None:

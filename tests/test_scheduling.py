@@ -15,7 +15,7 @@ from workers.scheduling import ENV, make_idle, name_thread, side_threads_idle
 def test_side_threads_are_idle_on_the_cpu_only_unless_told(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     assert side_threads_idle("cpu") is True
-    assert side_threads_idle("cuda") is False  # GPU engines run in processes the side work must not starve
+    assert side_threads_idle("cuda") is False  # busy engine-core processes there could starve idle threads
     monkeypatch.setenv(ENV, "normal")
     assert side_threads_idle("cpu") is False
     monkeypatch.setenv(ENV, " IDLE ")

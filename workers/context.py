@@ -79,16 +79,16 @@ class WorkerContext:
         self.tokenizer = self.engine.tokenizer
         # Two task slots render prompts at once; HF fast tokenizers are not safe to share across threads.
         self.tokenizer_lock = threading.Lock()
-        self.idle_side_threads = side_threads_idle(config.device)
+        idle_side_threads = side_threads_idle(config.device)
         self.encode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="regen-encode",
-                                              initializer=_encoder_thread_start, initargs=(self.idle_side_threads,))
+                                              initializer=_encoder_thread_start, initargs=(idle_side_threads,))
         self.windows: dict[str, StubWindow] = {}
         self.manifests: dict[str, dict] = {}
         self.closed = False
         if config.self_test:
             seconds = self.engine.self_test()
             log.info("engine self-test passed in %.2fs", seconds)
-        if self.idle_side_threads:
+        if idle_side_threads:
             # After the engine thread and its OpenMP team exist: threads started from here on inherit this.
             delivery = self.engine.delivery_thread_id
             if make_idle() and (delivery is None or make_idle(delivery)):

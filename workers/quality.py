@@ -83,7 +83,7 @@ def states_problem(states_u16: np.ndarray) -> str | None:
         return "states_zero"
     n_tokens, n_layers = states_u16.shape[0], states_u16.shape[1]
     rows = states_u16.reshape(n_tokens, n_layers, -1)
-    block = max(1, _STATES_BLOCK_ELEMENTS // max(1, rows[0].size))
+    block = max(1, _STATES_BLOCK_ELEMENTS // rows[0].size)
     top = np.zeros(rows.shape[1:], dtype=np.uint16)
     scratch = np.empty((min(block, n_tokens), *rows.shape[1:]), dtype=np.uint16)
     for start in range(0, n_tokens, block):

@@ -17,7 +17,8 @@ Linux sets a scheduling policy per thread, and a new thread inherits its creator
 itself only after the engine thread (and, through it, the OpenMP team) exists, and every thread Celery starts
 later inherits SCHED_IDLE; the delivery thread is switched by its id, and encoder threads switch themselves as
 they start. GPU hosts keep the normal policy: there the side work competes with no GPU kernel, and engine-core
-processes polling their GPUs could starve it under SCHED_IDLE. `REGEN_SIDE_THREADS=normal` turns it off on the CPU, `=idle` forces it anywhere.
+processes polling their GPUs could starve it under SCHED_IDLE. `REGEN_SIDE_THREADS=normal` turns it off on the
+CPU, `=idle` forces it anywhere.
 """
 
 from __future__ import annotations
