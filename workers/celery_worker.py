@@ -20,6 +20,10 @@ log = logging.getLogger("regen.worker")
 
 celery = create_app()
 register(celery)
+if os.environ.get("REGEN_BENCH_TASKS") == "1":  # the fleet bench's in-worker baseline (workers/bench_task.py)
+    from workers.bench_task import register_bench
+
+    register_bench(celery)
 
 
 @worker_process_init.connect

@@ -58,6 +58,17 @@ class WorkerContext:
     """The process-wide singleton the tasks use."""
 
     current: WorkerContext | None = None
+    _building = threading.Lock()
+
+    @classmethod
+    def get(cls) -> WorkerContext:
+        """The process's context; a worker started as plain `celery worker` (not `regen worker`) builds its
+        engine on the first task."""
+        if cls.current is None:
+            with cls._building:
+                if cls.current is None:
+                    cls.current = WorkerContext(WorkerConfig.from_env())
+        return cls.current
 
     def __init__(self, config: WorkerConfig):
         from workers.engine import Engine, EngineOptions

