@@ -20,7 +20,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from app.config import DEFAULT_QUEUE
+from app.config import DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
 from app.errors import ConfigError
 from app.manifest import CAPTURE_MODES
 from producer.enqueue import COMPRESS_MODES
@@ -29,7 +29,6 @@ from producer.produce import ProduceResult, produce
 from producer.run_setup import (
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_TOKENS,
-    DEFAULT_SHARD_SIZE,
     ProduceOptions,
 )
 

@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from app.config import DEFAULT_SHARD_SIZE
 from app.errors import ConfigError, InputError, ManifestMismatch
 from app.layers import parse_layers
 from app.manifest import CAPTURE_MODES, QualitySettings, RunSettings, Sampling
@@ -21,7 +22,6 @@ from producer.enqueue import COMPRESS_MODES
 from producer.normalise import REGENERATE_MODES
 from producer.readers import describe_input, expand_inputs, file_sha256
 
-DEFAULT_SHARD_SIZE = 64
 DEFAULT_MAX_PROMPT_TOKENS = 32768
 DEFAULT_MAX_TOKENS = 4096
 CHARS_PER_TOKEN_CAP = 8  # default char cap = max_prompt_tokens x 8: only prompts that are surely too long

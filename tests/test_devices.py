@@ -79,6 +79,20 @@ def test_one_child_per_gpu_with_the_class_preset_and_overrides(fake_gpus, tmp_pa
         assert config.engine["tensor_parallel_size"] == 1 and config.engine["in_process"] is False
 
 
+@pytest.mark.parametrize(("rows", "cpu", "kw", "slots"), [
+    ([], True, {}, 3),                                   # 64 sequences, shards of 64: one generating, one queued, one written
+    ([B200], False, {}, 10),                             # 512 sequences: 8 shards fill the batch
+    ([H200], False, {"shard_size": 100}, 5),             # 256 sequences in shards of 100 (the run's): 3 + 2
+    ([RTX_PRO_6000], False, {"engine_overrides": {"max_num_seqs": 16}, "shard_size": 4}, 6),
+    ([B200], False, {"task_slots": 2}, 2),               # --task-slots / REGEN_TASK_SLOTS
+])
+def test_task_slots_keep_the_batch_full_with_a_shard_queued_and_one_being_written(fake_gpus, tmp_path, rows, cpu,
+                                                                                  kw, slots):
+    fake_gpus(*rows)
+    got = configs(model_dir(tmp_path, 16), cpu=cpu, **kw)
+    assert [c.task_slots for c, _ in got] == [slots] * len(got)
+
+
 def test_gpus_option_selects_and_names_what_is_missing(fake_gpus, tmp_path):
     fake_gpus(*[RTX_PRO_6000] * 4)
     model = model_dir(tmp_path, 16)

@@ -8,7 +8,7 @@ import socket
 
 import click
 
-from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, BrokerSettings
+from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, BrokerSettings
 from app.errors import ConfigError
 
 log = logging.getLogger("regen.worker")
@@ -16,13 +16,15 @@ log = logging.getLogger("regen.worker")
 
 def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: list[int] | None, storage: str | None,
                    name: str | None, max_attempts: int, engine_overrides: dict,
-                   tensor_parallel_size: int | None = None):
+                   tensor_parallel_size: int | None = None, shard_size: int = DEFAULT_SHARD_SIZE,
+                   task_slots: int | None = None):
     """One (WorkerConfig, CUDA_VISIBLE_DEVICES) per child process.
 
     `tensor_parallel_size` None: the smallest size that fits the model's weights (devices.choose_tensor_parallel).
+    `task_slots` None: from the engine's max_num_seqs and the shard size (devices.task_slots_for).
     """
     from workers.context import WorkerConfig
-    from workers.devices import choose_tensor_parallel, detect_gpus, preset_for
+    from workers.devices import choose_tensor_parallel, detect_gpus, preset_for, task_slots_for
 
     host = socket.gethostname()
     if cpu:
@@ -65,13 +67,15 @@ def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: li
         prefix = name or ("cpu" if visible is None else f"gpu{label}")
         configs.append((WorkerConfig(model=model, device="cpu" if visible is None else "cuda",
                                      device_class=device_class, capture_layers=layers, storage=storage,
-                                     hostname=f"{prefix}@{host}", max_attempts=max_attempts, engine=engine),
+                                     hostname=f"{prefix}@{host}", max_attempts=max_attempts, engine=engine,
+                                     task_slots=task_slots or task_slots_for(engine["max_num_seqs"], shard_size)),
                         visible))
     return configs
 
 
-def settings_from_run(storage: str, run_id: str, queues: str) -> tuple[str, list[int] | None, int]:
-    """Model path, capture layers this worker's engine needs, and a max_model_len from a run manifest."""
+def settings_from_run(storage: str, run_id: str, queues: str) -> tuple[str, list[int] | None, int, int]:
+    """Model path, capture layers this worker's engine needs, a max_model_len and the shard size from a run
+    manifest."""
     from app import manifest as manifest_mod
     from app.storage import RunStore, Storage
 
@@ -82,7 +86,8 @@ def settings_from_run(storage: str, run_id: str, queues: str) -> tuple[str, list
                                                                            and DEFAULT_CAPTURE_QUEUE in qs)
     layers = m["layers"]["vllm_ids"] if needs_capture and m.get("layers") else None
     wanted = int(m["max_prompt_tokens"]) + int(m["sampling"]["max_tokens"])
-    return m["model"]["path"], layers, min(wanted, _model_max_len(m["model"]["path"]) or wanted)
+    max_len = min(wanted, _model_max_len(m["model"]["path"]) or wanted)
+    return m["model"]["path"], layers, max_len, int(m["shard_size"])
 
 
 def _model_max_len(path: str) -> int | None:
@@ -114,9 +119,12 @@ def _model_max_len(path: str) -> int | None:
 @click.option("--tensor-parallel-size", type=int, default=None,
               help="GPUs per engine (default: the smallest of 1, 2, 4, 8 whose share of the model's weights takes "
                    "at most 60% of each GPU's memory budget).")
+@click.option("--task-slots", type=click.IntRange(min=1), envvar="REGEN_TASK_SLOTS", default=None,
+              help="Shards one worker process holds at once (default: enough to fill max_num_seqs, one queued "
+                   "behind them and one being written; shard size from --run, else 64) [env REGEN_TASK_SLOTS].")
 @click.option("--log-dir", default=None, help="Write each child's log to DIR/NAME.log.")
 def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_attempts, max_num_seqs,
-           max_model_len, gpu_memory_utilization, kv_cache_gib, tensor_parallel_size, log_dir):
+           max_model_len, gpu_memory_utilization, kv_cache_gib, tensor_parallel_size, task_slots, log_dir):
     """Start one Celery worker process per GPU (or one on the CPU) and supervise them."""
     from app.layers import parse_layers
     from app.model_info import read_model_info
@@ -126,10 +134,11 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
     settings = BrokerSettings.from_env(broker)
     layer_ids = None
     derived_len = None
+    shard_size = DEFAULT_SHARD_SIZE
     if run_id:
         if not storage:
             raise ConfigError("--run needs --storage (or REGEN_STORAGE)")
-        model_from_run, layer_ids, derived_len = settings_from_run(storage, run_id, queues)
+        model_from_run, layer_ids, derived_len, shard_size = settings_from_run(storage, run_id, queues)
         model = model or model_from_run
     if not model:
         raise ConfigError("give --model PATH or --run RUN")
@@ -140,7 +149,8 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
                  "kv_cache_memory_bytes": int(kv_cache_gib * (1 << 30)) if kv_cache_gib else None}
     configs = worker_configs(cpu=cpu, gpus=gpus, model=os.path.abspath(model), layers=layer_ids, storage=storage,
                              name=name, max_attempts=max_attempts, engine_overrides=overrides,
-                             tensor_parallel_size=tensor_parallel_size)
+                             tensor_parallel_size=tensor_parallel_size, shard_size=shard_size,
+                             task_slots=task_slots)
     sup = Supervisor(configs, settings.url, queues, log_dir=log_dir)
     click.echo(f"regen worker: {len(configs)} process(es) on {settings.masked_url}, queues {queues}", err=True)
     raise SystemExit(sup.run())

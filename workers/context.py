@@ -33,6 +33,7 @@ class WorkerConfig:
     hostname: str = field(default_factory=socket.gethostname)
     max_attempts: int = 5
     engine: dict = field(default_factory=dict)
+    task_slots: int = 3  # Celery thread-pool slots (workers/devices.task_slots_for)
     self_test: bool = True
 
     @classmethod
@@ -88,7 +89,7 @@ class WorkerContext:
 
         atexit.register(self.close)
         self.tokenizer = self.engine.tokenizer
-        # Two task slots render prompts at once; HF fast tokenizers are not safe to share across threads.
+        # Task slots render prompts at once; HF fast tokenizers are not safe to share across threads.
         self.tokenizer_lock = threading.Lock()
         idle_side_threads = side_threads_idle(config.device)
         self.encode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="regen-encode",

@@ -81,7 +81,7 @@ _dying = threading.Lock()
 def _exit_for_restart(task: Task, kwargs: dict, reason: str) -> None:
     """Re-publish the shard so it is not stuck until the visibility timeout, then die without acking.
 
-    Both task slots see the dead engine; each re-publishes its own shard first, and the process exits once
+    Every task slot sees the dead engine; each re-publishes its own shard first, and the process exits once
     no other slot is still re-publishing (or after 10 s).
     """
     queue = (task.request.delivery_info or {}).get("routing_key") or "regen"

@@ -4,9 +4,10 @@ Started by `regen worker` with CUDA_VISIBLE_DEVICES and REGEN_WORKER_CONFIG alre
 CUDA before the device is pinned. The engine is built and self-tested *before* the Celery consumer starts,
 so a broken engine never takes a shard (exit 70: the supervisor restarts it with backoff).
 
-Pool: Celery's thread pool with two slots, both feeding the one engine thread (workers/engine.py). While
-one shard is written to storage and acked, the next is already generating, so the engine does not idle
-between shards; each shard is still acked only after its completion marker exists. (Prefork cannot work:
+Pool: Celery's thread pool, every slot feeding the one engine thread (workers/engine.py); `regen worker` sizes
+it (workers/devices.task_slots_for) so that while one shard is written to storage and acked, the others fill
+the engine's batch with a shard queued behind them, and the engine does not idle or run short between shards;
+each shard is still acked only after its completion marker exists. (Prefork cannot work:
 its children are daemonic and cannot start vLLM's processes, NOTES.md.) The thread pool also keeps the
 consumer answering heartbeats and `inspect` while a shard runs, unlike the solo pool.
 """
@@ -37,7 +38,7 @@ def main() -> None:
     celery.worker_main([
         "worker",
         "--pool=threads",
-        f"--concurrency={os.environ.get('REGEN_TASK_SLOTS', '2')}",
+        f"--concurrency={config.get('task_slots', 3)}",
         f"--hostname={config['hostname']}",
         f"--queues={queues}",
         f"--loglevel={os.environ.get('REGEN_LOG_LEVEL', 'INFO')}",
