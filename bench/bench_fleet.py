@@ -181,19 +181,20 @@ class Fleet:
         self.prefix = f"regen-bench-{os.getpid()}"
         self.shards: dict[str, int] = {}
         self.name = f"bench{os.getpid()}"  # remote control goes to this worker alone
-        warm_shards = self._produce("warm", shard_size=WARM_UP_PROMPTS // 2)
+        # The warm-up run has the rounds' shard size: the worker sizes its task slots by the --run's shards.
+        warm_shards = self._produce("warm")
         self.worker = subprocess.Popen(
             [sys.executable, "-m", "app.cli", "worker", "--cpu", "--run", "bench-warm", "--storage", self.storage,
              "--name", self.name, "--queues", f"{self.prefix}-warm,{self.prefix}-direct"],
             env=self.env, stdout=open(Path(scratch, "worker.log"), "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
         self._wait_done("warm", warm_shards)
 
-    def _produce(self, round_name: str, shard_size: int | None = None) -> int:
+    def _produce(self, round_name: str) -> int:
         subprocess.run(
             [sys.executable, "-m", "app.cli", "produce", str(Path(self.scratch, f"prompts-{round_name}.jsonl")),
              "--run", f"bench-{round_name}", "--storage", self.storage, "--model", self.model,
              "--layers", "vllm:" + ",".join(map(str, LAYERS)), "--max-tokens", str(self.max_tokens),
-             "--top-k", "0", "--shard-size", str(shard_size or self.shard_size), "--max-prompt-tokens",
+             "--top-k", "0", "--shard-size", str(self.shard_size), "--max-prompt-tokens",
              str(MAX_PROMPT_TOKENS), "--pause-stub-rate", "1", "--queue", f"{self.prefix}-{round_name}"],
             env=self.env, check=True, capture_output=True)
         produced = json.loads(Path(self.storage, f"bench-{round_name}", "produce.json").read_text())
