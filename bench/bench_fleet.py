@@ -210,26 +210,22 @@ class Fleet:
         self.app.send_task(BENCH_DIRECT_TASK, queue=f"{self.prefix}-direct", kwargs={
             "prompts": json.loads(Path(self.scratch, f"prompts-{round_name}.json").read_text()),
             "sampling": manifest["settings"]["sampling"], "result_path": str(result)})
-        deadline = time.monotonic() + 900
-        while not result.exists():
-            if self.worker.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the bench worker exited or timed out in its direct pass; the end of its log:\n"
-                                 + Path(self.scratch, "worker.log").read_text()[-3000:])
-            time.sleep(0.1)
+        self._wait_for(result.exists, "its direct pass")
         got = json.loads(result.read_text())
         return got["tokens"], got["seconds"]
 
     def _wait_done(self, round_name: str, shards: int) -> list[dict]:
         done = Path(self.storage, f"bench-{round_name}", "done")
-        deadline = time.monotonic() + 900
-        while not (done.exists() and len(list(done.glob("shard-*.json"))) >= shards):
-            if self.worker.poll() is not None:
-                raise SystemExit("the bench worker exited; the end of its log:\n"
-                                 + Path(self.scratch, "worker.log").read_text()[-3000:])
-            if time.monotonic() > deadline:
-                raise SystemExit("fleet run timed out")
-            time.sleep(0.2)
+        self._wait_for(lambda: done.exists() and len(list(done.glob("shard-*.json"))) >= shards, f"run {round_name}")
         return [json.loads(p.read_text()) for p in done.glob("shard-*.json")]
+
+    def _wait_for(self, ready, what: str, timeout: float = 900) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self.worker.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the bench worker exited or timed out in {what}; the end of its log:\n"
+                                 + Path(self.scratch, "worker.log").read_text()[-3000:])
+            time.sleep(0.1)
 
     def produce(self, round_name: str) -> None:
         """Put the round's shards on a queue of their own, which the worker does not consume yet."""

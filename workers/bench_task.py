@@ -14,7 +14,6 @@ worker): a message naming a file to write has no place on a production queue.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 
@@ -22,7 +21,7 @@ import orjson
 
 from app.celery_app import BENCH_DIRECT_TASK
 from workers.context import WorkerContext
-from workers.engine import GenRequest
+from workers.engine import GenRequest, remove_capture_file
 
 
 def direct_generate(ctx: WorkerContext, prompts: list[list[int]], sampling: dict) -> tuple[int, float]:
@@ -45,9 +44,7 @@ def direct_generate(ctx: WorkerContext, prompts: list[list[int]], sampling: dict
     for out in outputs:  # capture files: after the timed window, as the separate direct process does
         path = (out.kv_transfer_params or {}).get("hidden_states_path")
         if path:
-            for p in (path, path + ".lock"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(p)
+            remove_capture_file(path)
     return sum(len(out.outputs[0].token_ids) for out in outputs), seconds
 
 

@@ -28,12 +28,10 @@ if os.environ.get("REGEN_BENCH_TASKS") == "1":  # the fleet bench's in-worker ba
 
 @worker_process_init.connect
 def _build_engine(**_):
-    from workers.context import WorkerConfig, WorkerContext
+    from workers.context import WorkerContext
 
-    if WorkerContext.current is not None:
-        return
     try:
-        WorkerContext.current = WorkerContext(WorkerConfig.from_env())
+        WorkerContext.get()
     except BaseException as exc:  # an engine that cannot start must not consume shards
         log.exception("worker start-up failed: %s", exc)
         sys.stderr.flush()

@@ -277,14 +277,7 @@ class Engine:
             raise ConfigError("capture requested but this engine was built without capture layers")
         if not requests:
             return
-        with self._lock:
-            if self._dead:
-                raise EngineDead(self._dead)
-        job = _Job(requests, on_done)
-        self._jobs.put(job)
-        job.finished.wait()
-        if job.error is not None:
-            raise job.error
+        self._submit(_Job(requests, on_done))
 
     def call(self, fn: Callable):
         """Run `fn(llm)` on the engine thread, between steps, once no request is in the engine; return its result.
@@ -293,15 +286,18 @@ class Engine:
         (`LLM.generate` on this very engine, workers/bench_task.py), which must not run beside the engine
         thread: vLLM is not thread-safe, and a second thread running torch ops slows an OpenMP CPU engine.
         """
+        return self._submit(_Exclusive(fn)).result
+
+    def _submit(self, job: _Job | _Exclusive) -> _Job | _Exclusive:
+        """Hand `job` to the engine thread and wait for it; its error, or the engine's death, is raised here."""
         with self._lock:
             if self._dead:
                 raise EngineDead(self._dead)
-        job = _Exclusive(fn)
         self._jobs.put(job)
         job.finished.wait()
         if job.error is not None:
             raise job.error
-        return job.result
+        return job
 
     def _loop(self) -> None:
         active: dict[str, tuple[_Job, GenRequest]] = {}
@@ -445,7 +441,7 @@ class Engine:
         if result is not None:
             loaded = _read_capture_file(path) if self.options.in_process else None
             result.captured_token_ids, result.captured_states = loaded or self._load_capture_with_torch(path)
-        _remove_scratch(path)
+        remove_capture_file(path)
 
     def _load_capture_with_torch(self, path: str) -> tuple[np.ndarray, np.ndarray]:
         """vLLM's own loader (an engine-core process: it waits on the writer's file lock), or other dtypes."""
@@ -546,7 +542,8 @@ def _locked(path: str) -> bool:
         os.close(fd)
 
 
-def _remove_scratch(path: str) -> None:
+def remove_capture_file(path: str) -> None:
+    """Remove a capture file and its lock file (either may be gone already)."""
     for p in (path, path + ".lock"):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(p)

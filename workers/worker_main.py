@@ -14,21 +14,19 @@ consumer answering heartbeats and `inspect` while a shard runs, unlike the solo 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 
 
 def main() -> None:
-    config = json.loads(os.environ["REGEN_WORKER_CONFIG"])
     queues = os.environ.get("REGEN_QUEUES", "regen")
     logging.basicConfig(level=os.environ.get("REGEN_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    from workers.context import WorkerConfig, WorkerContext
+    from workers.context import WorkerContext
 
     try:
-        WorkerContext.current = WorkerContext(WorkerConfig.from_env())
+        config = WorkerContext.get().config
     except BaseException:  # an engine that cannot start must not consume shards
         logging.getLogger("regen.worker").exception("worker start-up failed")
         sys.stderr.flush()
@@ -38,8 +36,8 @@ def main() -> None:
     celery.worker_main([
         "worker",
         "--pool=threads",
-        f"--concurrency={config.get('task_slots', 3)}",
-        f"--hostname={config['hostname']}",
+        f"--concurrency={config.task_slots}",
+        f"--hostname={config.hostname}",
         f"--queues={queues}",
         f"--loglevel={os.environ.get('REGEN_LOG_LEVEL', 'INFO')}",
         "--without-mingle",
