@@ -42,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 BROKER = "redis://127.0.0.1:6379/8"
@@ -271,7 +273,20 @@ def write_prompts(tokenizer, scratch: str, round_name: str, n: int) -> None:
 
 
 def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
+    return float(np.median(xs))
+
+
+def _median_interval(xs: list[float], level: float = 0.9) -> tuple[float, float]:
+    """A bootstrap interval for the median of per-round ratios (rounds resampled with replacement, fixed seed).
+
+    Rounds here scatter by +-10% or more, so a median of 7 moves by several percent from one bench to the next:
+    as much as the distance to the target. The interval says how far this bench's median can be trusted."""
+    if len(xs) < 3:
+        return min(xs), max(xs)
+    rng = np.random.default_rng(0)
+    medians = np.median(rng.choice(np.asarray(xs), size=(10_000, len(xs)), replace=True), axis=1)
+    tail = (1 - level) / 2
+    return float(np.quantile(medians, tail)), float(np.quantile(medians, 1 - tail))
 
 
 def main() -> None:
@@ -338,7 +353,9 @@ def main() -> None:
 
     def summary(key: str) -> str:
         xs = ratios[key]
-        return f"{_median(xs):.3f} median of {len(xs)} rounds (min {min(xs):.3f}, max {max(xs):.3f})"
+        low, high = _median_interval(xs)
+        return (f"{_median(xs):.3f} median of {len(xs)} rounds (90% interval of the median {low:.3f}-{high:.3f}; "
+                f"rounds {min(xs):.3f}-{max(xs):.3f})")
 
     print(f"fleet / direct                          = {summary('fleet/direct')}; target >= 0.95")
     print(f"fleet / direct in the worker's process  = {summary('fleet/worker')}: what the fleet path costs")

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from app.cli import main
 from app.errors import ConfigError
 from workers.cli import worker_configs
-from workers.devices import PRESETS, choose_tensor_parallel, detect_gpus
+from workers.devices import PRESETS, choose_tensor_parallel, detect_gpus, encode_threads_for
 from workers.supervisor import Supervisor
 
 FAKE_HOST = Path(__file__).parent / "fake_gpu_host"
@@ -91,6 +91,26 @@ def test_task_slots_keep_the_batch_full_with_a_shard_queued_and_one_being_writte
     fake_gpus(*rows)
     got = configs(model_dir(tmp_path, 16), cpu=cpu, **kw)
     assert [c.task_slots for c, _ in got] == [slots] * len(got)
+
+
+@pytest.mark.parametrize(("device_class", "workers", "cpus", "threads"), [
+    ("cpu", 1, 2, 2),          # the CPU engine needs every core: two idle-priority threads, as before
+    ("cpu", 1, 64, 2),
+    ("sm_100", 8, 112, 8),     # an 8 x B200 node: 14 cores per worker, less 2 for the engine, capped at 8
+    ("sm_100", 8, 48, 4),      # 6 per worker, less 2
+    ("sm_120", 4, 16, 2),      # 4 per worker, less 2
+    ("sm_90", 8, 8, 2),        # fewer cores than that: never below 2
+])
+def test_encode_threads_scale_with_the_cores_each_gpu_worker_has(device_class, workers, cpus, threads):
+    assert encode_threads_for(device_class, workers, cpus) == threads
+
+
+def test_encode_threads_reach_each_child_and_can_be_overridden(fake_gpus, tmp_path):
+    fake_gpus(*[B200] * 4)
+    model = model_dir(tmp_path, 16)
+    assert [c.encode_threads for c, _ in configs(model)] == [encode_threads_for("sm_100", 4)] * 4
+    assert [c.encode_threads for c, _ in configs(model, encode_threads=5)] == [5] * 4  # --encode-threads
+    assert [c.encode_threads for c, _ in configs(model, cpu=True)] == [2]
 
 
 def test_gpus_option_selects_and_names_what_is_missing(fake_gpus, tmp_path):

@@ -17,14 +17,21 @@ log = logging.getLogger("regen.worker")
 def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: list[int] | None, storage: str | None,
                    name: str | None, max_attempts: int, engine_overrides: dict,
                    tensor_parallel_size: int | None = None, shard_size: int = DEFAULT_SHARD_SIZE,
-                   task_slots: int | None = None):
+                   task_slots: int | None = None, encode_threads: int | None = None):
     """One (WorkerConfig, CUDA_VISIBLE_DEVICES) per child process.
 
     `tensor_parallel_size` None: the smallest size that fits the model's weights (devices.choose_tensor_parallel).
     `task_slots` None: from the engine's max_num_seqs and the shard size (devices.task_slots_for).
+    `encode_threads` None: from the device and the host's cores per worker (devices.encode_threads_for).
     """
     from workers.context import WorkerConfig
-    from workers.devices import choose_tensor_parallel, detect_gpus, preset_for, task_slots_for
+    from workers.devices import (
+        choose_tensor_parallel,
+        detect_gpus,
+        encode_threads_for,
+        preset_for,
+        task_slots_for,
+    )
 
     host = socket.gethostname()
     if cpu:
@@ -68,7 +75,8 @@ def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: li
         configs.append((WorkerConfig(model=model, device="cpu" if visible is None else "cuda",
                                      device_class=device_class, capture_layers=layers, storage=storage,
                                      hostname=f"{prefix}@{host}", max_attempts=max_attempts, engine=engine,
-                                     task_slots=task_slots or task_slots_for(engine["max_num_seqs"], shard_size)),
+                                     task_slots=task_slots or task_slots_for(engine["max_num_seqs"], shard_size),
+                                     encode_threads=encode_threads or encode_threads_for(device_class, len(devices))),
                         visible))
     return configs
 
@@ -122,9 +130,13 @@ def _model_max_len(path: str) -> int | None:
 @click.option("--task-slots", type=click.IntRange(min=1), envvar="REGEN_TASK_SLOTS", default=None,
               help="Shards one worker process holds at once (default: enough to fill max_num_seqs, one queued "
                    "behind them and one being written; shard size from --run, else 64) [env REGEN_TASK_SLOTS].")
+@click.option("--encode-threads", type=click.IntRange(min=1), envvar="REGEN_ENCODE_THREADS", default=None,
+              help="Threads per worker process checking and compressing hidden states (default: 2 on the CPU; on "
+                   "GPUs the host's cores per worker less 2, from 2 to 8) [env REGEN_ENCODE_THREADS].")
 @click.option("--log-dir", default=None, help="Write each child's log to DIR/NAME.log.")
 def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_attempts, max_num_seqs,
-           max_model_len, gpu_memory_utilization, kv_cache_gib, tensor_parallel_size, task_slots, log_dir):
+           max_model_len, gpu_memory_utilization, kv_cache_gib, tensor_parallel_size, task_slots, encode_threads,
+           log_dir):
     """Start one Celery worker process per GPU (or one on the CPU) and supervise them."""
     from app.layers import parse_layers
     from app.model_info import read_model_info
@@ -150,7 +162,7 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
     configs = worker_configs(cpu=cpu, gpus=gpus, model=os.path.abspath(model), layers=layer_ids, storage=storage,
                              name=name, max_attempts=max_attempts, engine_overrides=overrides,
                              tensor_parallel_size=tensor_parallel_size, shard_size=shard_size,
-                             task_slots=task_slots)
+                             task_slots=task_slots, encode_threads=encode_threads)
     sup = Supervisor(configs, settings.url, queues, log_dir=log_dir)
     click.echo(f"regen worker: {len(configs)} process(es) on {settings.masked_url}, queues {queues}", err=True)
     raise SystemExit(sup.run())

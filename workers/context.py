@@ -34,6 +34,7 @@ class WorkerConfig:
     max_attempts: int = 5
     engine: dict = field(default_factory=dict)
     task_slots: int = 3  # Celery thread-pool slots (workers/devices.task_slots_for)
+    encode_threads: int = 2  # threads checking and compressing hidden states (workers/devices.encode_threads_for)
     self_test: bool = True
 
     @classmethod
@@ -92,7 +93,7 @@ class WorkerContext:
         # Task slots render prompts at once; HF fast tokenizers are not safe to share across threads.
         self.tokenizer_lock = threading.Lock()
         idle_side_threads = side_threads_idle(config.device)
-        self.encode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="regen-encode",
+        self.encode_pool = ThreadPoolExecutor(max_workers=config.encode_threads, thread_name_prefix="regen-encode",
                                               initializer=_encoder_thread_start, initargs=(idle_side_threads,))
         self.windows: dict[str, StubWindow] = {}
         self.manifests: dict[str, dict] = {}

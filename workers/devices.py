@@ -79,6 +79,27 @@ def task_slots_for(max_num_seqs: int, shard_size: int) -> int:
     return -(-max_num_seqs // max(1, shard_size)) + 2
 
 
+ENCODE_THREADS_MIN, ENCODE_THREADS_MAX = 2, 8
+CORES_PER_ENGINE = 2  # a GPU engine's own processes: the engine core's busy loop, the worker's main threads
+
+
+def encode_threads_for(device_class: str, workers_on_host: int, cpus: int | None = None) -> int:
+    """Threads one worker uses to check and compress finished samples' hidden states (workers/generate.py).
+
+    A real model's sample is large ([4000 tokens, 5 layers, 5120] bf16 = 205 MB) and checking plus encoding it
+    takes ~0.45 s of one core (~550 MB/s). A B200 finishing a few such samples a second needs several threads, or
+    samples wait in RAM behind the encoder and shards finish late. GPU hosts have cores to spare: each worker
+    gets its share of the host's cores less CORES_PER_ENGINE, between ENCODE_THREADS_MIN and ENCODE_THREADS_MAX
+    (8 threads ~4 GB/s, more than an engine's capture rate). On the CPU the engine needs every core and the
+    samples are small: ENCODE_THREADS_MIN.
+    """
+    if device_class == "cpu":
+        return ENCODE_THREADS_MIN
+    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
+    share = cpus // max(1, workers_on_host) - CORES_PER_ENGINE
+    return max(ENCODE_THREADS_MIN, min(ENCODE_THREADS_MAX, share))
+
+
 # The share of an engine's memory budget (device memory x gpu_memory_utilization, per GPU) the weights may take.
 # The rest is KV cache and activations: a thinking-mode run keeps max_num_seqs sequences of up to max_model_len
 # tokens in flight, and an engine whose weights leave it a sliver of KV cache runs a handful of sequences at a

@@ -72,9 +72,11 @@ def summarise(store: RunStore, console: Console, seconds: float) -> dict:
 @click.option("--max-model-len", type=int, default=None)
 @click.option("--task-slots", type=click.IntRange(min=1), envvar="REGEN_TASK_SLOTS", default=None,
               help="Shards each local worker holds at once (default: from max_num_seqs and the shard size).")
+@click.option("--encode-threads", type=click.IntRange(min=1), envvar="REGEN_ENCODE_THREADS", default=None,
+              help="Threads per local worker checking and compressing hidden states (default: from the device).")
 @click.option("--timeout", type=float, default=None, help="Give up after this many seconds.")
 def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_tokens, top_k, thinking, shard_size,
-        max_model_len, task_slots, timeout):
+        max_model_len, task_slots, encode_threads, timeout):
     """Produce INPUTS, run local workers until every shard is done, and print a summary."""
     from producer.produce import produce
     from producer.run_setup import ProduceOptions
@@ -103,7 +105,8 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
         configs = worker_configs(cpu=cpu, gpus=gpus, model=os.path.abspath(model_path), layers=layer_ids,
                                  storage=None, name=None, max_attempts=5,
                                  engine_overrides={"max_model_len": max_model_len or derived_len},
-                                 shard_size=run_shard_size, task_slots=task_slots)
+                                 shard_size=run_shard_size, task_slots=task_slots,
+                                 encode_threads=encode_threads)
         sup = Supervisor(configs, broker_url, queues, log_dir=os.path.join(workdir, "logs", result.run_id))
         thread = threading.Thread(target=sup.run, kwargs={"install_signals": False}, daemon=True)
         started = time.monotonic()

@@ -1,0 +1,148 @@
+"""How fast one worker drains finished samples' hidden states at a real model's size (one command, ~1 min).
+
+    python bench/bench_capture_drain.py [--tokens 4000] [--layers 5] [--hidden 5120] [--samples 6]
+
+Every finished sample goes: the connector's safetensors file in the scratch place -> the delivery thread reads it
+-> an encoder thread checks the states (zero / NaN / Inf, token ids) and compresses them -> the shard's file. At
+the tiny test model's size this is microseconds; at a real model's ([4000 tokens, 5 layers, 5120] bf16 = 205 MB
+per sample) it decides whether a worker keeps up with a B200. This bench times each step per sample on files
+written the way the connector writes them, and prints the tokens/s one worker can absorb:
+- read: the worker's reader (a memory map above 1 MiB) against the copying reader it replaced (`read` +
+  `safetensors.deserialize`) and against vLLM's loader (`safetensors.torch.load_file`);
+- check + encode per sample, then the whole drain through the worker's encoder pool with 1 and 2 threads
+  (`check_and_encode`, the function the worker runs; reading on one thread in front of it, as the delivery
+  thread does);
+- the ceiling before (copying read and check on the single delivery thread) and now (mapped read there, check and
+  encode on the pool), from the figures above.
+States are random normals rounded to bf16 (speeds only; bench_hidden_codec.py measures ratios on activations).
+Speeds here move by 20-30% within minutes: every figure is the median of its samples, and ratios are taken within
+the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from workers.context import scratch_root  # noqa: E402
+from workers.engine import GenResult, _read_capture_file  # noqa: E402
+from workers.generate import check_and_encode  # noqa: E402
+from workers.quality import states_problem  # noqa: E402
+
+
+def copying_read(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """The reader the worker had before: the whole file read, then `safetensors.deserialize` (two copies)."""
+    import safetensors
+
+    with open(path, "rb") as fh:
+        tensors = dict(safetensors.deserialize(fh.read()))
+    ids, states = tensors["token_ids"], tensors["hidden_states"]
+    return (np.frombuffer(ids["data"], dtype=np.int64).copy(),
+            np.frombuffer(states["data"], dtype=np.uint16).reshape(states["shape"]))
+
+
+def torch_read(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """vLLM's loader: `safetensors.torch.load_file`, viewed as numpy."""
+    import torch
+    from safetensors.torch import load_file
+
+    data = load_file(path)
+    return data["token_ids"].numpy(), data["hidden_states"].view(torch.int16).numpy().view(np.uint16)
+
+
+def timed(fn, *args) -> float:
+    started = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - started
+
+
+def write_samples(folder: str, n: int, tokens: int, layers: int, hidden: int) -> list[str]:
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    paths = []
+    for i in range(n):
+        states = (torch.randn(tokens, layers, hidden, generator=gen) * 2).to(torch.bfloat16)
+        path = os.path.join(folder, f"sample-{i}.safetensors")
+        save_file({"hidden_states": states, "token_ids": torch.arange(tokens, dtype=torch.int64)}, path)
+        paths.append(path)
+    return paths
+
+
+def drain(paths: list[str], threads: int, layer_ids: list[int]) -> float:
+    """Seconds to read every file on this thread and check + encode them on a pool of `threads`."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        futures = []
+        for i, path in enumerate(paths):
+            token_ids, states = _read_capture_file(path)
+            ids = token_ids.tolist() + [0]
+            rec = {"sample_id": f"s{i}", "input_ids": ids}
+            res = GenResult(str(i), ids[:1], ids[1:], "", "length", None, token_ids, states)
+            futures.append(pool.submit(check_and_encode, rec, res, layer_ids, 3))
+        for f in futures:
+            problems, _ = f.result()
+            assert not problems, problems
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=4000)
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--hidden", type=int, default=5120)
+    ap.add_argument("--samples", type=int, default=6)
+    args = ap.parse_args()
+    folder = os.path.join(scratch_root(), f"regen-bench-drain-{os.getpid()}")
+    os.makedirs(folder, exist_ok=True)
+    layer_ids = list(range(1, args.layers + 1))
+    mb = args.tokens * args.layers * args.hidden * 2 / 1e6
+    try:
+        paths = write_samples(folder, args.samples, args.tokens, args.layers, args.hidden)
+        print(f"{args.samples} samples of [{args.tokens}, {args.layers}, {args.hidden}] bf16 ({mb:.0f} MB each) "
+              f"in {folder}")
+        per = {name: [] for name in ("map", "copy", "torch", "check", "encode")}
+        for path in paths:
+            for name, reader in (("map", _read_capture_file), ("copy", copying_read), ("torch", torch_read)):
+                per[name].append(timed(reader, path))
+            token_ids, states = _read_capture_file(path)
+            per["check"].append(timed(states_problem, states))
+            ids = token_ids.tolist() + [0]
+            res = GenResult("0", ids[:1], ids[1:], "", "length", None, token_ids, states)
+            per["encode"].append(timed(check_and_encode, {"sample_id": "s", "input_ids": ids}, res, layer_ids, 3)
+                                 - per["check"][-1])
+        ms = {k: statistics.median(v) * 1000 for k, v in per.items()}
+        print(f"read, ms per sample:   worker's reader {ms['map']:.2f} | copying reader {ms['copy']:.0f} "
+              f"({ms['copy'] / ms['map']:.0f}x) | vLLM's load_file {ms['torch']:.2f} ({ms['torch'] / ms['map']:.1f}x)")
+        print(f"check {ms['check']:.0f} ms ({mb / ms['check'] * 1000:.0f} MB/s), encode (level 3) {ms['encode']:.0f} ms "
+              f"({mb / ms['encode'] * 1000:.0f} MB/s) per sample")
+        rates = {}
+        for threads in (1, 2):
+            seconds = statistics.median(drain(paths, threads, layer_ids) for _ in range(2))
+            rates[threads] = args.samples * args.tokens / seconds
+            print(f"drain through {threads} encoder thread(s): {rates[threads]:,.0f} tokens/s "
+                  f"({args.samples / seconds:.1f} samples/s)")
+        print(f"2 threads / 1 thread = {rates[2] / rates[1]:.2f} (this box has {os.cpu_count()} cores)")
+        old_delivery = args.tokens / ((ms["copy"] + ms["check"]) / 1000)
+        new_delivery = args.tokens / (ms["map"] / 1000)
+        per_thread = args.tokens / ((ms["check"] + ms["encode"]) / 1000)
+        print(f"capture work on the single delivery thread: before {ms['copy'] + ms['check']:.0f} ms per sample "
+              f"(copying read + check: at most {old_delivery:,.0f} tokens/s per worker), now {ms['map']:.2f} ms "
+              f"(mapped read: {new_delivery / old_delivery:.0f}x the ceiling); each encoder thread adds "
+              f"{per_thread:,.0f} tokens/s (a GPU worker has 2-8, workers/devices.encode_threads_for)")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
