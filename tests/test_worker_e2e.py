@@ -212,6 +212,7 @@ def test_a_cpu_workers_side_threads_yield_to_the_engine(inline_run, cpu_worker):
     assert "side threads run under SCHED_IDLE" in cpu_worker.text()
     # Task slots from the preset: 16 sequences fill one 64-sample shard, plus one queued and one being written.
     assert "concurrency: 3 (thread)" in cpu_worker.text()
+    assert "task slots: 3; hidden-state encoder threads: 2" in cpu_worker.text()  # the CPU's 2 (devices.py)
 
 
 def test_the_fleet_benchs_baseline_runs_generate_on_the_workers_own_engine(inline_run, cpu_worker, e2e_storage,

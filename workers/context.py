@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import socket
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,10 +51,51 @@ class WorkerConfig:
         return json.dumps(self.__dict__)
 
 
-def scratch_root() -> str:
-    """Where the capture connector's per-request files go: `REGEN_SCRATCH`, else /dev/shm (RAM), else /tmp.
-    They live for one engine step or two; on a disk-backed /tmp writing them cost a CPU engine ~7% of its time."""
-    return os.environ.get("REGEN_SCRATCH", "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp")
+SHM = "/dev/shm"
+SCRATCH_SAMPLES = 4  # full-length samples' capture files the scratch place must hold at once
+
+
+def scratch_root(need_bytes: int = 0) -> str:
+    """Where the capture connector's per-request files go: `REGEN_SCRATCH`, else /dev/shm (RAM), else the temp dir.
+
+    They live for one engine step or two; on a disk-backed /tmp writing them cost a CPU engine ~7% of its time.
+    `need_bytes` is the room the worker needs there (`capture_room`). A container's /dev/shm is often 64 MB
+    (Docker's and Kubernetes' default) while one real sample's states take hundreds of MB: vLLM's write would
+    fail mid-shard and take the engine down with it, shard after shard. So the default place falls back to the
+    temp dir, with a warning, when /dev/shm has less free room than that, and a `REGEN_SCRATCH` without the room
+    is refused at start-up with the figures.
+    """
+    from app.errors import ConfigError
+
+    explicit = os.environ.get("REGEN_SCRATCH")
+    if explicit:
+        os.makedirs(explicit, exist_ok=True)
+    candidates = [explicit] if explicit else [p for p in (SHM, tempfile.gettempdir()) if os.path.isdir(p)]
+    for path in candidates:
+        free = free_bytes(path)
+        if free >= need_bytes:
+            if path != candidates[0]:
+                log.warning("%s has %s free, less than the %s this worker's capture files may need; they go to %s "
+                            "(slower; give the container more shared memory, or set REGEN_SCRATCH)",
+                            candidates[0], _mb(free_bytes(candidates[0])), _mb(need_bytes), path)
+            return path
+    where = f"REGEN_SCRATCH={explicit}" if explicit else " and ".join(candidates)
+    raise ConfigError(f"capture scratch: {where} has {_mb(max(map(free_bytes, candidates)))} free; this worker needs "
+                      f"{_mb(need_bytes)} ({SCRATCH_SAMPLES} samples of max_model_len tokens at every capture layer)")
+
+
+def capture_room(max_model_len: int, layers: int, hidden_size: int, dtype: str) -> int:
+    """Bytes of scratch room for SCRATCH_SAMPLES full-length samples' capture files."""
+    itemsize = 4 if dtype in ("float32", "float") else 2
+    return SCRATCH_SAMPLES * max_model_len * layers * hidden_size * itemsize
+
+
+def free_bytes(path: str) -> int:
+    return shutil.disk_usage(path).free
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.0f} MB"
 
 
 class WorkerContext:
@@ -81,9 +123,13 @@ class WorkerContext:
             model=config.model,
             device="cpu" if config.device == "cpu" else "cuda",
             capture_layers=tuple(config.capture_layers) if config.capture_layers else None,
-            scratch_dir=os.path.join(scratch_root(), f"regen-capture-{os.getpid()}"),
             **config.engine,
         )
+        need = 0
+        if options.capture_layers:
+            need = capture_room(options.max_model_len, len(options.capture_layers), self.model.hidden_size,
+                                options.dtype)
+        options.scratch_dir = os.path.join(scratch_root(need), f"regen-capture-{os.getpid()}")
         _remove_stale_scratch(os.path.dirname(options.scratch_dir))
         self.engine = Engine(options)
         import atexit
@@ -101,6 +147,7 @@ class WorkerContext:
         if config.self_test:
             seconds = self.engine.self_test()
             log.info("engine self-test passed in %.2fs", seconds)
+        log.info("task slots: %d; hidden-state encoder threads: %d", config.task_slots, config.encode_threads)
         if idle_side_threads:
             # After the engine thread and its OpenMP team exist: threads started from here on inherit this.
             delivery = self.engine.delivery_thread_id
