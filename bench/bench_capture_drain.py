@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from workers.context import scratch_root  # noqa: E402
-from workers.engine import GenResult, _read_capture_file  # noqa: E402
+from workers.engine import _read_capture_file  # noqa: E402
 from workers.generate import check_and_encode  # noqa: E402
 from workers.quality import states_problem  # noqa: E402
 
@@ -86,10 +86,7 @@ def drain(paths: list[str], threads: int, layer_ids: list[int]) -> float:
         futures = []
         for i, path in enumerate(paths):
             token_ids, states = _read_capture_file(path)
-            ids = token_ids.tolist() + [0]
-            rec = {"sample_id": f"s{i}", "input_ids": ids}
-            res = GenResult(str(i), ids[:1], ids[1:], "", "length", None, token_ids, states)
-            futures.append(pool.submit(check_and_encode, rec, res, layer_ids, 3))
+            futures.append(pool.submit(check_and_encode, f"s{i}", token_ids.tolist(), token_ids, states, layer_ids, 3))
         for f in futures:
             problems, _ = f.result()
             assert not problems, problems
@@ -117,9 +114,7 @@ def main() -> None:
                 per[name].append(timed(reader, path))
             token_ids, states = _read_capture_file(path)
             per["check"].append(timed(states_problem, states))
-            ids = token_ids.tolist() + [0]
-            res = GenResult("0", ids[:1], ids[1:], "", "length", None, token_ids, states)
-            per["encode"].append(timed(check_and_encode, {"sample_id": "s", "input_ids": ids}, res, layer_ids, 3)
+            per["encode"].append(timed(check_and_encode, "s", token_ids.tolist(), token_ids, states, layer_ids, 3)
                                  - per["check"][-1])
         ms = {k: statistics.median(v) * 1000 for k, v in per.items()}
         print(f"read, ms per sample:   worker's reader {ms['map']:.2f} | copying reader {ms['copy']:.0f} "

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import datetime as dt
 
-import numpy as np
 import orjson
 
-from app.hidden_file import HiddenFileWriter, encode_sample
+from app.hidden_file import HiddenFileWriter
 from app.jsonl_zst import loads_jsonl_zst
 from app.storage import RunStore
 from workers.engine import GenRequest
-from workers.quality import states_problem
+from workers.generate import check_and_encode
 
 
 def capture_shard(ctx, store: RunStore, manifest: dict, shard_id: str, attempt: str) -> bool:
@@ -33,22 +32,11 @@ def capture_shard(ctx, store: RunStore, manifest: dict, shard_id: str, attempt: 
     futures = {}
     problems: dict[str, list[str]] = {}
 
-    def on_done(res) -> None:
+    def on_done(res) -> None:  # on the engine's delivery thread: the check and the encoding go to the pool
         i = int(res.request_id)
         rec = records[i]
-        want = np.asarray(rec["input_ids"][:-1], dtype=np.int64)
-        got_ids = res.captured_token_ids[: len(want)]
-        states = res.captured_states[: len(want)]
-        issues = []
-        if not np.array_equal(got_ids, want):
-            issues.append("capture_mismatch")
-        p = states_problem(states)
-        if p:
-            issues.append(p)
-        if issues:
-            problems[rec["sample_id"]] = issues
-        futures[i] = ctx.encode_pool.submit(encode_sample, rec["sample_id"], want, np.ascontiguousarray(states),
-                                            layers, level)
+        futures[i] = ctx.encode_pool.submit(check_and_encode, rec["sample_id"], rec["input_ids"][:-1],
+                                            res.captured_token_ids, res.captured_states, layers, level, trim=True)
 
     ctx.engine.run(requests, on_done)
     hidden_rel = store.hidden_path(shard_id, f"{attempt}c")
@@ -56,7 +44,9 @@ def capture_shard(ctx, store: RunStore, manifest: dict, shard_id: str, attempt: 
     with store.storage.atomic_writer(hidden_rel) as fh:
         writer = HiddenFileWriter(fh)
         for n, i in enumerate(sorted(futures)):
-            sample = futures[i].result()
+            issues, sample = futures[i].result()
+            if issues:
+                problems[records[i]["sample_id"]] = issues
             writer.append(sample)
             index[records[i]["sample_id"]] = n
         size = writer.close()
@@ -67,3 +57,4 @@ def capture_shard(ctx, store: RunStore, manifest: dict, shard_id: str, attempt: 
     if not won:
         store.storage.delete(hidden_rel)
     return won
+

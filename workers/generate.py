@@ -106,7 +106,8 @@ def generate_shard(ctx, manifest: dict, run_id: str, shard_id: str, samples: lis
             "hidden": None,
         })
         if res.captured_states is not None:
-            encoded[i] = ctx.encode_pool.submit(check_and_encode, rec, res, layers, level)
+            encoded[i] = ctx.encode_pool.submit(check_and_encode, rec["sample_id"], input_ids[:-1],
+                                                res.captured_token_ids, res.captured_states, layers, level)
         if is_stub(flags):
             stubs += 1
 
@@ -129,22 +130,27 @@ def generate_shard(ctx, manifest: dict, run_id: str, shard_id: str, samples: lis
     return records, hidden, summary
 
 
-def check_and_encode(rec: dict, res: GenResult, layers: list[int], level: int):
+def check_and_encode(sample_id: str, expected_ids: list[int], captured_ids: np.ndarray, states: np.ndarray,
+                     layers: list[int], level: int, trim: bool = False):
     """(capture flags, encoded sample) for one finished sample, on an encoder thread.
 
     The check reads every state once (~50 ms for a real model's [4000, 5, 5120] sample) and encoding ~0.4 s: both
     run here, several samples at a time, rather than on the engine's single delivery thread, which would otherwise
     cap a worker at a few samples per second of real size. Flags are added to the record when the shard collects
-    the results, before anything counts or writes them.
+    the results, before anything counts or writes them. `expected_ids` are the record's `input_ids[:-1]`; with
+    `trim` (staged capture, whose prefill also covers the last id) only that many captured tokens are checked
+    and kept.
     """
+    want = np.asarray(expected_ids, dtype=np.int64)
+    if trim:
+        captured_ids, states = captured_ids[: len(want)], states[: len(want)]
     problems = []
-    expected = np.asarray(rec["input_ids"][:-1], dtype=np.int64)
-    if res.captured_token_ids.shape != expected.shape or not np.array_equal(res.captured_token_ids, expected):
+    if captured_ids.shape != want.shape or not np.array_equal(captured_ids, want):
         problems.append("capture_mismatch")
-    problem = states_problem(res.captured_states)
+    problem = states_problem(states)
     if problem:
         problems.append(problem)
-    return problems, encode_sample(rec["sample_id"], res.captured_token_ids, res.captured_states, layers, level)
+    return problems, encode_sample(sample_id, captured_ids, np.ascontiguousarray(states), layers, level)
 
 
 def summarise(records: list[dict], gen_seconds: float, ctx) -> dict:
