@@ -68,8 +68,15 @@ def test_records_hold_exactly_the_engines_token_ids(inline_run, e2e_storage, tin
         # the ids again need not give the same string (NOTES.md). The ids are the data.
         decoded = tok.decode(r["input_ids"][n_prompt:], skip_special_tokens=True).replace("\ufffd", "")
         assert r["text"].replace("\ufffd", "") in decoded
-        # A random model never closes its think block in 24 tokens: truncated, and flagged as such.
-        assert r["finish_reason"] == "length" and "truncated" in r["flags"]
+        # A random model does not close its think block in 24 tokens: truncated, and flagged as such. Now and
+        # then one draws an end-of-turn token by chance (which samples do depends on how shards share the
+        # engine's batch): that one stopped, on that token, and is not flagged truncated.
+        if r["finish_reason"] == "length":
+            assert n_out == 24 and "truncated" in r["flags"]
+        else:
+            assert r["finish_reason"] == "stop" and "truncated" not in r["flags"]
+            assert r["input_ids"][-1] in {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    assert sum(r["finish_reason"] == "length" for r in records) > len(records) * 0.8
 
 
 def test_hidden_states_match_the_transformers_reference(inline_run, e2e_storage, reference, tiny_qwen3):
