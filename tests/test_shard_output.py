@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import threading
 
 import numpy as np
+import pytest
 
 from app.hidden_file import HiddenFileReader, encode_sample, float32_to_bf16
 from app.jsonl_zst import loads_jsonl_zst
 from app.storage import RunStore, Storage
-from workers.shard_output import attempt_errors, dead_letter, new_attempt_id, publish_shard, record_attempt
+from workers.shard_output import (
+    attempt_errors,
+    dead_letter,
+    hidden_file_stream,
+    new_attempt_id,
+    publish_shard,
+    record_attempt,
+)
 
 
 def _outputs(tag: str):
@@ -91,3 +101,52 @@ def test_attempts_are_counted_and_a_dead_letter_keeps_their_errors(tmp_path):
     assert body["reason"] == "3 attempts without success"
     assert [a.get("error") for a in attempt_errors(store, "shard-000003")].count("EngineDead: CUDA error") == 1
     assert store.dead_shards() == {"shard-000003"}
+
+
+def _stream(store, shard: str, attempt: str, samples, threads: int = 4):
+    """Append `samples` from several threads at once, as the encoder pool does; return each one's position."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with hidden_file_stream(store, shard, attempt) as stream, ThreadPoolExecutor(threads) as pool:
+        positions = list(pool.map(stream.append, samples))
+    return positions, stream.written
+
+
+def test_a_streamed_hidden_file_holds_every_sample_where_append_said(tmp_path):
+    store = RunStore(Storage(str(tmp_path)), "stream")
+    records, hidden = _outputs("streamed")
+    hidden = [dataclasses.replace(hidden[k % 3], sample_id=f"s{k}") for k in range(12)]  # 12 appends racing
+    positions, written = _stream(store, "shard-000003", "a3", hidden)
+    assert sorted(positions) == list(range(len(hidden)))
+    with store.storage.open(written.path) as fh:
+        reader = HiddenFileReader(fh)
+        for k, pos in enumerate(positions):
+            assert reader.by_id[f"s{k}"] == pos  # the record's hidden.index is the file's own position
+            token_ids, _ = reader.read(pos)
+            assert len(token_ids) == hidden[k].n_tokens
+    records = [{"sample_id": f"s{k}", "hidden": {"index": pos}} for k, pos in enumerate(positions)]
+    assert publish_shard(store, "shard-000003", "a3", records, written, {"samples": len(records)})
+    marker = store.done_marker("shard-000003")
+    assert marker["files"]["hidden"]["path"] == written.path
+    assert marker["files"]["hidden"]["sha256"] == hashlib.sha256(store.storage.read_bytes(written.path)).hexdigest()
+
+
+def test_a_failed_shard_leaves_no_streamed_file_and_late_appends_fail(tmp_path):
+    store = RunStore(Storage(str(tmp_path)), "stream-fail")
+    _, hidden = _outputs("failed")
+    with pytest.raises(OSError, match="engine gone"), hidden_file_stream(store, "shard-000004", "a4") as stream:
+        stream.append(hidden[0])
+        raise OSError("engine gone")
+    assert store.storage.listdir(store.rel("shards", "shard-000004")) == []
+    with pytest.raises(RuntimeError, match="closed"):  # an encoder finishing after its shard failed
+        stream.append(hidden[1])
+
+
+def test_a_streamed_file_of_the_losing_attempt_is_deleted(tmp_path):
+    store = RunStore(Storage(str(tmp_path)), "stream-race")
+    records, hidden = _outputs("first")
+    assert publish_shard(store, "shard-000005", "a5", records, hidden, {})
+    _, written = _stream(store, "shard-000005", "b5", hidden)
+    assert not publish_shard(store, "shard-000005", "b5", records, written, {})
+    assert sorted(store.storage.listdir(store.rel("shards", "shard-000005"))) == ["a5.hidden.rgh",
+                                                                                  "a5.records.jsonl.zst"]

@@ -1,7 +1,8 @@
 """Turning one shard of prompts into records (and hidden states): the work inside a generate task.
 
 The whole shard goes to the engine at once (continuous batching). As each request finishes, its hidden
-states are compressed on a background thread while the engine keeps generating the others.
+states are checked, compressed and appended to the attempt's hidden-state file on an encoder thread while the
+engine keeps generating the others (workers/shard_output.HiddenFileStream).
 """
 
 from __future__ import annotations
@@ -33,13 +34,16 @@ def _special_ids(tokenizer) -> tuple[int | None, set[int]]:
     return think_end, eos
 
 
-def generate_shard(ctx, manifest: dict, run_id: str, shard_id: str, samples: list[dict]):
-    """Return (records, encoded hidden samples or None, summary) for one shard."""
+def generate_shard(ctx, manifest: dict, run_id: str, shard_id: str, samples: list[dict], hidden_out=None):
+    """Return (records, summary) for one shard; with inline capture each sample's states go into `hidden_out`
+    (a `workers.shard_output.HiddenFileStream`) as soon as they are encoded."""
     settings = manifest["settings"]
     sampling = dict(settings["sampling"])
     run_seed = int(sampling.pop("seed", 0))
     thinking = bool(settings["thinking"])
     capture_inline = settings["capture_mode"] == "inline"
+    if capture_inline and hidden_out is None:
+        raise ValueError("inline capture needs a hidden-state file to write into")
     layers = settings["layers"]["vllm_ids"] if settings.get("layers") else None
     max_prompt = int(settings["max_prompt_tokens"])
     max_len = ctx.engine.options.max_model_len
@@ -106,7 +110,7 @@ def generate_shard(ctx, manifest: dict, run_id: str, shard_id: str, samples: lis
             "hidden": None,
         })
         if res.captured_states is not None:
-            encoded[i] = ctx.encode_pool.submit(check_and_encode, rec["sample_id"], input_ids[:-1],
+            encoded[i] = ctx.encode_pool.submit(_encode_into, hidden_out, rec["sample_id"], input_ids[:-1],
                                                 res.captured_token_ids, res.captured_states, layers, level)
         if is_stub(flags):
             stubs += 1
@@ -116,18 +120,20 @@ def generate_shard(ctx, manifest: dict, run_id: str, shard_id: str, samples: lis
     gen_seconds = time.monotonic() - t0
     engine_window = (wall0, time.time())
 
-    hidden = None
-    if capture_inline:
-        hidden = []
-        for i in sorted(encoded):
-            problems, sample = encoded[i].result()
-            records[i]["flags"].extend(problems)
-            records[i]["hidden"] = {"index": len(hidden), "n_tokens": sample.n_tokens, "layers": layers}
-            hidden.append(sample)
+    for i in sorted(encoded):  # every sample's states are in the file once this loop is through
+        problems, position, n_tokens = encoded[i].result()
+        records[i]["flags"].extend(problems)
+        records[i]["hidden"] = {"index": position, "n_tokens": n_tokens, "layers": layers}
     summary = summarise(records, gen_seconds, ctx)
     # Wall-clock span the engine was busy with this shard: the gaps between spans are the engine's idle time.
     summary["engine_started"], summary["engine_finished"] = (round(t, 4) for t in engine_window)
-    return records, hidden, summary
+    return records, summary
+
+
+def _encode_into(hidden_out, sample_id: str, *args) -> tuple[list[str], int, int]:
+    """check_and_encode, then append to the shard's file: (flags, position in the file, tokens)."""
+    problems, sample = check_and_encode(sample_id, *args)
+    return problems, hidden_out.append(sample), sample.n_tokens
 
 
 def check_and_encode(sample_id: str, expected_ids: list[int], captured_ids: np.ndarray, states: np.ndarray,

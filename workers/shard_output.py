@@ -9,11 +9,15 @@ ever follow the marker, so two workers running one shard at once cannot corrupt 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import os
 import socket
+import threading
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import orjson
 
@@ -61,20 +65,84 @@ def dead_letter(store: RunStore, shard: str, reason: str) -> None:
                                                      "dead_lettered": _now()})
 
 
+@dataclass(frozen=True)
+class WrittenHidden:
+    """An attempt's hidden-state file already in place (HiddenFileStream), for `publish_shard` to name."""
+
+    path: str
+    bytes: int
+    sha256: str
+
+
+class HiddenFileStream:
+    """An attempt's hidden-state file, written while its shard generates: each sample goes in as soon as it is
+    encoded, so a shard's states do not wait in RAM for the shard's end.
+
+    A real model's sample is ~140 MB compressed ([4000, 5, 5120] bf16); held until the shard's end, a B200
+    preset's 10 task slots of 64-sample shards kept tens of GB of them per GPU. Samples go in finishing order:
+    readers find them through the file's own index of sample ids, and the record's `hidden.index` is the position
+    `append` returns. Encoder threads append concurrently; one lock orders them.
+    """
+
+    def __init__(self, fh):
+        self._hashing = _HashingWriter(fh)
+        self._writer = HiddenFileWriter(self._hashing)
+        self._lock = threading.Lock()
+        self._open = True
+        self.written: WrittenHidden | None = None  # set when the file is in place
+
+    def append(self, sample: EncodedSample) -> int:
+        with self._lock:
+            if not self._open:  # an encoder finishing after its shard failed: the file is gone
+                raise RuntimeError("the shard's hidden-state file is closed")
+            self._writer.append(sample)
+            return len(self._writer.entries) - 1
+
+    def _close(self) -> None:
+        with self._lock:  # waits for an append in progress
+            self._open = False
+
+    def _finish(self) -> tuple[int, str]:
+        with self._lock:
+            self._open = False
+            return self._writer.close(), self._hashing.hexdigest()
+
+
+@contextlib.contextmanager
+def hidden_file_stream(store: RunStore, shard: str, attempt: str) -> Iterator[HiddenFileStream]:
+    """Open the attempt's hidden-state file for streaming; on a clean exit it gets its index and is renamed into
+    place (`stream.written`), on an error it is removed. Nothing refers to it until the completion marker does,
+    and `publish_shard` deletes it if this attempt loses the marker."""
+    path = store.hidden_path(shard, attempt)
+    with store.storage.atomic_writer(path) as fh:
+        stream = HiddenFileStream(fh)
+        try:
+            yield stream
+        finally:
+            stream._close()
+        size, sha256 = stream._finish()
+    stream.written = WrittenHidden(path, size, sha256)
+
+
 def publish_shard(
     store: RunStore,
     shard: str,
     attempt: str,
     records: list[dict],
-    hidden_samples: list[EncodedSample] | None,
+    hidden_samples: list[EncodedSample] | WrittenHidden | None,
     summary: dict,
     level: int = 3,
 ) -> bool:
-    """Write outputs, then the completion marker last. True if this attempt's outputs are the shard's."""
+    """Write outputs, then the completion marker last. True if this attempt's outputs are the shard's.
+
+    `hidden_samples`: encoded samples to write now, or the file a HiddenFileStream already wrote, or None."""
     records_rel = store.records_path(shard, attempt)
     records_bytes = dumps_jsonl_zst(records, level=level)
     files: dict[str, dict] = {}
     won = False
+    if isinstance(hidden_samples, WrittenHidden):  # already in place: deleted below if this attempt loses
+        files["hidden"] = {"path": hidden_samples.path, "bytes": hidden_samples.bytes, "sha256": hidden_samples.sha256}
+        hidden_samples = None
     try:
         store.storage.write_bytes(records_rel, records_bytes)
         files["records"] = {"path": records_rel, "bytes": len(records_bytes),

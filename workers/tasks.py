@@ -16,6 +16,7 @@ Other failures (storage errors, bugs) are recorded on the attempt and retried wi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -32,6 +33,7 @@ from workers.context import WorkerContext
 from workers.quality import StubWindow, is_stub
 from workers.shard_output import (
     dead_letter,
+    hidden_file_stream,
     new_attempt_id,
     publish_shard,
     record_attempt,
@@ -208,11 +210,14 @@ def register(celery) -> None:
         def work(ctx, store, manifest, attempt):
             from workers.generate import generate_shard as run_generation
 
-            records, hidden, summary = run_generation(ctx, manifest, run_id, shard_id, samples)
+            inline = manifest["settings"]["capture_mode"] == "inline"
+            with hidden_file_stream(store, shard_id, attempt) if inline else contextlib.nullcontext() as stream:
+                records, summary = run_generation(ctx, manifest, run_id, shard_id, samples, stream)
             summary["task_started"] = round(task_started, 4)
             t_pub = time.time()
             level = int(manifest["settings"].get("compression_level", 3))
-            won = publish_shard(store, shard_id, attempt, records, hidden, summary, level=level)
+            won = publish_shard(store, shard_id, attempt, records, stream.written if inline else None, summary,
+                                level=level)
             log.info("%s/%s timings: begin %.1f ms, engine-end->publish %.1f ms, publish %.1f ms", run_id,
                      shard_id, (summary["engine_started"] - task_started) * 1000,
                      (t_pub - summary["engine_finished"]) * 1000, (time.time() - t_pub) * 1000)
