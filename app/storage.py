@@ -113,9 +113,20 @@ class Storage:
         full = self.path(rel)
         self.fs.makedirs(full.rpartition("/")[0], exist_ok=True)
         if not self.is_local:
-            # Object stores: one PUT, visible only when complete.
-            with self.fs.open(full, "wb") as fh:
+            # Object stores: the object appears only when the upload is committed (one PUT, or the multipart
+            # upload's completion). fsspec commits whenever a file is closed, an error included, so the file is
+            # opened without autocommit: committed on a clean exit, discarded (multipart upload aborted) on an error.
+            fh = self.fs.open(full, "wb", autocommit=False)
+            try:
                 yield fh
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    fh.discard()
+                with contextlib.suppress(Exception):
+                    fh.closed = True  # nothing left to flush; closing would try to upload the discarded buffer
+                raise
+            fh.close()
+            fh.commit()
             return
         tmp = self._tmp_name(full)
         try:

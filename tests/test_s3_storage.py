@@ -183,3 +183,16 @@ def test_storage_options_come_from_the_environment_only_for_urls(tmp_path, s3_en
     local = Storage(str(tmp_path / "local"))  # REGEN_STORAGE_OPTIONS is set, and must not reach the local fs
     assert local.is_local and os.path.isdir(local.root)
     assert Storage(f"s3://{BUCKET}").fs.client_kwargs["endpoint_url"] == s3_endpoint
+
+
+@pytest.mark.parametrize("size", [1_000, 12 << 20])  # one PUT, and a multipart upload (s3fs sends 5 MiB parts)
+def test_a_write_interrupted_on_s3_leaves_no_object(s3_root, size):
+    """An attempt's file streamed while its shard generates must not appear if the shard fails midway: fsspec
+    closes (and so commits) a file on any exit unless it was opened without autocommit and discarded."""
+    storage = Storage(s3_root)
+    with pytest.raises(OSError, match="engine gone"), storage.atomic_writer("runs/r/shards/s/a.hidden.rgh") as fh:
+        fh.write(b"x" * size)
+        raise OSError("engine gone")
+    assert not storage.exists("runs/r/shards/s/a.hidden.rgh")
+    storage.write_bytes("runs/r/shards/s/b.hidden.rgh", b"y" * size)  # and a clean exit still writes the object
+    assert storage.read_bytes("runs/r/shards/s/b.hidden.rgh") == b"y" * size
