@@ -12,11 +12,11 @@ import datetime as dt
 
 import orjson
 
-from app.hidden_file import HiddenFileWriter
 from app.jsonl_zst import loads_jsonl_zst
 from app.storage import RunStore
 from workers.engine import GenRequest
-from workers.generate import check_and_encode
+from workers.generate import encode_into
+from workers.shard_output import hidden_file_stream
 
 
 def capture_shard(ctx, store: RunStore, manifest: dict, shard_id: str, attempt: str) -> bool:
@@ -31,25 +31,23 @@ def capture_shard(ctx, store: RunStore, manifest: dict, shard_id: str, attempt: 
     ]
     futures = {}
     problems: dict[str, list[str]] = {}
-
-    def on_done(res) -> None:  # on the engine's delivery thread: the check and the encoding go to the pool
-        i = int(res.request_id)
-        rec = records[i]
-        futures[i] = ctx.encode_pool.submit(check_and_encode, rec["sample_id"], rec["input_ids"][:-1],
-                                            res.captured_token_ids, res.captured_states, layers, level, trim=True)
-
-    ctx.engine.run(requests, on_done)
-    hidden_rel = store.hidden_path(shard_id, f"{attempt}c")
     index = {}
-    with store.storage.atomic_writer(hidden_rel) as fh:
-        writer = HiddenFileWriter(fh)
-        for n, i in enumerate(sorted(futures)):
-            issues, sample = futures[i].result()
+    # As in generate: each sample's states go into the attempt's file as soon as they are checked and encoded.
+    with hidden_file_stream(store, shard_id, f"{attempt}c") as stream:
+
+        def on_done(res) -> None:  # on the engine's delivery thread: the check and the encoding go to the pool
+            i = int(res.request_id)
+            rec = records[i]
+            futures[i] = ctx.encode_pool.submit(encode_into, stream, rec["sample_id"], rec["input_ids"][:-1],
+                                                res.captured_token_ids, res.captured_states, layers, level, True)
+
+        ctx.engine.run(requests, on_done)
+        for i in sorted(futures):
+            issues, position, _ = futures[i].result()
             if issues:
                 problems[records[i]["sample_id"]] = issues
-            writer.append(sample)
-            index[records[i]["sample_id"]] = n
-        size = writer.close()
+            index[records[i]["sample_id"]] = position
+    hidden_rel, size = stream.written.path, stream.written.bytes
     body = {"shard_id": shard_id, "attempt": attempt, "hidden": {"path": hidden_rel, "bytes": size},
             "index": index, "problems": problems, "worker": ctx.worker_name,
             "finished": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")}
@@ -57,4 +55,3 @@ def capture_shard(ctx, store: RunStore, manifest: dict, shard_id: str, attempt: 
     if not won:
         store.storage.delete(hidden_rel)
     return won
-

@@ -110,7 +110,7 @@ def generate_shard(ctx, manifest: dict, run_id: str, shard_id: str, samples: lis
             "hidden": None,
         })
         if res.captured_states is not None:
-            encoded[i] = ctx.encode_pool.submit(_encode_into, hidden_out, rec["sample_id"], input_ids[:-1],
+            encoded[i] = ctx.encode_pool.submit(encode_into, hidden_out, rec["sample_id"], input_ids[:-1],
                                                 res.captured_token_ids, res.captured_states, layers, level)
         if is_stub(flags):
             stubs += 1
@@ -130,8 +130,8 @@ def generate_shard(ctx, manifest: dict, run_id: str, shard_id: str, samples: lis
     return records, summary
 
 
-def _encode_into(hidden_out, sample_id: str, *args) -> tuple[list[str], int, int]:
-    """check_and_encode, then append to the shard's file: (flags, position in the file, tokens)."""
+def encode_into(hidden_out, sample_id: str, *args) -> tuple[list[str], int, int]:
+    """check_and_encode, then append to the attempt's file (a HiddenFileStream): (flags, position, tokens)."""
     problems, sample = check_and_encode(sample_id, *args)
     return problems, hidden_out.append(sample), sample.n_tokens
 
