@@ -28,6 +28,7 @@ them as JSON, e.g. `{"client_kwargs": {"endpoint_url": "http://minio:9000"}}`, a
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import uuid
 from collections.abc import Iterator
@@ -180,6 +181,20 @@ class Storage:
     def delete(self, rel: str, recursive: bool = False) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.path(rel), recursive=recursive)
+
+    def remove_temporaries(self, rel: str) -> int:
+        """Remove the `atomic_writer` temporary files (`.name.tmp-*`) in folder `rel`; return how many.
+
+        They are what a writer killed mid-write (SIGKILL, OOM) leaves behind, and a hidden-state file streamed
+        over a whole shard can be GBs. Object stores have none (an unfinished upload never becomes an object)."""
+        if not self.is_local:
+            return 0
+        removed = 0
+        for path in glob.glob(os.path.join(glob.escape(self.path(rel)), ".*.tmp-*")):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed += 1
+        return removed
 
 
 class RunStore:

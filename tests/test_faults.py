@@ -58,6 +58,9 @@ def test_sigkill_mid_shard_loses_and_duplicates_nothing(cpu_worker, e2e_storage,
     wait_run_done(e2e_storage, "sigkill", timeout=300)
     attempts = store.storage.listdir(store.attempts_dir(killed_shard))
     assert len(attempts) >= 2  # the killed attempt, then the one that finished
+    # The killed attempt's half-written hidden-state file went when the shard was completed.
+    leftovers = [n for n in os.listdir(e2e_storage / "sigkill" / "shards" / killed_shard) if ".tmp-" in n]
+    assert leftovers == []
     report(e2e_storage, "sigkill", state["counts"]["enqueued"])
     assert not store.dead_shards()
 

@@ -150,3 +150,17 @@ def test_a_streamed_file_of_the_losing_attempt_is_deleted(tmp_path):
     assert not publish_shard(store, "shard-000005", "b5", records, written, {})
     assert sorted(store.storage.listdir(store.rel("shards", "shard-000005"))) == ["a5.hidden.rgh",
                                                                                   "a5.records.jsonl.zst"]
+
+
+def test_publishing_removes_what_killed_attempts_left_half_written(tmp_path):
+    """A worker SIGKILLed while streaming leaves `.a.hidden.rgh.tmp-*` (GBs at a real model's size); the attempt
+    that completes the shard removes it, and only temporary files."""
+    store = RunStore(Storage(str(tmp_path)), "leftovers")
+    folder = tmp_path / "leftovers" / "shards" / "shard-000006"
+    folder.mkdir(parents=True)
+    (folder / ".dead1.hidden.rgh.tmp-0123456789ab").write_bytes(b"half a sample")
+    (folder / ".dead2.records.jsonl.zst.tmp-ba9876543210").write_bytes(b"")
+    (folder / "notes.txt").write_text("not ours")
+    records, hidden = _outputs("after-a-kill")
+    assert publish_shard(store, "shard-000006", "a6", records, hidden, {})
+    assert sorted(p.name for p in folder.iterdir()) == ["a6.hidden.rgh", "a6.records.jsonl.zst", "notes.txt"]

@@ -159,6 +159,12 @@ def publish_shard(
         marker = {"shard_id": shard, "attempt": attempt, "files": files, "finished": _now(), **summary}
         won = store.storage.create_exclusive(store.done_path(shard),
                                              orjson.dumps(marker, option=orjson.OPT_INDENT_2))
+        if won:
+            # What killed attempts of this shard left half-written is of no use now that it is done. An attempt
+            # still writing (a duplicate delivery) loses its temporary file; its rename then fails, it retries,
+            # and finds the shard done. No staged capture of this shard has started yet.
+            with contextlib.suppress(OSError):  # tidying only: the shard is published either way
+                store.storage.remove_temporaries(store.rel("shards", shard))
     finally:
         if not won:  # lost the race, or a write failed (disk full, NFS error): leave nothing behind
             for info in files.values():
