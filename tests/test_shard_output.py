@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -160,7 +162,12 @@ def test_publishing_removes_what_killed_attempts_left_half_written(tmp_path):
     folder.mkdir(parents=True)
     (folder / ".dead1.hidden.rgh.tmp-0123456789ab").write_bytes(b"half a sample")
     (folder / ".dead2.records.jsonl.zst.tmp-ba9876543210").write_bytes(b"")
+    (folder / ".live.hidden.rgh.tmp-00000000000a").write_bytes(b"a duplicate still writing")
     (folder / "notes.txt").write_text("not ours")
+    old = time.time() - 3600
+    for name in (".dead1.hidden.rgh.tmp-0123456789ab", ".dead2.records.jsonl.zst.tmp-ba9876543210", "notes.txt"):
+        os.utime(folder / name, (old, old))
     records, hidden = _outputs("after-a-kill")
-    assert publish_shard(store, "shard-000006", "a6", records, hidden, {})
-    assert sorted(p.name for p in folder.iterdir()) == ["a6.hidden.rgh", "a6.records.jsonl.zst", "notes.txt"]
+    assert publish_shard(store, "shard-000006", "a6", records, hidden, {}, stale_after=600)
+    assert sorted(p.name for p in folder.iterdir()) == [".live.hidden.rgh.tmp-00000000000a", "a6.hidden.rgh",
+                                                        "a6.records.jsonl.zst", "notes.txt"]

@@ -35,7 +35,8 @@ def record_attempt(store: RunStore, shard: str, attempt: str, worker: str, **ext
     body = {"attempt": attempt, "worker": worker, "host": socket.gethostname(), "pid": os.getpid(),
             "started": _now(), **extra}
     store.storage.write_json(f"{store.attempts_dir(shard)}/{attempt}.json", body)
-    return len(store.storage.listdir(store.attempts_dir(shard)))
+    # Another attempt's file being written at this instant shows as `.name.tmp-*`: not an attempt of its own.
+    return sum(1 for name in store.storage.listdir(store.attempts_dir(shard)) if not name.startswith("."))
 
 
 def record_attempt_error(store: RunStore, shard: str, attempt: str, error: str) -> None:
@@ -52,6 +53,8 @@ def record_attempt_error(store: RunStore, shard: str, attempt: str, error: str) 
 def attempt_errors(store: RunStore, shard: str) -> list[dict]:
     out = []
     for name in store.storage.listdir(store.attempts_dir(shard)):
+        if name.startswith("."):  # a temporary file of a write in progress
+            continue
         try:
             out.append(store.storage.read_json(f"{store.attempts_dir(shard)}/{name}"))
         except (FileNotFoundError, orjson.JSONDecodeError):
@@ -132,10 +135,12 @@ def publish_shard(
     hidden_samples: list[EncodedSample] | WrittenHidden | None,
     summary: dict,
     level: int = 3,
+    stale_after: float | None = None,
 ) -> bool:
     """Write outputs, then the completion marker last. True if this attempt's outputs are the shard's.
 
-    `hidden_samples`: encoded samples to write now, or the file a HiddenFileStream already wrote, or None."""
+    `hidden_samples`: encoded samples to write now, or the file a HiddenFileStream already wrote, or None.
+    `stale_after`: once won, remove temporary files in the shard's folder untouched for this many seconds."""
     records_rel = store.records_path(shard, attempt)
     records_bytes = dumps_jsonl_zst(records, level=level)
     files: dict[str, dict] = {}
@@ -159,12 +164,12 @@ def publish_shard(
         marker = {"shard_id": shard, "attempt": attempt, "files": files, "finished": _now(), **summary}
         won = store.storage.create_exclusive(store.done_path(shard),
                                              orjson.dumps(marker, option=orjson.OPT_INDENT_2))
-        if won:
-            # What killed attempts of this shard left half-written is of no use now that it is done. An attempt
-            # still writing (a duplicate delivery) loses its temporary file; its rename then fails, it retries,
-            # and finds the shard done. No staged capture of this shard has started yet.
+        if won and stale_after is not None:
+            # What killed attempts of this shard left half-written is of no use now that it is done. A killed
+            # attempt's shard is redelivered only after the broker's visibility timeout, so its files are at least
+            # that old by now; a duplicate still writing touched its file more recently and keeps it.
             with contextlib.suppress(OSError):  # tidying only: the shard is published either way
-                store.storage.remove_temporaries(store.rel("shards", shard))
+                store.storage.remove_temporaries(store.rel("shards", shard), stale_after)
     finally:
         if not won:  # lost the race, or a write failed (disk full, NFS error): leave nothing behind
             for info in files.values():

@@ -200,6 +200,14 @@ def _run_attempt(task: Task, stage: str, kwargs: dict, work) -> str:
         _inflight.release_one()
 
 
+def _visibility_timeout(app) -> float:
+    """The broker's visibility timeout: a killed attempt's shard is redelivered no sooner."""
+    from app.config import DEFAULT_VISIBILITY_TIMEOUT
+
+    options = app.conf.broker_transport_options or {}
+    return float(options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT))
+
+
 def register(celery) -> None:
     """Register the tasks on `celery` (only worker processes import this module)."""
 
@@ -217,7 +225,7 @@ def register(celery) -> None:
             t_pub = time.time()
             level = int(manifest["settings"].get("compression_level", 3))
             won = publish_shard(store, shard_id, attempt, records, stream.written if inline else None, summary,
-                                level=level)
+                                level=level, stale_after=_visibility_timeout(self.app))
             log.info("%s/%s timings: begin %.1f ms, engine-end->publish %.1f ms, publish %.1f ms", run_id,
                      shard_id, (summary["engine_started"] - task_started) * 1000,
                      (t_pub - summary["engine_finished"]) * 1000, (time.time() - t_pub) * 1000)
