@@ -71,16 +71,16 @@ def scratch_root(need_bytes: int = 0) -> str:
     if explicit:
         os.makedirs(explicit, exist_ok=True)
     candidates = [explicit] if explicit else [p for p in (SHM, tempfile.gettempdir()) if os.path.isdir(p)]
+    free = {path: free_bytes(path) for path in candidates}
     for path in candidates:
-        free = free_bytes(path)
-        if free >= need_bytes:
+        if free[path] >= need_bytes:
             if path != candidates[0]:
                 log.warning("%s has %s free, less than the %s this worker's capture files may need; they go to %s "
                             "(slower; give the container more shared memory, or set REGEN_SCRATCH)",
-                            candidates[0], _mb(free_bytes(candidates[0])), _mb(need_bytes), path)
+                            candidates[0], _mb(free[candidates[0]]), _mb(need_bytes), path)
             return path
     where = f"REGEN_SCRATCH={explicit}" if explicit else " and ".join(candidates)
-    raise ConfigError(f"capture scratch: {where} has {_mb(max(map(free_bytes, candidates)))} free; this worker needs "
+    raise ConfigError(f"capture scratch: {where} has {_mb(max(free.values()))} free; this worker needs "
                       f"{_mb(need_bytes)} ({SCRATCH_SAMPLES} samples of max_model_len tokens at every capture layer)")
 
 

@@ -121,8 +121,9 @@ def hidden_file_stream(store: RunStore, shard: str, attempt: str) -> Iterator[Hi
         stream = HiddenFileStream(fh)
         try:
             yield stream
-        finally:
-            stream._close()
+        except BaseException:
+            stream._close()  # late appends fail instead of writing into a file being removed
+            raise
         size, sha256 = stream._finish()
     stream.written = WrittenHidden(path, size, sha256)
 
@@ -152,15 +153,12 @@ def publish_shard(
         store.storage.write_bytes(records_rel, records_bytes)
         files["records"] = {"path": records_rel, "bytes": len(records_bytes),
                             "sha256": hashlib.sha256(records_bytes).hexdigest()}
-        if hidden_samples is not None:
-            hidden_rel = store.hidden_path(shard, attempt)
-            with store.storage.atomic_writer(hidden_rel) as fh:
-                hashing = _HashingWriter(fh)
-                writer = HiddenFileWriter(hashing)
+        if hidden_samples is not None:  # the same writer as a streamed file, fed all at once
+            with hidden_file_stream(store, shard, attempt) as stream:
                 for sample in hidden_samples:
-                    writer.append(sample)
-                size = writer.close()
-            files["hidden"] = {"path": hidden_rel, "bytes": size, "sha256": hashing.hexdigest()}
+                    stream.append(sample)
+            written = stream.written
+            files["hidden"] = {"path": written.path, "bytes": written.bytes, "sha256": written.sha256}
         marker = {"shard_id": shard, "attempt": attempt, "files": files, "finished": _now(), **summary}
         won = store.storage.create_exclusive(store.done_path(shard),
                                              orjson.dumps(marker, option=orjson.OPT_INDENT_2))
