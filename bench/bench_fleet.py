@@ -167,28 +167,31 @@ serve(run_once)
 class Fleet:
     """One `regen worker --cpu` process kept for the whole bench; each round is a run of its own."""
 
-    def __init__(self, model: str, scratch: str, max_tokens: int, shard_size: int):
+    def __init__(self, model: str, scratch: str, max_tokens: int, shard_size: int, tag: str = "", env: dict | None = None):
         import redis
 
         from app.celery_app import create_app
         from app.config import BrokerSettings
 
-        redis.Redis.from_url(BROKER).flushdb()
+        if not tag:  # the first fleet only: a second one must not wipe the first worker's remote-control bindings
+            redis.Redis.from_url(BROKER).flushdb()
         self.scratch, self.model, self.max_tokens, self.shard_size = scratch, model, max_tokens, shard_size
-        self.storage = os.path.join(scratch, "storage")
-        self.env = {**os.environ, "REGEN_BROKER_URL": BROKER, "HF_HUB_OFFLINE": "1", "REGEN_BENCH_TASKS": "1"}
+        self.storage = os.path.join(scratch, f"storage{tag}")
+        self.env = {**os.environ, "REGEN_BROKER_URL": BROKER, "HF_HUB_OFFLINE": "1", "REGEN_BENCH_TASKS": "1",
+                    **(env or {})}
         self.app = create_app(BrokerSettings.from_env(BROKER))
         self.control = self.app.control
         # Queues of this bench's own: a worker left over from an interrupted bench must not take these shards.
-        self.prefix = f"regen-bench-{os.getpid()}"
+        self.prefix = f"regen-bench-{os.getpid()}{tag}"
+        self.log = Path(scratch, f"worker{tag}.log")
         self.shards: dict[str, int] = {}
-        self.name = f"bench{os.getpid()}"  # remote control goes to this worker alone
+        self.name = f"bench{os.getpid()}{tag}"  # remote control goes to this worker alone
         # The warm-up run has the rounds' shard size: the worker sizes its task slots by the --run's shards.
         warm_shards = self._produce("warm")
         self.worker = subprocess.Popen(
             [sys.executable, "-m", "app.cli", "worker", "--cpu", "--run", "bench-warm", "--storage", self.storage,
              "--name", self.name, "--queues", f"{self.prefix}-warm,{self.prefix}-direct"],
-            env=self.env, stdout=open(Path(scratch, "worker.log"), "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+            env=self.env, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
         self._wait_done("warm", warm_shards)
 
     def _produce(self, round_name: str) -> int:
@@ -226,7 +229,7 @@ class Fleet:
         while not ready():
             if self.worker.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"the bench worker exited or timed out in {what}; the end of its log:\n"
-                                 + Path(self.scratch, "worker.log").read_text()[-3000:])
+                                 + self.log.read_text()[-3000:])
             time.sleep(0.1)
 
     def produce(self, round_name: str) -> None:
@@ -258,7 +261,7 @@ class Fleet:
         if os.environ.get("REGEN_BENCH_KEEP_LOG"):
             import shutil
 
-            shutil.copy(Path(self.scratch, "worker.log"), os.environ["REGEN_BENCH_KEEP_LOG"])
+            shutil.copy(self.log, os.environ["REGEN_BENCH_KEEP_LOG"] + self.name.removeprefix(f"bench{os.getpid()}"))
 
 
 def write_prompts(tokenizer, scratch: str, round_name: str, n: int) -> None:
@@ -270,6 +273,14 @@ def write_prompts(tokenizer, scratch: str, round_name: str, n: int) -> None:
     Path(scratch, f"prompts-{round_name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     ids = [render_prompt(tokenizer, [{"role": "user", "content": r["question"]}], None, True) for r in rows]
     Path(scratch, f"prompts-{round_name}.json").write_text(json.dumps(ids))
+
+
+def _engine_host_default() -> bool:
+    """Whether the CPU worker runs its engine in a process of its own (workers/engine_host.py) without flags."""
+    from workers.devices import PRESETS
+
+    choice = os.environ.get("REGEN_ENGINE_HOST")
+    return PRESETS["cpu"].get("host_process", False) if choice is None else choice.lower() in ("1", "true", "yes")
 
 
 def _median(xs: list[float]) -> float:
@@ -302,12 +313,16 @@ def main() -> None:
     ap.add_argument("--engine-only", action="store_true",
                     help="also run the worker's Engine class alone each round (no Celery, no records), to tell what the "
                          "engine class costs from what the rest of the worker costs")
+    ap.add_argument("--ab-engine-host", action="store_true",
+                    help="also run a second worker whose engine runs in its own process (--no-engine-host: in the "
+                         "worker's), one fleet pass of each per round, to measure what the engine host changes")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
     from workers.tiny_model import build_tiny_qwen3
 
-    ratios: dict[str, list[float]] = {"fleet/direct": [], "fleet/worker": [], "worker/direct": [], "engine/direct": []}
+    ratios: dict[str, list[float]] = {"fleet/direct": [], "fleet/worker": [], "worker/direct": [], "engine/direct": [],
+                                      "other/direct": [], "fleet/other": []}
     gaps_ms: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_qwen3(os.path.join(tmp, "tiny"))
@@ -323,21 +338,32 @@ def main() -> None:
         if args.engine_only:
             children.append(engine_only_child(model, args.max_tokens, args.shard_size, tmp))
         fleet = Fleet(model, tmp, args.max_tokens, args.shard_size)
+        other = None
+        if args.ab_engine_host:
+            other = Fleet(model, tmp, args.max_tokens, args.shard_size, tag="-other",
+                          env={"REGEN_ENGINE_HOST": "false" if _engine_host_default() else "true"})
         try:
             for r in range(1, args.rounds + 1):
                 # The fleet and the direct process run the round's prompts "a"; the worker's own direct pass runs
                 # "b" (same shape, other questions), so it gets no prefix-cache hits from the fleet pass before it.
                 fleet.produce(f"{r}a")
-                passes = PASSES[r % 3:] + PASSES[:r % 3]
+                names = PASSES + (["other"] if other is not None else [])
+                passes = names[r % len(names):] + names[:r % len(names)]
                 timed = {"direct": lambda r=r: children[0].timed(f"{r}a"),
                          "fleet": lambda r=r: fleet.timed(f"{r}a"),
-                         "worker": lambda r=r: fleet.direct_in_worker(f"{r}b", sampling_of=f"{r}a")}
+                         "worker": lambda r=r: fleet.direct_in_worker(f"{r}b", sampling_of=f"{r}a"),
+                         "other": lambda r=r: other.timed(f"{r}a")}
+                if other is not None:
+                    other.produce(f"{r}a")
                 got = {name: timed[name]() for name in passes}
                 rate = {name: got[name][0] / got[name][1] for name in passes}
                 gaps_ms += [g * 1000 for g in got["fleet"][2]]
                 ratios["fleet/direct"].append(rate["fleet"] / rate["direct"])
                 ratios["fleet/worker"].append(rate["fleet"] / rate["worker"])
                 ratios["worker/direct"].append(rate["worker"] / rate["direct"])
+                if other is not None:
+                    ratios["other/direct"].append(rate["other"] / rate["direct"])
+                    ratios["fleet/other"].append(rate["fleet"] / rate["other"])
                 line = (f"round {r} ({', '.join(passes)}): direct {rate['direct']:,.0f} tok/s, fleet "
                         f"{rate['fleet']:,.0f} (steady state), direct in the worker {rate['worker']:,.0f}; fleet/direct "
                         f"{ratios['fleet/direct'][-1]:.3f}, fleet/direct in the worker {ratios['fleet/worker'][-1]:.3f}; "
@@ -346,9 +372,13 @@ def main() -> None:
                     e_tokens, e_seconds = children[1].timed(f"{r}a")
                     ratios["engine/direct"].append(e_tokens / e_seconds / rate["direct"])
                     line += f"; engine class alone {ratios['engine/direct'][-1]:.3f} of direct"
+                if other is not None:
+                    line += f"; the other engine placement {ratios['other/direct'][-1]:.3f} of direct"
                 print(line, flush=True)
         finally:
             fleet.close()
+            if other is not None:
+                other.close()
             for child in children:
                 child.close()
 
@@ -363,6 +393,11 @@ def main() -> None:
     print(f"direct in the worker / direct process   = {summary('worker/direct')}: two processes' own difference")
     if ratios["engine/direct"]:
         print(f"engine class alone / direct             = {summary('engine/direct')}")
+    if ratios["other/direct"]:
+        placement = "in its own process" if _engine_host_default() else "in the worker's process"
+        other = "in the worker's process" if _engine_host_default() else "in its own process"
+        print(f"engine {other} / direct{' ' * (23 - len(other))} = {summary('other/direct')}")
+        print(f"fleet (engine {placement}) / other  = {summary('fleet/other')}")
     if gaps_ms:
         print(f"engine idle gap between shards: median {_median(gaps_ms):.1f} ms, max {max(gaps_ms):.1f} ms over "
               f"{len(gaps_ms)} gaps  (target < 50 ms)")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -75,3 +77,22 @@ def run_states(storage: Path, run_id: str, staged: bool = False) -> dict[str, tu
             for i, entry in enumerate(reader.entries):
                 out[entry["sample_id"]] = reader.read(i)
     return out
+
+
+def engine_host_pid(worker_pid: int) -> int:
+    """The CPU worker's engine process (workers/engine_host.py): the worker's child of that name."""
+    from workers.engine_host import PROCESS_NAME
+
+    for pid in subprocess.run(["pgrep", "-P", str(worker_pid)], capture_output=True, text=True).stdout.split():
+        with contextlib.suppress(FileNotFoundError):
+            if Path(f"/proc/{pid}/comm").read_text().strip() == PROCESS_NAME:
+                return int(pid)
+    raise AssertionError(f"worker {worker_pid} has no engine process")
+
+
+def process_gone(pid: int) -> bool:
+    """True once `pid` has exited (a zombie waiting for its parent counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True

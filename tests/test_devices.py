@@ -79,6 +79,19 @@ def test_one_child_per_gpu_with_the_class_preset_and_overrides(fake_gpus, tmp_pa
         assert config.engine["tensor_parallel_size"] == 1 and config.engine["in_process"] is False
 
 
+def test_a_cpu_worker_hosts_its_engine_in_a_process_of_its_own_unless_told_not_to(fake_gpus, tmp_path):
+    from workers.engine import EngineOptions
+
+    model = model_dir(tmp_path, 1)
+    ((cpu, _),) = configs(model, cpu=True)
+    assert cpu.engine["host_process"] is True and cpu.engine["in_process"] is True  # workers/engine_host.py
+    ((cpu, _),) = configs(model, cpu=True, engine_overrides={"host_process": False})  # --no-engine-host
+    assert cpu.engine["host_process"] is False
+    fake_gpus(B200)
+    ((gpu, _),) = configs(model)  # vLLM's own engine-core process already runs the model apart
+    assert EngineOptions(model=model, **gpu.engine).host_process is False
+
+
 @pytest.mark.parametrize(("rows", "cpu", "kw", "slots"), [
     ([], True, {}, 3),                                   # 64 sequences, shards of 64: one generating, one queued, one written
     ([B200], False, {}, 10),                             # 512 sequences: 8 shards fill the batch

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from app.cli import main
 from app.storage import RunStore, Storage
 from tests.conftest import E2E_BROKER, WorkerProcess, wait_for, worker_env
-from tests.e2e_helpers import produce, prompts_file, run_records, wait_run_done
+from tests.e2e_helpers import engine_host_pid, process_gone, produce, prompts_file, run_records, wait_run_done
 from workers.shard_output import attempt_errors
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -35,33 +35,44 @@ def report(storage: Path, run_id: str, expected: int) -> Counter:
     return ids
 
 
-def in_flight_shard(store: RunStore) -> str | None:
-    """A shard with a started attempt and no completion marker: the worker is inside it right now."""
+def in_flight_shards(store: RunStore) -> set[str]:
+    """Shards with a started attempt and no completion marker (the worker is inside them, or was killed in them)."""
     done = store.done_shards()
-    for shard in store.storage.listdir(store.rel("attempts")):
-        if shard not in done and "." not in shard:
-            return shard
-    return None
+    return {shard for shard in store.storage.listdir(store.rel("attempts")) if shard not in done and "." not in shard}
+
+
+def in_flight_shard(store: RunStore, besides: set[str] = frozenset()) -> str | None:
+    """A shard the worker is inside right now, other than `besides` (shards an earlier kill left unfinished)."""
+    return min(in_flight_shards(store) - besides, default=None)
 
 
 def test_sigkill_mid_shard_loses_and_duplicates_nothing(cpu_worker, e2e_storage, tiny_qwen3, tmp_path):
+    # First the worker is killed (its engine process must die with it), then the engine process alone (the
+    # worker must see its engine die, re-publish its shards and exit for a restart, as with a CUDA error).
     inputs = prompts_file(tmp_path, n_synthetic=28, with_formats=False)
     state = produce(e2e_storage, "sigkill", [inputs], tiny_qwen3, "--max-tokens", "48")
     store = RunStore(Storage(str(e2e_storage)), "sigkill")
-    for kills in range(1, 3):
-        shard = wait_for(lambda: in_flight_shard(store), 240, "a shard in flight")
+    killed: dict[str, set[str]] = {}
+    for kills, victim in enumerate(["worker", "engine"], start=1):
+        earlier = set().union(*killed.values())
+        wait_for(lambda e=earlier: in_flight_shard(store, besides=e), 240, "a shard in flight")
         child = cpu_worker.child_pids()
         assert child, "the supervisor has no worker child"
-        os.kill(child[0], signal.SIGKILL)
-        killed_shard = shard
-        # The supervisor brings a fresh worker up; it finds the killed shard unfinished and redoes it.
+        engine = engine_host_pid(child[0])
+        os.kill(child[0] if victim == "worker" else engine, signal.SIGKILL)
+        killed[victim] = in_flight_shards(store) - earlier
+        wait_for(lambda pid=engine: process_gone(pid), 30, f"engine process {engine} to end after the {victim} was killed")
+        # The supervisor brings a fresh worker up; it finds the killed shards unfinished and redoes them.
         cpu_worker.wait_ready(count=1 + kills)
     wait_run_done(e2e_storage, "sigkill", timeout=300)
-    attempts = store.storage.listdir(store.attempts_dir(killed_shard))
-    assert len(attempts) >= 2  # the killed attempt, then the one that finished
-    # The killed attempt's half-written hidden-state file went when the shard was completed.
-    leftovers = [n for n in os.listdir(e2e_storage / "sigkill" / "shards" / killed_shard) if ".tmp-" in n]
+    for shard in sorted(set().union(*killed.values())):
+        assert len(store.storage.listdir(store.attempts_dir(shard))) >= 2  # the killed attempt, then the one that finished
+    # What killed attempts left half-written (hidden-state files) went when their shards were completed.
+    leftovers = [p.name for p in (e2e_storage / "sigkill" / "shards").rglob("*.tmp-*")]
     assert leftovers == []
+    # The worker whose engine process died recorded why on the shards it was running, then exited for a restart.
+    errors = [a.get("error", "") for shard in killed["engine"] for a in attempt_errors(store, shard)]
+    assert any("the engine process exited (killed by SIGKILL)" in e for e in errors), (killed, errors)
     report(e2e_storage, "sigkill", state["counts"]["enqueued"])
     assert not store.dead_shards()
 

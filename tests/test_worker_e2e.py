@@ -203,17 +203,26 @@ def _thread_policies(pid: int) -> list[tuple[str, int]]:
 
 
 def test_a_cpu_workers_side_threads_yield_to_the_engine(inline_run, cpu_worker):
-    # The engine thread and its OpenMP team keep the normal policy; the main thread (Celery's consumer and every
-    # task slot it starts), the delivery thread and the encoders run under SCHED_IDLE (workers/scheduling.py).
+    # The engine runs in a process of its own (workers/engine_host.py): there the engine thread and its OpenMP
+    # team keep the normal policy, the rest runs under SCHED_IDLE. In the worker process every thread does:
+    # the main thread (Celery's consumer and every task slot it starts), the delivery thread and the encoders
+    # (workers/scheduling.py).
+    from tests.e2e_helpers import engine_host_pid
+
     (pid,) = cpu_worker.child_pids()
     threads = _thread_policies(pid)
     by_name: dict[str, set[int]] = {}
     for name, policy in threads:
         by_name.setdefault(name, set()).add(policy)
-    assert by_name.get("regen-engine") == {os.SCHED_OTHER}, threads
+    assert "regen-engine" not in by_name, threads
     assert by_name.get("regen-deliver") == {os.SCHED_IDLE}, threads
     assert by_name.get("regen-encode") == {os.SCHED_IDLE}, threads  # inline_run encoded states
     assert os.sched_getscheduler(pid) == os.SCHED_IDLE  # the main thread
+    host = engine_host_pid(pid)
+    host_threads = _thread_policies(host)
+    assert ("regen-engine", os.SCHED_OTHER) in host_threads, host_threads
+    assert {p for n, p in host_threads if n in ("regen-host", "regen-deliver")} == {os.SCHED_IDLE}, host_threads
+    assert os.sched_getscheduler(host) == os.SCHED_IDLE  # its main thread, which only reads the pipe
     # Celery's threads take the process title as their name: the consumer and the task slots.
     assert {p for n, p in threads if n.startswith("[celeryd")} == {os.SCHED_IDLE}, threads
     assert "side threads run under SCHED_IDLE" in cpu_worker.text()

@@ -6,7 +6,7 @@ direct calls on the very engine the worker's shards run on takes that per-proces
 comparison; the bench still times a separate direct process too, so a slow worker engine cannot hide behind it.
 
 The task runs the prompts (token ids, so no chat template) with the sampling a shard of the bench's run gets,
-on the engine thread between shards (`Engine.call`), times `generate` alone, removes the capture files outside
+on the engine thread between shards (`Engine.call`, in the engine host's process on the CPU), times `generate` alone, removes the capture files outside
 the timed window, and writes {"tokens", "seconds"} to `result_path` (a file the bench polls; workers keep no
 task results). Nothing is written to any run. Registered only where `REGEN_BENCH_TASKS=1` (the bench's own
 worker): a message naming a file to write has no place on a production queue.
@@ -21,27 +21,28 @@ import orjson
 
 from app.celery_app import BENCH_DIRECT_TASK
 from workers.context import WorkerContext
-from workers.engine import GenRequest, remove_capture_file
+from workers.engine import GenRequest, remove_capture_file, sampling_params
 
 
 def direct_generate(ctx: WorkerContext, prompts: list[list[int]], sampling: dict) -> tuple[int, float]:
     """(generated tokens, seconds in `LLM.generate`) for `prompts`, sample i seeded `sampling["seed"] + i`."""
+    capture = ctx.engine.options.capture_layers is not None
+    requests = [GenRequest(str(i), p, {**sampling, "seed": int(sampling.get("seed", 0)) + i}, capture=capture)
+                for i, p in enumerate(prompts)]
+    return ctx.engine.call(timed_generate, requests)
+
+
+def timed_generate(llm, requests: list[GenRequest]) -> tuple[int, float]:
+    """On the engine thread (of an engine host's process too, so a module-level function): `LLM.generate`
+    over `requests`, timed alone; capture files are removed after the timed window."""
     from vllm.inputs import TokensPrompt
 
-    engine = ctx.engine
-    capture = engine.options.capture_layers is not None
-    params = [engine.sampling_params(GenRequest(str(i), p, {**sampling, "seed": int(sampling.get("seed", 0)) + i},
-                                                 capture=capture))
-              for i, p in enumerate(prompts)]
-    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-
-    def timed(llm):
-        started = time.monotonic()
-        outputs = llm.generate(requests, params, use_tqdm=False)
-        return outputs, time.monotonic() - started
-
-    outputs, seconds = engine.call(timed)
-    for out in outputs:  # capture files: after the timed window, as the separate direct process does
+    params = [sampling_params(r) for r in requests]
+    prompts = [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in requests]
+    started = time.monotonic()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.monotonic() - started
+    for out in outputs:  # as the separate direct process does
         path = (out.kv_transfer_params or {}).get("hidden_states_path")
         if path:
             remove_capture_file(path)

@@ -133,10 +133,14 @@ def _model_max_len(path: str) -> int | None:
 @click.option("--encode-threads", type=click.IntRange(min=1), envvar="REGEN_ENCODE_THREADS", default=None,
               help="Threads per worker process checking and compressing hidden states (default: 2 on the CPU; on "
                    "GPUs the host's cores per worker less 2, from 2 to 8) [env REGEN_ENCODE_THREADS].")
+@click.option("--engine-host/--no-engine-host", envvar="REGEN_ENGINE_HOST", default=None,
+              help="Run a CPU worker's in-process engine in a child process of its own, so the worker's side work "
+                   "never holds the engine's GIL (default: on for --cpu; GPU engines already run in vLLM's "
+                   "engine-core process) [env REGEN_ENGINE_HOST].")
 @click.option("--log-dir", default=None, help="Write each child's log to DIR/NAME.log.")
 def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_attempts, max_num_seqs,
            max_model_len, gpu_memory_utilization, kv_cache_gib, tensor_parallel_size, task_slots, encode_threads,
-           log_dir):
+           engine_host, log_dir):
     """Start one Celery worker process per GPU (or one on the CPU) and supervise them."""
     from app.layers import parse_layers
     from app.model_info import read_model_info
@@ -158,7 +162,8 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
         layer_ids = list(parse_layers(layers, read_model_info(model).num_layers).vllm)
     overrides = {"max_num_seqs": max_num_seqs, "gpu_memory_utilization": gpu_memory_utilization,
                  "max_model_len": max_model_len or derived_len,
-                 "kv_cache_memory_bytes": int(kv_cache_gib * (1 << 30)) if kv_cache_gib else None}
+                 "kv_cache_memory_bytes": int(kv_cache_gib * (1 << 30)) if kv_cache_gib else None,
+                 "host_process": engine_host}
     configs = worker_configs(cpu=cpu, gpus=gpus, model=os.path.abspath(model), layers=layer_ids, storage=storage,
                              name=name, max_attempts=max_attempts, engine_overrides=overrides,
                              tensor_parallel_size=tensor_parallel_size, shard_size=shard_size,

@@ -131,7 +131,12 @@ class WorkerContext:
                                 options.dtype)
         options.scratch_dir = os.path.join(scratch_root(need), f"regen-capture-{os.getpid()}")
         _remove_stale_scratch(os.path.dirname(options.scratch_dir))
-        self.engine = Engine(options)
+        if options.host_process:
+            from workers.engine_host import EngineHost
+
+            self.engine = EngineHost(options)
+        else:
+            self.engine = Engine(options)
         import atexit
 
         atexit.register(self.close)

@@ -25,9 +25,12 @@ class Device:
     memory_mib: int = 0  # total device memory as nvidia-smi reports it (0: unknown)
 
 
-# max_num_seqs, gpu_memory_utilization, enforce_eager, in_process engine core
+# max_num_seqs, gpu_memory_utilization, enforce_eager, in_process engine core, host_process: the in-process
+# engine in a child process of the worker (workers/engine_host.py); GPU engines already run in vLLM's own
+# engine-core process
 PRESETS: dict[str, dict] = {
-    "cpu": {"max_num_seqs": 64, "gpu_memory_utilization": 0.1, "enforce_eager": True, "in_process": True},
+    "cpu": {"max_num_seqs": 64, "gpu_memory_utilization": 0.1, "enforce_eager": True, "in_process": True,
+            "host_process": True},
     "sm_90": {"max_num_seqs": 256, "gpu_memory_utilization": 0.90, "enforce_eager": False, "in_process": False},
     "sm_100": {"max_num_seqs": 512, "gpu_memory_utilization": 0.92, "enforce_eager": False, "in_process": False},
     "sm_120": {"max_num_seqs": 128, "gpu_memory_utilization": 0.90, "enforce_eager": False, "in_process": False},

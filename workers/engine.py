@@ -49,6 +49,9 @@ class EngineOptions:
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
     in_process: bool = True
+    # The engine (built in-process) lives in a child process of the worker (workers/engine_host.py), so the
+    # worker's side work never holds the GIL the engine's steps need. The CPU preset turns it on.
+    host_process: bool = False
     scratch_dir: str = "/tmp/regen-capture"
     dtype: str = "bfloat16"
     extra: dict = field(default_factory=dict)
@@ -77,6 +80,8 @@ class GenResult:
     captured_token_ids: np.ndarray | None = None
     captured_states: np.ndarray | None = None  # uint16 bf16 bit patterns [T, L, H]
     seconds: float = 0.0
+    # An engine host's engine leaves the capture file for the worker process to read and remove (engine_host.py).
+    capture_path: str | None = None
 
 
 class _Job:
@@ -108,15 +113,16 @@ class _Job:
 class _Exclusive:
     """A function to run on the engine thread once nothing is in flight (`Engine.call`)."""
 
-    def __init__(self, fn: Callable):
+    def __init__(self, fn: Callable, args: tuple = ()):
         self.fn = fn
+        self.args = args
         self.result = None
         self.error: BaseException | None = None
         self.finished = threading.Event()
 
     def run(self, llm) -> None:
         try:
-            self.result = self.fn(llm)
+            self.result = self.fn(llm, *self.args)
         except Exception as exc:  # the caller's error; the engine goes on
             self.error = exc
         self.finished.set()
@@ -171,11 +177,40 @@ def llm_kwargs(options: EngineOptions) -> dict:
     return kwargs
 
 
+def sampling_params(req: GenRequest):
+    """vLLM's SamplingParams for one request (the bench's in-worker baseline uses these too)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    s = req.sampling
+    top_k = int(s.get("top_k") or 0)
+    extra = None
+    if req.capture:
+        extra = {"kv_transfer_params": {"include_output_tokens": req.include_output_tokens}}
+    return SamplingParams(
+        temperature=float(s["temperature"]),
+        top_p=float(s.get("top_p", 1.0)),
+        top_k=top_k if top_k > 0 else 0,
+        min_p=float(s.get("min_p", 0.0)),
+        max_tokens=int(s["max_tokens"]),
+        seed=s.get("seed"),
+        repetition_penalty=float(s.get("repetition_penalty", 1.0)),
+        extra_args=extra,
+        detokenize=True,
+        # Only finished requests are used. The default (CUMULATIVE) builds a RequestOutput, text so far
+        # included, for every running request on every step, on the engine thread; `LLM.generate` sets
+        # FINAL_ONLY too.
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
 class Engine:
     """One vLLM `LLM` per process, driven by one thread; `run()` takes a batch and streams results back."""
 
-    def __init__(self, options: EngineOptions):
+    def __init__(self, options: EngineOptions, read_captures: bool = True):
         self.options = options
+        # False in an engine host: results carry `capture_path` and the worker process reads the file.
+        self._read_captures = read_captures
         if options.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -242,30 +277,7 @@ class Engine:
 
     # -- generation -------------------------------------------------------------------------------------
     def sampling_params(self, req: GenRequest):
-        """vLLM's SamplingParams for one request (the bench's in-worker baseline uses these too)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        s = req.sampling
-        top_k = int(s.get("top_k") or 0)
-        extra = None
-        if req.capture:
-            extra = {"kv_transfer_params": {"include_output_tokens": req.include_output_tokens}}
-        return SamplingParams(
-            temperature=float(s["temperature"]),
-            top_p=float(s.get("top_p", 1.0)),
-            top_k=top_k if top_k > 0 else 0,
-            min_p=float(s.get("min_p", 0.0)),
-            max_tokens=int(s["max_tokens"]),
-            seed=s.get("seed"),
-            repetition_penalty=float(s.get("repetition_penalty", 1.0)),
-            extra_args=extra,
-            detokenize=True,
-            # Only finished requests are used. The default (CUMULATIVE) builds a RequestOutput, text so far
-            # included, for every running request on every step, on the engine thread; `LLM.generate` sets
-            # FINAL_ONLY too.
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
+        return sampling_params(req)
 
     # The engine thread ------------------------------------------------------------------------------
     # Tasks run in Celery's thread pool (two at a time), so one shard can be written to storage while the
@@ -282,14 +294,14 @@ class Engine:
             return
         self._submit(_Job(requests, on_done))
 
-    def call(self, fn: Callable):
-        """Run `fn(llm)` on the engine thread, between steps, once no request is in the engine; return its result.
+    def call(self, fn: Callable, *args):
+        """Run `fn(llm, *args)` on the engine thread, between steps, once no request is in the engine; return its result.
 
         Jobs that arrive meanwhile wait until it returns. What it is for: the fleet bench's in-process baseline
         (`LLM.generate` on this very engine, workers/bench_task.py), which must not run beside the engine
         thread: vLLM is not thread-safe, and a second thread running torch ops slows an OpenMP CPU engine.
         """
-        return self._submit(_Exclusive(fn)).result
+        return self._submit(_Exclusive(fn, args)).result
 
     def _submit(self, job: _Job | _Exclusive) -> _Job | _Exclusive:
         """Hand `job` to the engine thread and wait for it; its error, or the engine's death, is raised here."""
@@ -362,7 +374,7 @@ class Engine:
             rid = f"{req.request_id}#{self._counter}"
             try:
                 self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)),
-                                        self.sampling_params(req))
+                                        sampling_params(req))
             except (ValueError, TypeError) as exc:  # vLLM refused the request itself: it will every time
                 if added:
                     self.engine.abort_request(added)
@@ -441,47 +453,13 @@ class Engine:
 
     def _load_capture(self, result: GenResult | None, path: str) -> None:
         """Attach the capture file's token ids and states to `result` (None: nobody asked), then remove it."""
-        if result is not None:
-            loaded = _read_capture_file(path) if self.options.in_process else None
-            result.captured_token_ids, result.captured_states = loaded or self._load_capture_with_torch(path)
-        remove_capture_file(path)
-
-    def _load_capture_with_torch(self, path: str) -> tuple[np.ndarray, np.ndarray]:
-        """vLLM's own loader (an engine-core process: it waits on the writer's file lock), or other dtypes."""
-        import torch
-
-        if self.options.in_process:
-            from safetensors.torch import load_file as load
-        else:
-            from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-                load_hidden_states as load,
-            )
-        data = load(path)
-        states = data["hidden_states"]
-        if states.dtype != torch.bfloat16:
-            states = states.to(torch.bfloat16)
-        return (data["token_ids"].numpy().astype(np.int64),
-                states.contiguous().view(torch.int16).numpy().view(np.uint16))
+        if result is not None and not self._read_captures:
+            result.capture_path = path  # the engine host's worker process reads and removes it
+            return
+        attach_capture(result, path, self.options.in_process)
 
     def self_test(self) -> float:
-        """Generate a few tokens before consuming, so a broken engine never takes a shard."""
-        ids = self.tokenizer.encode("Hello")
-        got: list[GenResult] = []
-        t0 = time.monotonic()
-        self.run(
-            [GenRequest("self-test", ids, {"temperature": 0.6, "top_p": 0.95, "max_tokens": 4, "seed": 0},
-                        capture=self.options.capture_layers is not None)],
-            got.append,
-        )
-        if len(got) != 1 or not got[0].output_token_ids:
-            raise EngineDead("engine self-test produced no tokens")
-        if got[0].captured_states is not None:
-            from workers.quality import states_problem
-
-            problem = states_problem(got[0].captured_states)
-            if problem:
-                raise EngineDead(f"engine self-test captured bad hidden states: {problem}")
-        return time.monotonic() - t0
+        return run_self_test(self)
 
     def shutdown(self) -> None:
         self._jobs.put(_SHUTDOWN)
@@ -494,6 +472,54 @@ class Engine:
                 core.shutdown()
         except Exception:  # best effort at exit
             log.debug("engine shutdown raised", exc_info=True)
+
+
+def run_self_test(engine) -> float:
+    """Generate a few tokens before consuming, so a broken engine never takes a shard (an `Engine` or an
+    `EngineHost`); the seconds it took."""
+    ids = engine.tokenizer.encode("Hello")
+    got: list[GenResult] = []
+    t0 = time.monotonic()
+    engine.run(
+        [GenRequest("self-test", ids, {"temperature": 0.6, "top_p": 0.95, "max_tokens": 4, "seed": 0},
+                    capture=engine.options.capture_layers is not None)],
+        got.append,
+    )
+    if len(got) != 1 or not got[0].output_token_ids:
+        raise EngineDead("engine self-test produced no tokens")
+    if got[0].captured_states is not None:
+        from workers.quality import states_problem
+
+        problem = states_problem(got[0].captured_states)
+        if problem:
+            raise EngineDead(f"engine self-test captured bad hidden states: {problem}")
+    return time.monotonic() - t0
+
+
+def attach_capture(result: GenResult | None, path: str, in_process: bool) -> None:
+    """Attach the capture file's token ids and states to `result` (None: nobody asked), then remove the file."""
+    if result is not None:
+        loaded = _read_capture_file(path) if in_process else None
+        result.captured_token_ids, result.captured_states = loaded or load_capture_with_torch(path, in_process)
+    remove_capture_file(path)
+
+
+def load_capture_with_torch(path: str, in_process: bool) -> tuple[np.ndarray, np.ndarray]:
+    """vLLM's own loader (an engine-core process: it waits on the writer's file lock), or other dtypes."""
+    import torch
+
+    if in_process:
+        from safetensors.torch import load_file as load
+    else:
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            load_hidden_states as load,
+        )
+    data = load(path)
+    states = data["hidden_states"]
+    if states.dtype != torch.bfloat16:
+        states = states.to(torch.bfloat16)
+    return (data["token_ids"].numpy().astype(np.int64),
+            states.contiguous().view(torch.int16).numpy().view(np.uint16))
 
 
 def _read_capture_file(path: str) -> tuple[np.ndarray, np.ndarray] | None:

@@ -1,0 +1,297 @@
+"""The CPU worker's engine in a process of its own: the worker's side work never holds the engine's GIL.
+
+Why: on a CPU host the in-process engine's steps are mostly Python (the tiny test model's nearly all), so every
+bit of the worker's side work (Celery's consumer, task slots rendering prompts and writing shards, the delivery
+thread reading capture files, the encoders) that holds the GIL holds up the engine. Measured on 2 cores with the
+fleet bench: `Engine` alone in a process ran at 0.99 of `LLM.generate`, the same `Engine` inside the worker at
+0.90. The GIL is per process, so the engine moves out: this child process builds the same `Engine` in-process
+(its own thread, capture connector, step loop) and does nothing else; the worker process keeps everything
+else. What crosses the pipe is small: a shard's prompt ids once, and per finished sample its ids, text and the
+path of its capture file, which the worker process reads (memory-mapped above 1 MiB) and removes itself, so no
+hidden states are ever copied through the pipe.
+
+Lifecycle: `EngineHost(options)` spawns the child and waits until its engine is built; the worker's tokenizer is
+loaded meanwhile. The child dies with the worker (PR_SET_PDEATHSIG, and a closed pipe ends it too), so a
+SIGKILLed worker leaves no engine behind. A child that dies (a crash, OOM) or whose engine fails makes every
+waiting batch raise `EngineDead`, and the task exits the worker without acking, as with an in-process engine.
+
+GPU workers do not use this: there vLLM's own engine-core process already runs the model apart from the
+worker's threads (`EngineOptions.in_process` False).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+
+from app.errors import ConfigError, EngineDead
+from workers.engine import Engine, EngineOptions, GenRequest, GenResult, _Job, attach_capture, run_self_test
+from workers.scheduling import make_idle, name_thread, side_threads_idle
+
+log = logging.getLogger("regen.engine")
+
+_PR_SET_PDEATHSIG = 1
+PROCESS_NAME = "regen-host"  # the engine host's OS-level name (15 bytes at most)
+
+
+class _Call:
+    """A caller waiting for a function the child runs on its engine thread (`EngineHost.call`)."""
+
+    def __init__(self):
+        self.result = None
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = self.error or error
+        self.finished.set()
+
+
+class EngineHost:
+    """`Engine`'s interface (options, tokenizer, run, call, self_test, shutdown) over an engine in a child process."""
+
+    def __init__(self, options: EngineOptions):
+        self.options = options
+        context = multiprocessing.get_context("spawn")  # fork would copy this process's threads' locks
+        self._conn, child_end = context.Pipe()
+        self._proc = context.Process(target=_serve, args=(options, child_end, os.getpid()),
+                                     name="regen-engine-host", daemon=False)
+        self._proc.start()
+        child_end.close()
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._waiting: dict[int, _Job | _Call] = {}
+        self._next_id = 0
+        self._dead: str | None = None
+        self._closing = False
+        try:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(options.model)  # while the child builds vLLM
+            started = self._receive()
+        except BaseException:
+            self._stop_child()
+            raise
+        if started[0] != "ready":
+            self._stop_child()
+            raise started[2]
+        self._receiver = threading.Thread(target=self._receive_loop, name="regen-deliver", daemon=True)
+        self._receiver.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    @property
+    def delivery_thread_id(self) -> int | None:
+        """The thread that reads results and capture files and calls `on_done` (workers/scheduling.py idles it)."""
+        return self._receiver.native_id
+
+    def run(self, requests: list[GenRequest], on_done: Callable[[GenResult], None]) -> None:
+        """As `Engine.run`: generate every request, call `on_done` per result in finishing order, from one thread."""
+        if self.options.capture_layers is None and any(r.capture for r in requests):
+            raise ConfigError("capture requested but this engine was built without capture layers")
+        if not requests:
+            return
+        self._submit(_Job(requests, on_done), "run", requests)
+
+    def call(self, fn: Callable, *args):
+        """As `Engine.call`, in the child: `fn` and `args` must pickle (a module-level function)."""
+        return self._submit(_Call(), "call", (fn, args)).result
+
+    def self_test(self) -> float:
+        return run_self_test(self)
+
+    def _submit(self, waiter, kind: str, payload):
+        with self._lock:
+            if self._dead:
+                raise EngineDead(self._dead)
+            self._next_id += 1
+            key = self._next_id
+            self._waiting[key] = waiter
+        try:
+            with self._send_lock:
+                self._conn.send((kind, key, payload))
+        except (OSError, ValueError) as exc:  # the pipe is gone: the child died; the receiver says why
+            self._receiver.join(timeout=5)
+            with self._lock:
+                self._waiting.pop(key, None)
+                reason = self._dead or f"vLLM engine failed: cannot reach the engine process: {exc!r}"
+            raise EngineDead(reason) from exc
+        waiter.finished.wait()
+        if waiter.error is not None:
+            raise waiter.error
+        return waiter
+
+    def _receive(self):
+        """One message from the child; EOF (the child is gone) becomes EngineDead with its exit status."""
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError) as exc:
+            self._proc.join(timeout=5)
+            raise EngineDead(f"vLLM engine failed: the engine process exited ({_exit_status(self._proc.exitcode)})") \
+                from exc
+
+    def _receive_loop(self) -> None:
+        name_thread("regen-deliver")
+        while True:
+            try:
+                message = self._receive()
+            except EngineDead as exc:
+                if not self._closing:
+                    self._die(str(exc))
+                return
+            kind, key, payload = message
+            with self._lock:
+                waiter = self._waiting.get(key)
+            if kind == "result":
+                self._deliver(waiter, payload)
+            elif kind in ("done", "called", "failed"):
+                with self._lock:
+                    self._waiting.pop(key, None)
+                if kind == "failed":
+                    if isinstance(payload, EngineDead):
+                        self._die(str(payload))
+                    waiter.fail(payload)
+                else:
+                    if kind == "called":
+                        waiter.result = payload
+                    waiter.finished.set()
+
+    def _deliver(self, job: _Job, result: GenResult) -> None:
+        path, result.capture_path = result.capture_path, None
+        if path is not None:
+            try:
+                attach_capture(result, path, in_process=True)
+            except BaseException as exc:  # a capture the engine wrote but nobody can read: the engine is suspect
+                message = f"capture file {path} unreadable: {exc!r}"
+                self._die(message, kill=True)
+                job.fail(EngineDead(message))
+                return
+        job.deliver(result)
+
+    def _die(self, message: str, kill: bool = False) -> None:
+        """Mark the engine dead and fail every waiting caller (their tasks exit the worker for a restart)."""
+        with self._lock:
+            self._dead = self._dead or message
+            waiting, self._waiting = list(self._waiting.values()), {}
+        for waiter in waiting:
+            waiter.fail(EngineDead(message))
+        if kill:
+            self._stop_child(grace=0)
+
+    def _stop_child(self, grace: float = 30) -> None:
+        self._proc.join(timeout=grace)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout=10)
+
+    def shutdown(self) -> None:
+        self._closing = True
+        try:
+            with self._send_lock:
+                self._conn.send(("shutdown", 0, None))
+        except (OSError, ValueError):  # already gone
+            pass
+        self._stop_child()
+        self._receiver.join(timeout=10)
+        self._conn.close()
+
+
+def _exit_status(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+# The child process ----------------------------------------------------------------------------------------
+def _serve(options: EngineOptions, conn, parent_pid: int) -> None:
+    """The engine host's main: build the engine, then run what the worker sends until told to stop."""
+    _die_with_parent(parent_pid)
+    name_thread(PROCESS_NAME)  # the main thread's name is the process's: `ps`, `top` and tests tell it apart
+    # Ctrl-C reaches the whole process group and `regen worker` may signal it too: the worker decides when its
+    # engine stops (a warm shutdown finishes its shards first), and its death takes this process with it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=os.environ.get("REGEN_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s[engine host]: %(message)s")
+    try:
+        engine = Engine(replace(options, host_process=False), read_captures=False)
+    except BaseException as exc:
+        conn.send(("failed", 0, _portable(exc)))
+        return
+    send_lock = threading.Lock()
+
+    def send(message) -> None:
+        with send_lock:
+            conn.send(message)
+
+    send(("ready", 0, None))
+    if side_threads_idle(options.device):
+        # After the engine thread and its OpenMP team exist: the threads started below inherit this.
+        make_idle()
+        if engine.delivery_thread_id is not None:
+            make_idle(engine.delivery_thread_id)
+    while True:
+        try:
+            kind, key, payload = conn.recv()
+        except (EOFError, OSError):  # the worker is gone
+            os._exit(0)
+        if kind == "shutdown":
+            break
+        target = _run_batch if kind == "run" else _run_call
+        threading.Thread(target=target, args=(engine, send, key, payload), daemon=True).start()
+    engine.shutdown()
+    conn.close()
+
+
+def _run_batch(engine: Engine, send, key: int, requests: list[GenRequest]) -> None:
+    try:
+        engine.run(requests, lambda result: send(("result", key, result)))
+    except BaseException as exc:
+        send(("failed", key, _portable(exc)))
+        return
+    send(("done", key, None))
+
+
+def _run_call(engine: Engine, send, key: int, payload) -> None:
+    fn, args = payload
+    try:
+        result = engine.call(fn, *args)
+    except BaseException as exc:
+        send(("failed", key, _portable(exc)))
+        return
+    send(("called", key, result))
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """`exc` if it survives pickling, else a RuntimeError with its text (vLLM's errors may hold live objects)."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when the worker dies (Linux; elsewhere the closed pipe ends it)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the worker died before the request took effect
+        os._exit(0)
