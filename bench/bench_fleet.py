@@ -1,6 +1,7 @@
 """Fleet throughput vs vLLM called directly, on the CPU with the tiny Qwen3 (one command, ~5-7 minutes on 2 cores).
 
     python bench/bench_fleet.py [--prompts 256] [--max-tokens 64] [--shard-size 64] [--rounds 14] [--engine-only]
+                                [--ab-engine-host]
 
 Direct: `LLM.generate` over all of a round's prompts (token-id prompts, same sampling, vLLM built from the
 worker's own `llm_kwargs` with the max_model_len the worker derives from the run, capture files in the worker's
@@ -10,8 +11,8 @@ tokens/s is measured from the first shard's engine start to the last shard's eng
 start-up is not counted, but everything between shards (writing, marker, ack, fetching the next message,
 rendering prompts) is. The worker's task slots let the next shards generate while the previous one is
 written, so the engine's idle time is the gaps in the union of the shards' engine spans; it is printed too.
-Direct in the worker: the same `LLM.generate` call run by the bench's worker process on its own engine, between
-shards (workers/bench_task.py). Two identical direct processes here differ by a few percent for their whole
+Direct in the worker: the same `LLM.generate` call run by the bench's worker on its own engine (in the engine's
+process: workers/engine_host.py), between shards (workers/bench_task.py). Two identical direct processes here differ by a few percent for their whole
 lives (measured: 0.97 median over 8 rounds), as much as the target's margin; against the worker's own engine
 that difference is gone, and what is left is what the fleet path costs. Both ratios are printed.
 
@@ -25,6 +26,8 @@ How the comparison is kept fair on a noisy machine (speeds here move by 20-30% w
 - Each fleet round is produced onto a queue the worker does not consume yet; the worker is then told to consume
   it (Celery's `add_consumer` remote control), so producing does not overlap the timed window.
 - The ratio is taken within each round and the median printed; absolute figures mean little here.
+`--ab-engine-host` starts a second worker with the other engine placement (REGEN_ENGINE_HOST flipped: the CPU
+engine in the worker's own process instead of a process of its own) and adds one pass of it to every round.
 On this 2-core CPU the worker's compression and writes compete with the engine for the same cores (and, in one
 process, for the GIL: the tiny model's steps are mostly Python); on a GPU host the engine core is a process of its
 own and they overlap with GPU work.
@@ -397,7 +400,7 @@ def main() -> None:
         placement = "in its own process" if _engine_host_default() else "in the worker's process"
         other = "in the worker's process" if _engine_host_default() else "in its own process"
         print(f"engine {other} / direct{' ' * (23 - len(other))} = {summary('other/direct')}")
-        print(f"fleet (engine {placement}) / other  = {summary('fleet/other')}")
+        print(f"fleet (engine {placement}) / fleet (engine {other}) = {summary('fleet/other')}")
     if gaps_ms:
         print(f"engine idle gap between shards: median {_median(gaps_ms):.1f} ms, max {max(gaps_ms):.1f} ms over "
               f"{len(gaps_ms)} gaps  (target < 50 ms)")

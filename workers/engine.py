@@ -7,7 +7,8 @@ the manifest's `enable_thinking`), so `prompt_token_ids + output token_ids` are 
 and produced; nothing is ever re-tokenised.
 
 CPU specifics (NOTES.md): chunked prefill off (per-request seeds crash it), `gpu_memory_utilization` is a
-fraction of RAM (~0.1), and the engine core runs in-process (start-up 5-7 s instead of ~40 s of spawning).
+fraction of RAM (~0.1), and the engine core runs in-process (start-up 5-7 s instead of ~40 s of spawning), in a
+process of the worker's that does nothing else (workers/engine_host.py), so no side work holds its GIL.
 In-process, the capture connector writes a request's states on a *later* engine step, so the loop keeps
 stepping until the file exists; with a separate engine-core process it waits on vLLM's file lock instead.
 """

@@ -31,7 +31,16 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from app.errors import ConfigError, EngineDead
-from workers.engine import Engine, EngineOptions, GenRequest, GenResult, _Job, attach_capture, run_self_test
+from workers.engine import (
+    Engine,
+    EngineOptions,
+    GenRequest,
+    GenResult,
+    _Job,
+    attach_capture,
+    remove_capture_file,
+    run_self_test,
+)
 from workers.scheduling import make_idle, name_thread, side_threads_idle
 
 log = logging.getLogger("regen.engine")
@@ -76,7 +85,7 @@ class EngineHost:
             self.tokenizer = AutoTokenizer.from_pretrained(options.model)  # while the child builds vLLM
             started = self._receive()
         except BaseException:
-            self._stop_child()
+            self._stop_child(grace=0)
             raise
         if started[0] != "ready":
             self._stop_child()
@@ -150,6 +159,10 @@ class EngineHost:
             kind, key, payload = message
             with self._lock:
                 waiter = self._waiting.get(key)
+            if waiter is None:  # a batch already failed (the engine died meanwhile): nobody waits for this
+                if kind == "result" and payload.capture_path:
+                    remove_capture_file(payload.capture_path)
+                continue
             if kind == "result":
                 self._deliver(waiter, payload)
             elif kind in ("done", "called", "failed"):

@@ -16,7 +16,10 @@ they would hand it are then its only work, so it drains, idles briefly and they 
 Linux sets a scheduling policy per thread, and a new thread inherits its creator's. So the main thread switches
 itself only after the engine thread (and, through it, the OpenMP team) exists, and every thread Celery starts
 later inherits SCHED_IDLE; the delivery thread is switched by its id, and encoder threads switch themselves as
-they start. GPU hosts keep the normal policy: there the side work competes with no GPU kernel, and engine-core
+they start. With the CPU engine in a process of its own (workers/engine_host.py) the same holds on both sides:
+that process switches its main and delivery threads once its engine thread exists, and the worker process
+switches after starting it, so every thread of the worker is idle and the engine's process is spawned at normal
+priority. GPU hosts keep the normal policy: there the side work competes with no GPU kernel, and engine-core
 processes polling their GPUs could starve it under SCHED_IDLE. `REGEN_SIDE_THREADS=normal` turns it off on the
 CPU, `=idle` forces it anywhere.
 """
