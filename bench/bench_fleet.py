@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -53,6 +54,7 @@ BROKER = "redis://127.0.0.1:6379/8"
 LAYERS = [1, 2, 4]
 MAX_PROMPT_TOKENS = 2048  # the fleet's worker derives max_model_len = this + max_tokens from the run; direct uses the same
 WARM_UP_PROMPTS = 16
+PASS_TIMEOUT = 900  # seconds one timed pass may take before the bench gives up
 PASSES = ["direct", "fleet", "worker"]
 
 
@@ -98,6 +100,9 @@ class _Child:
     def timed(self, round_name: str) -> tuple[int, float]:
         self.proc.stdin.write(f"go {round_name}\n")
         self.proc.stdin.flush()
+        if not select.select([self.proc.stdout], [], [], PASS_TIMEOUT)[0]:  # a pass takes seconds: fail, never hang
+            raise SystemExit(f"bench child gave no result in {PASS_TIMEOUT} s; the end of {self.log}:\n"
+                             + self.log.read_text()[-3000:])
         line = self.proc.stdout.readline()
         if not line:
             raise SystemExit(f"bench child failed; the end of {self.log}:\n" + self.log.read_text()[-3000:])
@@ -227,7 +232,7 @@ class Fleet:
         self._wait_for(lambda: done.exists() and len(list(done.glob("shard-*.json"))) >= shards, f"run {round_name}")
         return [json.loads(p.read_text()) for p in done.glob("shard-*.json")]
 
-    def _wait_for(self, ready, what: str, timeout: float = 900) -> None:
+    def _wait_for(self, ready, what: str, timeout: float = PASS_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
         while not ready():
             if self.worker.poll() is not None or time.monotonic() > deadline:
