@@ -181,7 +181,7 @@ class EngineHost:
         path, result.capture_path = result.capture_path, None
         if path is not None:
             try:
-                attach_capture(result, path, in_process=True)
+                attach_capture(result, path, self.options.in_process)  # vLLM's loader waits on a separate core's lock
             except BaseException as exc:  # a capture the engine wrote but nobody can read: the engine is suspect
                 message = f"capture file {path} unreadable: {exc!r}"
                 self._die(message, kill=True)
