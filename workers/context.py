@@ -132,9 +132,11 @@ class WorkerContext:
         options.scratch_dir = os.path.join(scratch_root(need), f"regen-capture-{os.getpid()}")
         _remove_stale_scratch(os.path.dirname(options.scratch_dir))
         if options.host_process:
-            from workers.engine_host import EngineHost
+            from workers.engine_host import PROCESS_NAME, EngineHost
 
             self.engine = EngineHost(options)
+            log.info("engine runs in its own process, %s (pid %d); --no-engine-host keeps it in this one",
+                     PROCESS_NAME, self.engine.pid)
         else:
             self.engine = Engine(options)
         import atexit
