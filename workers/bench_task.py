@@ -42,11 +42,20 @@ def timed_generate(llm, requests: list[GenRequest]) -> tuple[int, float]:
     started = time.monotonic()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.monotonic() - started
-    for out in outputs:  # as the separate direct process does
-        path = (out.kv_transfer_params or {}).get("hidden_states_path")
-        if path:
-            remove_capture_file(path)
+    paths = [p for p in ((out.kv_transfer_params or {}).get("hidden_states_path") for out in outputs) if p]
+    # In-process, the connector writes a request's file on a later engine step, so the last step's requests have
+    # none yet: step the idle engine until they exist (as the worker's loop does), or they would be written
+    # after this removal and left in the scratch folder.
+    for _ in range(_FLUSH_STEPS):
+        if all(os.path.exists(p) for p in paths):
+            break
+        llm.llm_engine.step()
+    for path in paths:
+        remove_capture_file(path)
     return sum(len(out.outputs[0].token_ids) for out in outputs), seconds
+
+
+_FLUSH_STEPS = 100  # empty steps at most; one is enough in vLLM 0.32
 
 
 def register_bench(celery) -> None:
