@@ -74,9 +74,11 @@ def summarise(store: RunStore, console: Console, seconds: float) -> dict:
               help="Shards each local worker holds at once (default: from max_num_seqs and the shard size).")
 @click.option("--encode-threads", type=click.IntRange(min=1), envvar="REGEN_ENCODE_THREADS", default=None,
               help="Threads per local worker checking and compressing hidden states (default: from the device).")
+@click.option("--engine-host/--no-engine-host", envvar="REGEN_ENGINE_HOST", default=None,
+              help="The CPU engine in a process of its own (default: on with --cpu; see `regen worker --help`).")
 @click.option("--timeout", type=float, default=None, help="Give up after this many seconds.")
 def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_tokens, top_k, thinking, shard_size,
-        max_model_len, task_slots, encode_threads, timeout):
+        max_model_len, task_slots, encode_threads, engine_host, timeout):
     """Produce INPUTS, run local workers until every shard is done, and print a summary."""
     from producer.produce import produce
     from producer.run_setup import ProduceOptions
@@ -104,7 +106,8 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
         model_path, layer_ids, derived_len, run_shard_size = settings_from_run(storage, result.run_id, queues)
         configs = worker_configs(cpu=cpu, gpus=gpus, model=os.path.abspath(model_path), layers=layer_ids,
                                  storage=None, name=None, max_attempts=5,
-                                 engine_overrides={"max_model_len": max_model_len or derived_len},
+                                 engine_overrides={"max_model_len": max_model_len or derived_len,
+                                                   "host_process": engine_host},
                                  shard_size=run_shard_size, task_slots=task_slots,
                                  encode_threads=encode_threads)
         sup = Supervisor(configs, broker_url, queues, log_dir=os.path.join(workdir, "logs", result.run_id))
