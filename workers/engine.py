@@ -112,7 +112,8 @@ class _Job:
 
 
 class _Exclusive:
-    """A function to run on the engine thread once nothing is in flight (`Engine.call`)."""
+    """A function to run on the engine thread once nothing is in flight (`Engine.call`); an engine host's caller
+    waits on one too, filled in from the child's answer."""
 
     def __init__(self, fn: Callable, args: tuple = ()):
         self.fn = fn
@@ -205,6 +206,12 @@ def sampling_params(req: GenRequest):
     )
 
 
+def check_capture_requests(options: EngineOptions, requests: list[GenRequest]) -> None:
+    """Refuse a batch that asks for hidden states from an engine built without capture layers."""
+    if options.capture_layers is None and any(r.capture for r in requests):
+        raise ConfigError("capture requested but this engine was built without capture layers")
+
+
 class Engine:
     """One vLLM `LLM` per process, driven by one thread; `run()` takes a batch and streams results back."""
 
@@ -277,9 +284,6 @@ class Engine:
         self._loop()
 
     # -- generation -------------------------------------------------------------------------------------
-    def sampling_params(self, req: GenRequest):
-        return sampling_params(req)
-
     # The engine thread ------------------------------------------------------------------------------
     # Tasks run in Celery's thread pool (two at a time), so one shard can be written to storage while the
     # next one is already generating. vLLM is driven by one dedicated thread; tasks hand it jobs and wait.
@@ -289,8 +293,7 @@ class Engine:
         Blocks until the whole batch is done. Thread-safe: batches from several callers share the engine.
         `on_done` runs on the engine's delivery thread (one call at a time, in finishing order); keep it quick.
         """
-        if self.options.capture_layers is None and any(r.capture for r in requests):
-            raise ConfigError("capture requested but this engine was built without capture layers")
+        check_capture_requests(self.options, requests)
         if not requests:
             return
         self._submit(_Job(requests, on_done))

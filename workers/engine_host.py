@@ -30,14 +30,16 @@ import threading
 from collections.abc import Callable
 from dataclasses import replace
 
-from app.errors import ConfigError, EngineDead
+from app.errors import EngineDead
 from workers.engine import (
     Engine,
     EngineOptions,
     GenRequest,
     GenResult,
+    _Exclusive,
     _Job,
     attach_capture,
+    check_capture_requests,
     remove_capture_file,
     run_self_test,
 )
@@ -47,19 +49,6 @@ log = logging.getLogger("regen.engine")
 
 _PR_SET_PDEATHSIG = 1
 PROCESS_NAME = "regen-host"  # the engine host's OS-level name (15 bytes at most)
-
-
-class _Call:
-    """A caller waiting for a function the child runs on its engine thread (`EngineHost.call`)."""
-
-    def __init__(self):
-        self.result = None
-        self.error: BaseException | None = None
-        self.finished = threading.Event()
-
-    def fail(self, error: BaseException) -> None:
-        self.error = self.error or error
-        self.finished.set()
 
 
 class EngineHost:
@@ -75,7 +64,7 @@ class EngineHost:
         child_end.close()
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._waiting: dict[int, _Job | _Call] = {}
+        self._waiting: dict[int, _Job | _Exclusive] = {}
         self._next_id = 0
         self._dead: str | None = None
         self._closing = False
@@ -104,20 +93,21 @@ class EngineHost:
 
     def run(self, requests: list[GenRequest], on_done: Callable[[GenResult], None]) -> None:
         """As `Engine.run`: generate every request, call `on_done` per result in finishing order, from one thread."""
-        if self.options.capture_layers is None and any(r.capture for r in requests):
-            raise ConfigError("capture requested but this engine was built without capture layers")
+        check_capture_requests(self.options, requests)
         if not requests:
             return
-        self._submit(_Job(requests, on_done), "run", requests)
+        self._submit(_Job(requests, on_done))
 
     def call(self, fn: Callable, *args):
         """As `Engine.call`, in the child: `fn` and `args` must pickle (a module-level function)."""
-        return self._submit(_Call(), "call", (fn, args)).result
+        return self._submit(_Exclusive(fn, args)).result
 
     def self_test(self) -> float:
         return run_self_test(self)
 
-    def _submit(self, waiter, kind: str, payload):
+    def _submit(self, waiter: _Job | _Exclusive):
+        """Send the child a batch (`_Job`) or a call (`_Exclusive`), wait for its end; raise its error."""
+        kind, payload = ("run", waiter.requests) if isinstance(waiter, _Job) else ("call", (waiter.fn, waiter.args))
         with self._lock:
             if self._dead:
                 raise EngineDead(self._dead)
@@ -165,17 +155,17 @@ class EngineHost:
                 continue
             if kind == "result":
                 self._deliver(waiter, payload)
-            elif kind in ("done", "called", "failed"):
-                with self._lock:
-                    self._waiting.pop(key, None)
-                if kind == "failed":
-                    if isinstance(payload, EngineDead):
-                        self._die(str(payload))
-                    waiter.fail(payload)
-                else:
-                    if kind == "called":
-                        waiter.result = payload
-                    waiter.finished.set()
+                continue
+            with self._lock:  # "done", "called" or "failed": the caller's last message
+                self._waiting.pop(key, None)
+            if kind == "failed":
+                if isinstance(payload, EngineDead):
+                    self._die(str(payload))
+                waiter.fail(payload)
+                continue
+            if kind == "called":
+                waiter.result = payload
+            waiter.finished.set()
 
     def _deliver(self, job: _Job, result: GenResult) -> None:
         path, result.capture_path = result.capture_path, None

@@ -35,8 +35,13 @@ def record_attempt(store: RunStore, shard: str, attempt: str, worker: str, **ext
     body = {"attempt": attempt, "worker": worker, "host": socket.gethostname(), "pid": os.getpid(),
             "started": _now(), **extra}
     store.storage.write_json(f"{store.attempts_dir(shard)}/{attempt}.json", body)
-    # Another attempt's file being written at this instant shows as `.name.tmp-*`: not an attempt of its own.
-    return sum(1 for name in store.storage.listdir(store.attempts_dir(shard)) if not name.startswith("."))
+    return len(_attempt_names(store, shard))
+
+
+def _attempt_names(store: RunStore, shard: str) -> list[str]:
+    """The shard's attempt records; another attempt's record being written at this instant shows as
+    `.name.tmp-*`, which is not an attempt of its own."""
+    return [name for name in store.storage.listdir(store.attempts_dir(shard)) if not name.startswith(".")]
 
 
 def record_attempt_error(store: RunStore, shard: str, attempt: str, error: str) -> None:
@@ -52,9 +57,7 @@ def record_attempt_error(store: RunStore, shard: str, attempt: str, error: str) 
 
 def attempt_errors(store: RunStore, shard: str) -> list[dict]:
     out = []
-    for name in store.storage.listdir(store.attempts_dir(shard)):
-        if name.startswith("."):  # a temporary file of a write in progress
-            continue
+    for name in _attempt_names(store, shard):
         try:
             out.append(store.storage.read_json(f"{store.attempts_dir(shard)}/{name}"))
         except (FileNotFoundError, orjson.JSONDecodeError):
