@@ -1,6 +1,7 @@
-"""Fleet throughput vs vLLM called directly, on the CPU with the tiny Qwen3 (one command, ~5-7 minutes on 2 cores).
+"""Fleet throughput vs vLLM called directly, on the CPU with the tiny Qwen3 (one command, ~10-15 minutes on 2 cores).
 
-    python bench/bench_fleet.py [--prompts 256] [--max-tokens 64] [--shard-size 64] [--rounds 14] [--engine-only]
+    python bench/bench_fleet.py [--prompts 256] [--max-tokens 64] [--shard-size 64] [--rounds 14]
+                                [--warm-rounds 1] [--directs 2] [--fleets 2] [--in-worker] [--engine-only]
                                 [--ab-engine-host]
 
 Direct: `LLM.generate` over all of a round's prompts (token-id prompts, same sampling, vLLM built from the
@@ -11,22 +12,32 @@ tokens/s is measured from the first shard's engine start to the last shard's eng
 start-up is not counted, but everything between shards (writing, marker, ack, fetching the next message,
 rendering prompts) is. The worker's task slots let the next shards generate while the previous one is
 written, so the engine's idle time is the gaps in the union of the shards' engine spans; it is printed too.
-Direct in the worker: the same `LLM.generate` call run by the bench's worker on its own engine (in the engine's
-process: workers/engine_host.py), between shards (workers/bench_task.py). Two identical direct processes here differ by a few percent for their whole
-lives (measured: 0.97 median over 8 rounds), as much as the target's margin; against the worker's own engine
-that difference is gone, and what is left is what the fleet path costs. Both ratios are printed.
+
+Several processes of each side: a vLLM process here keeps a speed of its own for its whole life (memory
+placement, which core its OpenMP team lands on). Measured on a 2-core EPYC in 8 alternating rounds, a second
+direct process identical to the first ran at a median 0.944 of it, while two engine-host processes
+(workers/engine_host.py, spawned from a plain Python process) ran at 0.997 and 1.011 of it: one process's luck
+is as large as the target's margin, and with one direct and one worker it decided the ratio. So the bench starts
+`--directs` direct processes and `--fleets` workers (2 each by default), times one pass of every one per round,
+and takes the ratio of the fleet's mean rate to direct's mean rate; each process's own median against the
+round's direct mean is printed too, so the spread shows. `--in-worker` adds `LLM.generate` run by each worker
+on its own engine (in its engine's process, between shards: workers/bench_task.py), which takes that worker's
+own process difference out of its comparison.
 
 How the comparison is kept fair on a noisy machine (speeds here move by 20-30% within minutes):
-- Direct and the worker are each started once and kept: a round is one timed pass of each (~10 s apiece), so
-  the passes of a round are seconds apart, not the minute a fresh worker takes to start.
+- Every process is started once and kept: a round is one timed pass of each (~5-15 s apiece), so the passes of
+  a round are seconds apart, not the minute a fresh worker takes to start.
 - Each round has prompts of its own ("Round 3a, question i ..."), so no pass hits prefix-cache entries left by an
-  earlier pass; direct and the fleet run the same prompts within a round, the worker's own direct pass a second
-  set of the same shape ("Round 3b"), since it shares the fleet's prefix cache.
+  earlier pass; every process runs the same prompts within a round (each has an engine of its own), a worker's
+  own direct pass a second set of the same shape ("Round 3b"), since it shares that worker's prefix cache.
 - The order rotates from round to round, so drift does not favour one side.
+- Every process first runs `--warm-rounds` untimed rounds of full-size passes: a process's first passes at a new
+  size ran at a third to two thirds of its later speed here.
 - Each fleet round is produced onto a queue the worker does not consume yet; the worker is then told to consume
   it (Celery's `add_consumer` remote control), so producing does not overlap the timed window.
-- The ratio is taken within each round and the median printed; absolute figures mean little here.
-`--ab-engine-host` starts a second worker with the other engine placement (REGEN_ENGINE_HOST flipped: the CPU
+- The ratio is taken within each round and the median printed, with a bootstrap interval; absolute figures mean
+  little here.
+`--ab-engine-host` starts one more worker with the other engine placement (REGEN_ENGINE_HOST flipped: the CPU
 engine in the worker's own process instead of a process of its own) and adds one pass of it to every round.
 On this 2-core CPU the worker's compression and writes compete with the engine for the same cores (and, in one
 process, for the GIL: the tiny model's steps are mostly Python); on a GPU host the engine core is a process of its
@@ -44,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +67,6 @@ LAYERS = [1, 2, 4]
 MAX_PROMPT_TOKENS = 2048  # the fleet's worker derives max_model_len = this + max_tokens from the run; direct uses the same
 WARM_UP_PROMPTS = 16
 PASS_TIMEOUT = 900  # seconds one timed pass may take before the bench gives up
-PASSES = ["direct", "fleet", "worker"]
 
 
 def _child_prelude(model: str, max_tokens: int, scratch: str, tag: str) -> str:
@@ -115,7 +126,7 @@ class _Child:
             self.proc.wait(timeout=60)
 
 
-def direct_child(model: str, max_tokens: int, scratch: str) -> _Child:
+def direct_child(model: str, max_tokens: int, scratch: str, tag: str = "direct") -> _Child:
     """`LLM.generate` over a round's prompts, one call per pass."""
     return _Child(_child_prelude(model, max_tokens, scratch, "direct") + f"""
 from vllm import LLM, SamplingParams
@@ -136,7 +147,7 @@ def run_once(r):
     return sum(len(x.outputs[0].token_ids) for x in outs), dt
 run_once("warm")
 serve(run_once)
-""", Path(scratch, "direct.log"))
+""", Path(scratch, f"{tag}.log"))
 
 
 def engine_only_child(model: str, max_tokens: int, shard_size: int, scratch: str) -> _Child:
@@ -185,6 +196,7 @@ class Fleet:
             redis.Redis.from_url(BROKER).flushdb()
         self.scratch, self.model, self.max_tokens, self.shard_size = scratch, model, max_tokens, shard_size
         self.storage = os.path.join(scratch, f"storage{tag}")
+        self.tag = tag
         self.env = {**os.environ, "REGEN_BROKER_URL": BROKER, "HF_HUB_OFFLINE": "1", "REGEN_BENCH_TASKS": "1",
                     **(env or {})}
         self.app = create_app(BrokerSettings.from_env(BROKER))
@@ -219,7 +231,7 @@ class Fleet:
         from app.celery_app import BENCH_DIRECT_TASK
 
         manifest = json.loads(Path(self.storage, f"bench-{sampling_of}", "run.json").read_text())
-        result = Path(self.scratch, f"worker-direct-{round_name}.json")
+        result = Path(self.scratch, f"worker-direct-{round_name}{self.tag}.json")
         self.app.send_task(BENCH_DIRECT_TASK, queue=f"{self.prefix}-direct", kwargs={
             "prompts": json.loads(Path(self.scratch, f"prompts-{round_name}.json").read_text()),
             "sampling": manifest["settings"]["sampling"], "result_path": str(result)})
@@ -316,96 +328,125 @@ def main() -> None:
     ap.add_argument("--shard-size", type=int, default=64,
                     help="the production default; the second task slot queues its shard behind the first")
     ap.add_argument("--rounds", type=int, default=14,
-                    help="one direct and one fleet pass each, order alternating; the ratio is taken per round, "
-                         "then the median")
+                    help="one pass of every direct process and every worker each, order rotating; the ratio is taken "
+                         "per round, then the median")
+    ap.add_argument("--warm-rounds", type=int, default=1,
+                    help="untimed rounds of full-size passes for every process before the timed ones")
+    ap.add_argument("--directs", type=int, default=2,
+                    help="direct processes, each started once; a round's baseline is their mean rate, so one "
+                         "process's lasting luck (+-5%% here) does not set the ratio")
+    ap.add_argument("--fleets", type=int, default=2,
+                    help="workers, each started once (queues, storage and engine of its own); a round's fleet rate "
+                         "is their mean")
+    ap.add_argument("--in-worker", action="store_true",
+                    help="also time LLM.generate on each worker's own engine (in its engine process) every round: "
+                         "the fleet against direct with that process's own difference taken out")
     ap.add_argument("--engine-only", action="store_true",
                     help="also run the worker's Engine class alone each round (no Celery, no records), to tell what the "
                          "engine class costs from what the rest of the worker costs")
     ap.add_argument("--ab-engine-host", action="store_true",
-                    help="also run a second worker whose engine runs in its own process (--no-engine-host: in the "
-                         "worker's), one fleet pass of each per round, to measure what the engine host changes")
+                    help="also run a worker whose engine runs in its own process (--no-engine-host: in the "
+                         "worker's), one pass per round, to measure what the engine host changes")
     args = ap.parse_args()
+    if args.directs < 1 or args.fleets < 1:
+        ap.error("--directs and --fleets must be at least 1")
     from transformers import AutoTokenizer
 
     from workers.tiny_model import build_tiny_qwen3
 
-    ratios: dict[str, list[float]] = {"fleet/direct": [], "fleet/worker": [], "worker/direct": [], "engine/direct": [],
-                                      "other/direct": [], "fleet/other": []}
+    ratios: dict[str, list[float]] = {"fleet/direct": [], "engine/direct": [], "other/direct": [], "fleet/other": []}
+    own: dict[str, list[float]] = {}  # each process's rate / the round's direct mean: how far its luck goes
     gaps_ms: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_qwen3(os.path.join(tmp, "tiny"))
         tok = AutoTokenizer.from_pretrained(model)
         write_prompts(tok, tmp, "warm", WARM_UP_PROMPTS)
-        for r in range(1, args.rounds + 1):
+        # Warm-up rounds (untimed) first: a process's first full-size passes ran at a third to two thirds of its
+        # later speed here, and a process that happened to be timed on one set the ratio of a short bench.
+        rounds = [f"w{k}" for k in range(1, args.warm_rounds + 1)] + [str(r) for r in range(1, args.rounds + 1)]
+        for r in rounds:
             write_prompts(tok, tmp, f"{r}a", args.prompts)
-            write_prompts(tok, tmp, f"{r}b", args.prompts)
+            if args.in_worker:
+                write_prompts(tok, tmp, f"{r}b", args.prompts)
         print(f"prompts {args.prompts}, max_tokens {args.max_tokens}, shard size {args.shard_size}, capture inline "
-              f"(vLLM layers {LAYERS}), {args.rounds} rounds of one pass each of direct, fleet and direct in the "
-              "worker, order rotating; starting the engines", flush=True)
-        children = [direct_child(model, args.max_tokens, tmp)]
-        if args.engine_only:
-            children.append(engine_only_child(model, args.max_tokens, args.shard_size, tmp))
-        fleet = Fleet(model, tmp, args.max_tokens, args.shard_size)
+              f"(vLLM layers {LAYERS}), {args.rounds} rounds of one pass each of {args.directs} direct processes "
+              f"and {args.fleets} workers, order rotating; starting the engines", flush=True)
+        directs = [direct_child(model, args.max_tokens, tmp, tag=f"direct{i + 1}") for i in range(args.directs)]
+        engine_only = engine_only_child(model, args.max_tokens, args.shard_size, tmp) if args.engine_only else None
+        fleets: list[Fleet] = []
         other = None
-        if args.ab_engine_host:
-            other = Fleet(model, tmp, args.max_tokens, args.shard_size, tag="-other",
-                          env={"REGEN_ENGINE_HOST": "false" if _engine_host_default() else "true"})
         try:
-            for r in range(1, args.rounds + 1):
-                # The fleet and the direct process run the round's prompts "a"; the worker's own direct pass runs
-                # "b" (same shape, other questions), so it gets no prefix-cache hits from the fleet pass before it.
-                fleet.produce(f"{r}a")
-                names = PASSES + (["other"] if other is not None else [])
-                passes = names[r % len(names):] + names[:r % len(names)]
-                timed = {"direct": lambda r=r: children[0].timed(f"{r}a"),
-                         "fleet": lambda r=r: fleet.timed(f"{r}a"),
-                         "worker": lambda r=r: fleet.direct_in_worker(f"{r}b", sampling_of=f"{r}a"),
-                         "other": lambda r=r: other.timed(f"{r}a")}
+            for i in range(args.fleets):
+                fleets.append(Fleet(model, tmp, args.max_tokens, args.shard_size, tag="" if i == 0 else f"-{i + 1}"))
+            if args.ab_engine_host:
+                other = Fleet(model, tmp, args.max_tokens, args.shard_size, tag="-other",
+                              env={"REGEN_ENGINE_HOST": "false" if _engine_host_default() else "true"})
+            for k, r in enumerate(rounds):
+                # Every process runs the round's prompts "a" once (each has its own engine and prefix cache); a
+                # worker's own direct pass runs "b" (same shape, other questions), so it gets no prefix-cache hits
+                # from the fleet pass before it.
+                passes: dict[str, Callable[[], tuple]] = {}
+                for i, child in enumerate(directs):
+                    passes[f"direct {i + 1}"] = lambda c=child, r=r: c.timed(f"{r}a")
+                for i, fleet in enumerate(fleets):
+                    fleet.produce(f"{r}a")
+                    passes[f"fleet {i + 1}"] = lambda f=fleet, r=r: f.timed(f"{r}a")
+                    if args.in_worker:
+                        passes[f"in worker {i + 1}"] = lambda f=fleet, r=r: f.direct_in_worker(f"{r}b", f"{r}a")
                 if other is not None:
                     other.produce(f"{r}a")
-                got = {name: timed[name]() for name in passes}
-                rate = {name: got[name][0] / got[name][1] for name in passes}
-                gaps_ms += [g * 1000 for g in got["fleet"][2]]
-                ratios["fleet/direct"].append(rate["fleet"] / rate["direct"])
-                ratios["fleet/worker"].append(rate["fleet"] / rate["worker"])
-                ratios["worker/direct"].append(rate["worker"] / rate["direct"])
+                    passes["other"] = lambda r=r: other.timed(f"{r}a")
+                if engine_only is not None:
+                    passes["engine"] = lambda r=r: engine_only.timed(f"{r}a")
+                names = list(passes)
+                order = names[k % len(names):] + names[:k % len(names)]
+                got = {name: passes[name]() for name in order}
+                if r.startswith("w"):
+                    print(f"warm-up round {r[1:]} done (untimed)", flush=True)
+                    continue
+                rate = {name: got[name][0] / got[name][1] for name in names}
+                direct = float(np.mean([rate[f"direct {i + 1}"] for i in range(len(directs))]))
+                fleet_rate = float(np.mean([rate[f"fleet {i + 1}"] for i in range(len(fleets))]))
+                round_gaps = [g * 1000 for i in range(len(fleets)) for g in got[f"fleet {i + 1}"][2]]
+                gaps_ms += round_gaps
+                for name in names:
+                    own.setdefault(name, []).append(rate[name] / direct)
+                ratios["fleet/direct"].append(fleet_rate / direct)
+                line = (f"round {r}: direct {direct:,.0f} tok/s (mean of {len(directs)}), fleet {fleet_rate:,.0f} "
+                        f"(steady state, mean of {len(fleets)}); fleet/direct {ratios['fleet/direct'][-1]:.3f}; "
+                        + ", ".join(f"{name} {rate[name] / direct:.3f}" for name in names)
+                        + f"; longest engine gap {max(round_gaps, default=0):.0f} ms")
+                if engine_only is not None:
+                    ratios["engine/direct"].append(rate["engine"] / direct)
                 if other is not None:
-                    ratios["other/direct"].append(rate["other"] / rate["direct"])
-                    ratios["fleet/other"].append(rate["fleet"] / rate["other"])
-                line = (f"round {r} ({', '.join(passes)}): direct {rate['direct']:,.0f} tok/s, fleet "
-                        f"{rate['fleet']:,.0f} (steady state), direct in the worker {rate['worker']:,.0f}; fleet/direct "
-                        f"{ratios['fleet/direct'][-1]:.3f}, fleet/direct in the worker {ratios['fleet/worker'][-1]:.3f}; "
-                        f"longest engine gap {max(got['fleet'][2]) * 1000:.0f} ms")
-                if args.engine_only:
-                    e_tokens, e_seconds = children[1].timed(f"{r}a")
-                    ratios["engine/direct"].append(e_tokens / e_seconds / rate["direct"])
-                    line += f"; engine class alone {ratios['engine/direct'][-1]:.3f} of direct"
-                if other is not None:
-                    line += f"; the other engine placement {ratios['other/direct'][-1]:.3f} of direct"
+                    ratios["other/direct"].append(rate["other"] / direct)
+                    ratios["fleet/other"].append(fleet_rate / rate["other"])
                 print(line, flush=True)
         finally:
-            fleet.close()
-            if other is not None:
-                other.close()
-            for child in children:
+            for fleet in fleets + ([other] if other is not None else []):
+                fleet.close()
+            for child in directs + ([engine_only] if engine_only is not None else []):
                 child.close()
 
-    def summary(key: str) -> str:
-        xs = ratios[key]
+    def summary(xs: list[float]) -> str:
         low, high = _median_interval(xs)
         return (f"{_median(xs):.3f} median of {len(xs)} rounds (90% interval of the median {low:.3f}-{high:.3f}; "
                 f"rounds {min(xs):.3f}-{max(xs):.3f})")
 
-    print(f"fleet / direct                          = {summary('fleet/direct')}; target >= 0.95")
-    print(f"fleet / direct in the worker's process  = {summary('fleet/worker')}: what the fleet path costs")
-    print(f"direct in the worker / direct process   = {summary('worker/direct')}: two processes' own difference")
+    print(f"fleet / direct                          = {summary(ratios['fleet/direct'])}; target >= 0.95")
+    print("each process / the round's direct mean (medians; a process's own lasting difference shows here):")
+    print("   " + ", ".join(f"{name} {_median(xs):.3f}" for name, xs in own.items()))
+    if args.in_worker:
+        for i in range(args.fleets):
+            per_round = [f / w for f, w in zip(own[f"fleet {i + 1}"], own[f"in worker {i + 1}"], strict=True)]
+            print(f"fleet {i + 1} / direct on its own engine    = {summary(per_round)}: what the fleet path costs")
     if ratios["engine/direct"]:
-        print(f"engine class alone / direct             = {summary('engine/direct')}")
+        print(f"engine class alone / direct             = {summary(ratios['engine/direct'])}")
     if ratios["other/direct"]:
         placement = "in its own process" if _engine_host_default() else "in the worker's process"
-        other = "in the worker's process" if _engine_host_default() else "in its own process"
-        print(f"engine {other} / direct{' ' * (23 - len(other))} = {summary('other/direct')}")
-        print(f"fleet (engine {placement}) / fleet (engine {other}) = {summary('fleet/other')}")
+        other_placement = "in the worker's process" if _engine_host_default() else "in its own process"
+        print(f"engine {other_placement} / direct{' ' * (23 - len(other_placement))} = {summary(ratios['other/direct'])}")
+        print(f"fleet (engine {placement}) / fleet (engine {other_placement}) = {summary(ratios['fleet/other'])}")
     if gaps_ms:
         print(f"engine idle gap between shards: median {_median(gaps_ms):.1f} ms, max {max(gaps_ms):.1f} ms over "
               f"{len(gaps_ms)} gaps  (target < 50 ms)")

@@ -12,6 +12,12 @@ median 6%, under SCHED_IDLE nothing measurable (ahead in 8 rounds of 8). The who
 `LLM.generate` in 6 alternating rounds (bench/bench_fleet.py with a second worker): median 0.960 of direct with
 SCHED_IDLE, 0.914 without (ahead in 5 of 6). If the engine keeps every core busy, these threads wait; the shards
 they would hand it are then its only work, so it drains, idles briefly and they run: nothing starves for long.
+How often the OpenMP threads leave a core depends on libgomp's spin: on a 2-core EPYC its default spin outlasted
+the engine's Python phases, so during a pass its two threads never slept (15-60 voluntary switches each in a
+13 s pass) and the side threads ran in the scheduler's small share for SCHED_IDLE and after the pass. A shorter
+spin frees the core in those phases but makes every parallel region wake a sleeping thread: GOMP_SPINCOUNT=10000
+gave the fleet 0.887 of direct and OMP_WAIT_POLICY=PASSIVE 0.859, against 0.948 with the default (medians of 8
+alternating rounds), so the engine keeps libgomp's default.
 
 Linux sets a scheduling policy per thread, and a new thread inherits its creator's. So the main thread switches
 itself only after the engine thread (and, through it, the OpenMP team) exists, and every thread Celery starts
