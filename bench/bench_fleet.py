@@ -128,7 +128,7 @@ class _Child:
 
 def direct_child(model: str, max_tokens: int, scratch: str, tag: str = "direct") -> _Child:
     """`LLM.generate` over a round's prompts, one call per pass."""
-    return _Child(_child_prelude(model, max_tokens, scratch, "direct") + f"""
+    return _Child(_child_prelude(model, max_tokens, scratch, tag) + f"""
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from workers.engine import llm_kwargs
@@ -297,10 +297,12 @@ def write_prompts(tokenizer, scratch: str, round_name: str, n: int) -> None:
 
 def _engine_host_default() -> bool:
     """Whether the CPU worker runs its engine in a process of its own (workers/engine_host.py) without flags."""
+    import click
+
     from workers.devices import PRESETS
 
-    choice = os.environ.get("REGEN_ENGINE_HOST")
-    return PRESETS["cpu"].get("host_process", False) if choice is None else choice.lower() in ("1", "true", "yes")
+    choice = os.environ.get("REGEN_ENGINE_HOST")  # read as `regen worker --engine-host` reads it
+    return PRESETS["cpu"].get("host_process", False) if choice is None else click.BOOL.convert(choice, None, None)
 
 
 def _median(xs: list[float]) -> float:
@@ -354,8 +356,9 @@ def main() -> None:
 
     from workers.tiny_model import build_tiny_qwen3
 
-    ratios: dict[str, list[float]] = {"fleet/direct": [], "engine/direct": [], "other/direct": [], "fleet/other": []}
+    ratios: dict[str, list[float]] = {"fleet/direct": [], "fleet/other": []}
     own: dict[str, list[float]] = {}  # each process's rate / the round's direct mean: how far its luck goes
+    host_default = _engine_host_default()
     gaps_ms: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_qwen3(os.path.join(tmp, "tiny"))
@@ -380,7 +383,7 @@ def main() -> None:
                 fleets.append(Fleet(model, tmp, args.max_tokens, args.shard_size, tag="" if i == 0 else f"-{i + 1}"))
             if args.ab_engine_host:
                 other = Fleet(model, tmp, args.max_tokens, args.shard_size, tag="-other",
-                              env={"REGEN_ENGINE_HOST": "false" if _engine_host_default() else "true"})
+                              env={"REGEN_ENGINE_HOST": "false" if host_default else "true"})
             for k, r in enumerate(rounds):
                 # Every process runs the round's prompts "a" once (each has its own engine and prefix cache); a
                 # worker's own direct pass runs "b" (same shape, other questions), so it gets no prefix-cache hits
@@ -416,10 +419,7 @@ def main() -> None:
                         f"(steady state, mean of {len(fleets)}); fleet/direct {ratios['fleet/direct'][-1]:.3f}; "
                         + ", ".join(f"{name} {rate[name] / direct:.3f}" for name in names)
                         + f"; longest engine gap {max(round_gaps, default=0):.0f} ms")
-                if engine_only is not None:
-                    ratios["engine/direct"].append(rate["engine"] / direct)
                 if other is not None:
-                    ratios["other/direct"].append(rate["other"] / direct)
                     ratios["fleet/other"].append(fleet_rate / rate["other"])
                 print(line, flush=True)
         finally:
@@ -440,12 +440,12 @@ def main() -> None:
         for i in range(args.fleets):
             per_round = [f / w for f, w in zip(own[f"fleet {i + 1}"], own[f"in worker {i + 1}"], strict=True)]
             print(f"fleet {i + 1} / direct on its own engine    = {summary(per_round)}: what the fleet path costs")
-    if ratios["engine/direct"]:
-        print(f"engine class alone / direct             = {summary(ratios['engine/direct'])}")
-    if ratios["other/direct"]:
-        placement = "in its own process" if _engine_host_default() else "in the worker's process"
-        other_placement = "in the worker's process" if _engine_host_default() else "in its own process"
-        print(f"engine {other_placement} / direct{' ' * (23 - len(other_placement))} = {summary(ratios['other/direct'])}")
+    if "engine" in own:
+        print(f"engine class alone / direct             = {summary(own['engine'])}")
+    if "other" in own:
+        placements = ("in its own process", "in the worker's process")
+        placement, other_placement = placements if host_default else placements[::-1]
+        print(f"engine {other_placement} / direct{' ' * (23 - len(other_placement))} = {summary(own['other'])}")
         print(f"fleet (engine {placement}) / fleet (engine {other_placement}) = {summary(ratios['fleet/other'])}")
     if gaps_ms:
         print(f"engine idle gap between shards: median {_median(gaps_ms):.1f} ms, max {max(gaps_ms):.1f} ms over "

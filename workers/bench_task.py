@@ -7,8 +7,8 @@ comparison; the bench still times a separate direct process too, so a slow worke
 
 The task runs the prompts (token ids, so no chat template) with the sampling a shard of the bench's run gets,
 on the engine thread between shards (`Engine.call`; on the CPU in the engine host's process), times `generate`
-alone, removes the capture files outside the timed window, and writes {"tokens", "seconds"} to `result_path` (a file the bench polls; workers keep no
-task results). Nothing is written to any run. Registered only where `REGEN_BENCH_TASKS=1` (the bench's own
+alone, removes the capture files outside the timed window, and writes {"tokens", "seconds"} to `result_path`
+(a file the bench polls; workers keep no task results). Nothing is written to any run. Registered only where `REGEN_BENCH_TASKS=1` (the bench's own
 worker): a message naming a file to write has no place on a production queue.
 """
 
