@@ -12,6 +12,10 @@ tokens/s is measured from the first shard's engine start to the last shard's eng
 start-up is not counted, but everything between shards (writing, marker, ack, fetching the next message,
 rendering prompts) is. The worker's task slots let the next shards generate while the previous one is
 written, so the engine's idle time is the gaps in the union of the shards' engine spans; it is printed too.
+A shard's span is the engine's own (workers/engine.py `EngineSpan`: when vLLM took its requests, when its last
+one finished there). Spans taken on the task's side, as before, ended only once the last result had crossed the
+pipe and been checked by the worker's starved side threads, which on this 2-core box is after the next shard had
+already started: they printed "0 ms" while the engine stood idle 35-80 ms before most shards.
 
 Several processes of each side: a vLLM process here keeps a speed of its own for its whole life (memory
 placement, which core its OpenMP team lands on). Measured on a 2-core EPYC in 8 alternating rounds, a second

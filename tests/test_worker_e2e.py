@@ -79,6 +79,22 @@ def test_records_hold_exactly_the_engines_token_ids(inline_run, e2e_storage, tin
     assert sum(r["finish_reason"] == "length" for r in records) > len(records) * 0.8
 
 
+def test_each_shard_carries_the_engines_own_span(inline_run, e2e_storage):
+    # engine_started/engine_finished are the engine's clock (here the engine host's child): when vLLM took the
+    # shard's requests and when its last one finished. The fleet bench's idle gaps are the gaps between these
+    # spans; the task's own view ends later, once every result has crossed the pipe and been checked, so spans
+    # read there hid the engine's idle time between shards. The child's "done" message carries the span and must
+    # end the batch: with the last result ending it instead, the span was not there yet (a zero-length fallback).
+    from app.storage import RunStore, Storage
+
+    store = RunStore(Storage(str(e2e_storage)), "inline")
+    markers = [store.done_marker(shard) for shard in sorted(store.done_shards())]
+    assert markers
+    for m in markers:
+        assert m["task_started"] <= m["engine_started"] < m["engine_finished"], m
+        assert m["engine_finished"] - m["engine_started"] <= m["generation_seconds"] + 0.01, m
+
+
 def test_hidden_states_match_the_transformers_reference(inline_run, e2e_storage, reference, tiny_qwen3):
     import torch
     from transformers import AutoModelForCausalLM

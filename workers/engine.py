@@ -85,25 +85,46 @@ class GenResult:
     capture_path: str | None = None
 
 
+EngineSpan = tuple[float, float]  # (requests added to vLLM, last one finished there), time.time() seconds
+
+
 class _Job:
     """One caller's batch inside the engine thread: counts results, carries the caller's error."""
 
-    def __init__(self, requests: list[GenRequest], on_done: Callable[[GenResult], None]):
+    def __init__(self, requests: list[GenRequest], on_done: Callable[[GenResult], None] | None = None,
+                 on_results: Callable[[list[GenResult]], None] | None = None, finish_on_last: bool = True):
         self.requests = requests
         self.on_done = on_done
+        self.on_results = on_results  # takes the results of one delivery round at once (an engine host's pipe)
         self.remaining = len(requests)
+        # False in an engine host's worker process: the child's "done" message, which carries the engine's span,
+        # comes after the last result and ends the batch.
+        self.finish_on_last = finish_on_last
         self.started = time.monotonic()
         self.error: BaseException | None = None
         self.finished = threading.Event()
+        # The engine's own view (wall clock, so an engine host's times compare with its worker's): when vLLM took
+        # the batch's requests, and when its last one finished in the engine. The caller's view ends later, once
+        # every result has been handed on, which on a busy CPU host can be well after the engine moved on.
+        self.in_engine = len(requests)
+        self.span: EngineSpan | None = None
 
     def deliver(self, result: GenResult) -> None:
+        self.deliver_all([result])
+
+    def deliver_all(self, results: list[GenResult]) -> None:
+        """Hand on results of this job in finishing order: to `on_results` at once, or to `on_done` one by one."""
         if self.error is None:
             try:
-                self.on_done(result)
+                if self.on_results is not None:
+                    self.on_results(results)
+                else:
+                    for result in results:
+                        self.on_done(result)
             except Exception as exc:  # the caller's bug fails the caller's batch, not the engine
                 self.error = exc
-        self.remaining -= 1
-        if self.remaining <= 0:
+        self.remaining -= len(results)
+        if self.remaining <= 0 and self.finish_on_last:
             self.finished.set()
 
     def fail(self, error: BaseException) -> None:
@@ -287,16 +308,29 @@ class Engine:
     # The engine thread ------------------------------------------------------------------------------
     # Tasks run in Celery's thread pool (two at a time), so one shard can be written to storage while the
     # next one is already generating. vLLM is driven by one dedicated thread; tasks hand it jobs and wait.
-    def run(self, requests: list[GenRequest], on_done: Callable[[GenResult], None]) -> None:
+    def run(self, requests: list[GenRequest], on_done: Callable[[GenResult], None]) -> EngineSpan | None:
         """Generate every request (continuous batching) and call `on_done` as each one finishes.
 
         Blocks until the whole batch is done. Thread-safe: batches from several callers share the engine.
         `on_done` runs on the engine's delivery thread (one call at a time, in finishing order); keep it quick.
+        Returns when the engine took the batch and when it finished its last request (None for no requests):
+        the gaps between batches' spans are the engine's idle time.
         """
         check_capture_requests(self.options, requests)
         if not requests:
-            return
-        self._submit(_Job(requests, on_done))
+            return None
+        return self._submit(_Job(requests, on_done)).span
+
+    def run_batched(self, requests: list[GenRequest],
+                    on_results: Callable[[list[GenResult]], None]) -> EngineSpan | None:
+        """As `run`, but `on_results` gets every result of this batch that one delivery round hands on, at once.
+
+        The engine host's way (workers/engine_host.py): one pipe message per round instead of one per sample.
+        """
+        check_capture_requests(self.options, requests)
+        if not requests:
+            return None
+        return self._submit(_Job(requests, on_results=on_results)).span
 
     def call(self, fn: Callable, *args):
         """Run `fn(llm, *args)` on the engine thread, between steps, once no request is in the engine; return its result.
@@ -320,7 +354,7 @@ class Engine:
 
     def _loop(self) -> None:
         active: dict[str, tuple[_Job, GenRequest]] = {}
-        pending: list[tuple[_Job | None, GenResult | None, str]] = []
+        pending: list[tuple[_Job | None, GenResult | None, str | None]] = []
         exclusive: _Exclusive | None = None
         try:
             while True:
@@ -372,6 +406,7 @@ class Engine:
     def _admit(self, job: _Job, active: dict) -> None:
         from vllm.inputs import TokensPrompt
 
+        admitted = time.time()
         added = []
         for req in job.requests:
             self._counter += 1
@@ -388,9 +423,13 @@ class Engine:
                 return
             added.append(rid)
             active[rid] = (job, req)
+        job.span = (admitted, admitted)
 
     def _finish(self, out, active: dict, pending: list) -> None:
         job, req = active.pop(out.request_id)
+        job.in_engine -= 1
+        if job.in_engine == 0:
+            job.span = (job.span[0], time.time())
         comp = out.outputs[0]
         result = GenResult(
             request_id=req.request_id,
@@ -407,9 +446,9 @@ class Engine:
                 raise EngineDead(f"request {req.request_id}: engine returned no hidden_states_path")
             pending.append((job, result, path))
         else:
+            pending.append((job, result, None))
             if path:  # a capture-enabled engine captures every request; drop what nobody asked for
                 pending.append((None, None, path))
-            self._deliveries.put((job, result, None))
 
     def _step(self):
         """One engine step. Any exception from inside the engine leaves it in an unknown state (and a dead
@@ -420,14 +459,21 @@ class Engine:
             raise EngineDead(f"vLLM engine failed: {type(exc).__name__}: {exc}") from exc
 
     def _collect_captures(self, pending):
-        """Hand every request whose capture file is complete to the delivery thread; keep the rest."""
-        still = []
+        """Hand every finished request whose capture file (if any) is complete to the delivery thread, all in one
+        queue item; keep the rest. One item per step, not one per request: in a CPU engine's process every
+        hand-over wakes the delivery thread, which then competes for the GIL with this thread's next step."""
+        if not pending:
+            return pending
+        ready, still = [], []
         for item in pending:
             path = item[2]
-            if not self.options.in_process or (os.path.exists(path) and (self._sync_capture or not _locked(path))):
-                self._deliveries.put(item)
+            if path is None or not self.options.in_process or (
+                    os.path.exists(path) and (self._sync_capture or not _locked(path))):
+                ready.append(item)
             else:
                 still.append(item)
+        if ready:
+            self._deliveries.put(ready)
         return still
 
     # The delivery thread -------------------------------------------------------------------------------
@@ -438,22 +484,34 @@ class Engine:
     def _deliver_loop(self) -> None:
         name_thread("regen-deliver")
         while True:
-            item = self._deliveries.get()
-            if item is _SHUTDOWN:
+            items = self._deliveries.get()
+            if items is _SHUTDOWN:
                 return
-            job, result, path = item
-            try:
-                if path is not None:
-                    self._load_capture(result, path)
-            except BaseException as exc:  # a capture the engine wrote but nobody can read: the engine is suspect
-                message = f"capture file {path} unreadable: {exc!r}"
-                with self._lock:
-                    self._dead = self._dead or message
-                if job is not None:
-                    job.fail(EngineDead(message))
-                continue
-            if job is not None and result is not None:
-                job.deliver(result)
+            while True:  # whatever else the engine thread has handed on meanwhile: one round
+                try:
+                    more = self._deliveries.get_nowait()
+                except queue.Empty:
+                    break
+                if more is _SHUTDOWN:
+                    self._deliveries.put(_SHUTDOWN)
+                    break
+                items = items + more
+            rounds: dict[int, tuple[_Job, list[GenResult]]] = {}  # per job, in finishing order
+            for job, result, path in items:
+                try:
+                    if path is not None:
+                        self._load_capture(result, path)
+                except BaseException as exc:  # a capture the engine wrote but nobody can read: the engine is suspect
+                    message = f"capture file {path} unreadable: {exc!r}"
+                    with self._lock:
+                        self._dead = self._dead or message
+                    if job is not None:
+                        job.fail(EngineDead(message))
+                    continue
+                if job is not None and result is not None:
+                    rounds.setdefault(id(job), (job, []))[1].append(result)
+            for job, results in rounds.values():
+                job.deliver_all(results)
 
     def _load_capture(self, result: GenResult | None, path: str) -> None:
         """Attach the capture file's token ids and states to `result` (None: nobody asked), then remove it."""

@@ -8,7 +8,10 @@ fleet bench: `Engine` alone in a process ran at 0.99 of `LLM.generate`, the same
 (its own thread, capture connector, step loop) and does nothing else; the worker process keeps everything
 else. What crosses the pipe is small: a shard's prompt ids once, and per finished sample its ids, text and the
 path of its capture file, which the worker process reads (memory-mapped above 1 MiB) and removes itself, so no
-hidden states are ever copied through the pipe.
+hidden states are ever copied through the pipe. Results go in one message per delivery round (every sample that
+finished in the same engine step, which for equal-length samples is a whole wave), not one per sample: each
+message wakes this process's delivery thread, which then takes the GIL between the engine thread's torch ops.
+The batch's last message ("done") carries the engine's span of it and ends it on the worker's side.
 
 Lifecycle: `EngineHost(options)` spawns the child and waits until its engine is built; the worker's tokenizer is
 loaded meanwhile. The child dies with the worker (PR_SET_PDEATHSIG, and a closed pipe ends it too), so a
@@ -34,6 +37,7 @@ from app.errors import EngineDead
 from workers.engine import (
     Engine,
     EngineOptions,
+    EngineSpan,
     GenRequest,
     GenResult,
     _Exclusive,
@@ -91,12 +95,13 @@ class EngineHost:
         """The thread that reads results and capture files and calls `on_done` (workers/scheduling.py idles it)."""
         return self._receiver.native_id
 
-    def run(self, requests: list[GenRequest], on_done: Callable[[GenResult], None]) -> None:
-        """As `Engine.run`: generate every request, call `on_done` per result in finishing order, from one thread."""
+    def run(self, requests: list[GenRequest], on_done: Callable[[GenResult], None]) -> EngineSpan | None:
+        """As `Engine.run`: generate every request, call `on_done` per result in finishing order, from one thread;
+        return the child engine's span of the batch."""
         check_capture_requests(self.options, requests)
         if not requests:
-            return
-        self._submit(_Job(requests, on_done))
+            return None
+        return self._submit(_Job(requests, on_done, finish_on_last=False)).span
 
     def call(self, fn: Callable, *args):
         """As `Engine.call`, in the child: `fn` and `args` must pickle (a module-level function)."""
@@ -150,11 +155,14 @@ class EngineHost:
             with self._lock:
                 waiter = self._waiting.get(key)
             if waiter is None:  # a batch already failed (the engine died meanwhile): nobody waits for this
-                if kind == "result" and payload.capture_path:
-                    remove_capture_file(payload.capture_path)
+                if kind == "results":
+                    for result in payload:
+                        if result.capture_path:
+                            remove_capture_file(result.capture_path)
                 continue
-            if kind == "result":
-                self._deliver(waiter, payload)
+            if kind == "results":  # every result of this batch one delivery round of the child handed on
+                for result in payload:
+                    self._deliver(waiter, result)
                 continue
             with self._lock:  # "done", "called" or "failed": the caller's last message
                 self._waiting.pop(key, None)
@@ -165,6 +173,8 @@ class EngineHost:
                 continue
             if kind == "called":
                 waiter.result = payload
+            elif kind == "done":
+                waiter.span = payload
             waiter.finished.set()
 
     def _deliver(self, job: _Job, result: GenResult) -> None:
@@ -261,11 +271,11 @@ def _serve(options: EngineOptions, conn, parent_pid: int) -> None:
 
 def _run_batch(engine: Engine, send, key: int, requests: list[GenRequest]) -> None:
     try:
-        engine.run(requests, lambda result: send(("result", key, result)))
+        span = engine.run_batched(requests, lambda results: send(("results", key, results)))
     except BaseException as exc:
         send(("failed", key, _portable(exc)))
         return
-    send(("done", key, None))
+    send(("done", key, span))
 
 
 def _run_call(engine: Engine, send, key: int, payload) -> None:

@@ -116,16 +116,16 @@ def generate_shard(ctx, manifest: dict, run_id: str, shard_id: str, samples: lis
             stubs += 1
 
     t0, wall0 = time.monotonic(), time.time()
-    ctx.engine.run(requests, on_done)
+    engine_window = ctx.engine.run(requests, on_done) or (wall0, wall0)  # the engine's own span of this shard
     gen_seconds = time.monotonic() - t0
-    engine_window = (wall0, time.time())
 
     for i in sorted(encoded):  # every sample's states are in the file once this loop is through
         problems, position, n_tokens = encoded[i].result()
         records[i]["flags"].extend(problems)
         records[i]["hidden"] = {"index": position, "n_tokens": n_tokens, "layers": layers}
     summary = summarise(records, gen_seconds, ctx)
-    # Wall-clock span the engine was busy with this shard: the gaps between spans are the engine's idle time.
+    # When the engine took this shard's requests and finished its last one (the engine's clock, not this
+    # thread's, which hears of the end later): the gaps between shards' spans are the engine's idle time.
     summary["engine_started"], summary["engine_finished"] = (round(t, 4) for t in engine_window)
     return records, summary
 

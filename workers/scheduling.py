@@ -19,6 +19,14 @@ spin frees the core in those phases but makes every parallel region wake a sleep
 gave the fleet 0.887 of direct and OMP_WAIT_POLICY=PASSIVE 0.859, against 0.948 with the default (medians of 8
 alternating rounds), so the engine keeps libgomp's default.
 
+The price of SCHED_IDLE on such a box: side work that gates the next shard (its slot's write and ack, the next
+task's start and prompt rendering) also runs only when the engine runs dry, so in steady state the engine takes
+one shard at a time and idles 35-80 ms before each (measured with the engine's own spans, 512-prompt passes,
+3 task slots); more slots only batch the first shards of a run. Giving those threads a small guaranteed share
+instead (SCHED_BATCH, which never preempts on wake-up, at a high nice value) removed the gaps but stalled the
+OpenMP team more than the gaps cost: median of 5 rounds against direct, nice 10 0.872 and nice 15 0.901 against
+0.963 and 0.928 for SCHED_IDLE in the same rounds; nice 19 0.967 against 0.943 (4 rounds), with gaps left.
+
 Linux sets a scheduling policy per thread, and a new thread inherits its creator's. So the main thread switches
 itself only after the engine thread (and, through it, the OpenMP team) exists, and every thread Celery starts
 later inherits SCHED_IDLE; the delivery thread is switched by its id, and encoder threads switch themselves as
