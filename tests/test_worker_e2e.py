@@ -207,12 +207,14 @@ def test_a_shard_for_other_layers_is_refused_with_the_reason_on_the_run(cpu_work
     assert errors and all("refuses shard" in e and "[1, 3] != engine's [1, 2, 4]" in e for e in errors), errors
 
 
-def _thread_policies(pid: int) -> list[tuple[str, int]]:
-    """(OS thread name, scheduling policy) of every thread of a process."""
+def _thread_policies(pid: int) -> list[tuple[str, tuple[int, int]]]:
+    """(OS thread name, (scheduling policy, nice)) of every thread of a process."""
     out = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            out.append(((task / "comm").read_text().strip(), os.sched_getscheduler(int(task.name))))
+            tid = int(task.name)
+            out.append(((task / "comm").read_text().strip(),
+                        (os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid))))
         except (FileNotFoundError, ProcessLookupError):  # a thread that ended while we looked
             continue
     return out
@@ -220,31 +222,34 @@ def _thread_policies(pid: int) -> list[tuple[str, int]]:
 
 def test_a_cpu_workers_side_threads_yield_to_the_engine(inline_run, cpu_worker):
     # The engine runs in a process of its own (workers/engine_host.py): there the engine thread and its OpenMP
-    # team keep the normal policy, the rest runs under SCHED_IDLE. In the worker process every thread does:
-    # the main thread (Celery's consumer and every task slot it starts), the delivery thread and the encoders
-    # (workers/scheduling.py).
+    # team keep the normal policy, the rest runs under SCHED_BATCH at nice 19. In the worker process every thread
+    # does: the main thread (Celery's consumer and every task slot it starts), the delivery thread and the
+    # encoders (workers/scheduling.py).
     from tests.e2e_helpers import engine_host_pid
+    from workers.scheduling import BATCH_NICE
 
+    side = (os.SCHED_BATCH, BATCH_NICE)
     (pid,) = cpu_worker.child_pids()
     threads = _thread_policies(pid)
-    by_name: dict[str, set[int]] = {}
+    by_name: dict[str, set[tuple[int, int]]] = {}
     for name, policy in threads:
         by_name.setdefault(name, set()).add(policy)
     assert "regen-engine" not in by_name, threads
-    assert by_name.get("regen-deliver") == {os.SCHED_IDLE}, threads
-    assert by_name.get("regen-encode") == {os.SCHED_IDLE}, threads  # inline_run encoded states
-    assert os.sched_getscheduler(pid) == os.SCHED_IDLE  # the main thread
+    assert by_name.get("regen-deliver") == {side}, threads
+    assert by_name.get("regen-encode") == {side}, threads  # inline_run encoded states
+    assert (os.sched_getscheduler(pid), os.getpriority(os.PRIO_PROCESS, pid)) == side  # the main thread
     host = engine_host_pid(pid)
     host_threads = _thread_policies(host)
-    assert ("regen-engine", os.SCHED_OTHER) in host_threads, host_threads
-    assert {p for n, p in host_threads if n in ("regen-host", "regen-deliver")} == {os.SCHED_IDLE}, host_threads
-    assert os.sched_getscheduler(host) == os.SCHED_IDLE  # its main thread, which only reads the pipe
+    assert ("regen-engine", (os.SCHED_OTHER, 0)) in host_threads, host_threads
+    assert {p for n, p in host_threads if n in ("regen-host", "regen-deliver")} == {side}, host_threads
+    assert (os.sched_getscheduler(host), os.getpriority(os.PRIO_PROCESS, host)) == side  # its main thread
     # Celery's threads take the process title as their name: the consumer and the task slots.
-    assert {p for n, p in threads if n.startswith("[celeryd")} == {os.SCHED_IDLE}, threads
-    assert "side threads run under SCHED_IDLE" in cpu_worker.text()
-    # Task slots from the preset: 16 sequences fill one 64-sample shard, plus one queued and one being written.
-    assert "concurrency: 3 (thread)" in cpu_worker.text()
-    assert "task slots: 3; hidden-state encoder threads: 2" in cpu_worker.text()  # the CPU's 2 (devices.py)
+    assert {p for n, p in threads if n.startswith("[celeryd")} == {side}, threads
+    assert "side threads run under SCHED_BATCH at nice 19" in cpu_worker.text()
+    # Task slots from the preset: 16 sequences fill one 64-sample shard, plus one queued, one being written and
+    # the CPU's two spare (workers/devices.py).
+    assert "concurrency: 5 (thread)" in cpu_worker.text()
+    assert "task slots: 5; hidden-state encoder threads: 2" in cpu_worker.text()  # the CPU's 2 (devices.py)
 
 
 def test_the_fleet_benchs_baseline_runs_generate_on_the_workers_own_engine(inline_run, cpu_worker, e2e_storage,

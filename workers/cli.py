@@ -75,7 +75,7 @@ def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: li
         configs.append((WorkerConfig(model=model, device="cpu" if visible is None else "cuda",
                                      device_class=device_class, capture_layers=layers, storage=storage,
                                      hostname=f"{prefix}@{host}", max_attempts=max_attempts, engine=engine,
-                                     task_slots=task_slots or task_slots_for(engine["max_num_seqs"], shard_size),
+                                     task_slots=task_slots or task_slots_for(engine["max_num_seqs"], shard_size, device_class),
                                      encode_threads=encode_threads or encode_threads_for(device_class, len(devices))),
                         visible))
     return configs

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from app.model_info import ModelInfo, read_model_info
 from workers.quality import StubWindow
 from workers.scheduling import ENV as SIDE_THREADS_ENV
-from workers.scheduling import make_idle, name_thread, side_threads_idle
+from workers.scheduling import POLICY_NAMES, lower_priority, name_thread, side_threads_policy
 
 log = logging.getLogger("regen.worker")
 
@@ -145,9 +145,9 @@ class WorkerContext:
         self.tokenizer = self.engine.tokenizer
         # Task slots render prompts at once; HF fast tokenizers are not safe to share across threads.
         self.tokenizer_lock = threading.Lock()
-        idle_side_threads = side_threads_idle(config.device)
+        side_policy = side_threads_policy(config.device)
         self.encode_pool = ThreadPoolExecutor(max_workers=config.encode_threads, thread_name_prefix="regen-encode",
-                                              initializer=_encoder_thread_start, initargs=(idle_side_threads,))
+                                              initializer=_encoder_thread_start, initargs=(side_policy,))
         self.windows: dict[str, StubWindow] = {}
         self.manifests: dict[str, dict] = {}
         self.closed = False
@@ -155,12 +155,12 @@ class WorkerContext:
             seconds = self.engine.self_test()
             log.info("engine self-test passed in %.2fs", seconds)
         log.info("task slots: %d; hidden-state encoder threads: %d", config.task_slots, config.encode_threads)
-        if idle_side_threads:
+        if side_policy:
             # After the engine thread and its OpenMP team exist: threads started from here on inherit this.
             delivery = self.engine.delivery_thread_id
-            if make_idle() and (delivery is None or make_idle(delivery)):
-                log.info("side threads run under SCHED_IDLE, so they never stall the engine's cores "
-                         "(%s=normal turns this off)", SIDE_THREADS_ENV)
+            if lower_priority(policy=side_policy) and (delivery is None or lower_priority(delivery, side_policy)):
+                log.info("side threads run under %s, so they yield the engine's cores "
+                         "(%s=idle|batch|normal chooses)", POLICY_NAMES[side_policy], SIDE_THREADS_ENV)
 
     @property
     def worker_name(self) -> str:
@@ -175,10 +175,10 @@ class WorkerContext:
         shutil.rmtree(self.engine.options.scratch_dir, ignore_errors=True)
 
 
-def _encoder_thread_start(idle: bool) -> None:
+def _encoder_thread_start(policy: str | None) -> None:
     name_thread("regen-encode")
-    if idle:
-        make_idle()
+    if policy:
+        lower_priority(policy=policy)
 
 
 def _remove_stale_scratch(parent: str) -> None:

@@ -47,7 +47,7 @@ from workers.engine import (
     remove_capture_file,
     run_self_test,
 )
-from workers.scheduling import make_idle, name_thread, side_threads_idle
+from workers.scheduling import lower_priority, name_thread, side_threads_policy
 
 log = logging.getLogger("regen.engine")
 
@@ -251,11 +251,12 @@ def _serve(options: EngineOptions, conn, parent_pid: int) -> None:
             conn.send(message)
 
     send(("ready", 0, None))
-    if side_threads_idle(options.device):
+    side_policy = side_threads_policy(options.device)
+    if side_policy:
         # After the engine thread and its OpenMP team exist: the threads started below inherit this.
-        make_idle()
+        lower_priority(policy=side_policy)
         if engine.delivery_thread_id is not None:
-            make_idle(engine.delivery_thread_id)
+            lower_priority(engine.delivery_thread_id, side_policy)
     while True:
         try:
             kind, key, payload = conn.recv()

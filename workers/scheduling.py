@@ -20,22 +20,32 @@ gave the fleet 0.887 of direct and OMP_WAIT_POLICY=PASSIVE 0.859, against 0.948 
 alternating rounds), so the engine keeps libgomp's default.
 
 The price of SCHED_IDLE on such a box: side work that gates the next shard (its slot's write and ack, the next
-task's start and prompt rendering) also runs only when the engine runs dry, so in steady state the engine takes
-one shard at a time and idles 35-80 ms before each (measured with the engine's own spans, 512-prompt passes,
-3 task slots); more slots only batch the first shards of a run. Giving those threads a small guaranteed share
-instead (SCHED_BATCH, which never preempts on wake-up, at a high nice value) removed the gaps but stalled the
-OpenMP team more than the gaps cost: median of 5 rounds against direct, nice 10 0.872 and nice 15 0.901 against
-0.963 and 0.928 for SCHED_IDLE in the same rounds; nice 19 0.967 against 0.943 (4 rounds), with gaps left.
+task's start and prompt rendering, the engine host reading it from the pipe) also runs only when the engine
+runs dry, so in steady state the engine took one shard at a time and stood idle 35-80 ms before each (the
+engine's own spans, 512-prompt passes); more task slots only batched the first shards of a run. So the CPU
+default is SCHED_BATCH at nice 19: SCHED_BATCH never preempts a running thread on wake-up (what made the normal
+policy stall the team), and nice 19's weight (15 against an OpenMP thread's 1024) gives these threads a thin but
+steady share of a core they share, enough for the fleet's side work to keep up (~30 ms of CPU per 64-sample
+shard of the tiny model, per ~0.9 s of engine time), so with two spare task slots (workers/devices.py) the next
+shards are rendered and queued in the engine before the current one ends. Measured in the same rounds as
+SCHED_IDLE workers (bench/bench_fleet.py, 512 prompts, 2 direct processes): engine gaps at most 45 ms and
+mostly none, against 35-80 ms before most shards; fleet/direct 0.944 against 0.957 and 0.940 for two SCHED_IDLE
+workers (6 rounds; 0.916 against 0.940 in 5 more), a difference smaller than one process's own lasting speed
+difference here. Larger shares stall the team more than the gaps cost: nice 10 0.872 and nice 15 0.901 of
+direct, against 0.963 and 0.928 for SCHED_IDLE in the same rounds. Where the side work outgrows the share (a
+real model's states on a CPU host), shards queue up until the engine runs dry and the side threads get the
+cores, which is SCHED_IDLE's behaviour: nothing starves. `REGEN_SIDE_THREADS=idle` keeps SCHED_IDLE.
 
-Linux sets a scheduling policy per thread, and a new thread inherits its creator's. So the main thread switches
-itself only after the engine thread (and, through it, the OpenMP team) exists, and every thread Celery starts
-later inherits SCHED_IDLE; the delivery thread is switched by its id, and encoder threads switch themselves as
-they start. With the CPU engine in a process of its own (workers/engine_host.py) the same holds on both sides:
-that process switches its main and delivery threads once its engine thread exists, and the worker process
-switches after starting it, so every thread of the worker is idle and the engine's process is spawned at normal
-priority. GPU hosts keep the normal policy: there the side work competes with no GPU kernel, and engine-core
-processes polling their GPUs could starve it under SCHED_IDLE. `REGEN_SIDE_THREADS=normal` turns it off on the
-CPU, `=idle` forces it anywhere.
+Linux sets a scheduling policy (and, for SCHED_OTHER and SCHED_BATCH, a nice value) per thread, and a new thread
+inherits its creator's. So the main thread switches itself only after the engine thread (and, through it, the
+OpenMP team) exists, and every thread Celery starts later inherits the side policy; the delivery thread is
+switched by its id, and encoder threads switch themselves as they start. With the CPU engine in a process of its
+own (workers/engine_host.py) the same holds on both sides: that process switches its main and delivery threads
+once its engine thread exists, and the worker process switches after starting it, so every thread of the worker
+runs under the side policy and the engine's process is spawned at normal priority. GPU hosts keep the normal
+policy: there the side work competes with no GPU kernel, and engine-core processes polling their GPUs could
+starve it under a low one. `REGEN_SIDE_THREADS=normal` turns it off on the CPU, `=idle` or `=batch` sets it
+anywhere.
 """
 
 from __future__ import annotations
@@ -49,26 +59,38 @@ log = logging.getLogger("regen.worker")
 ENV = "REGEN_SIDE_THREADS"
 
 
-def side_threads_idle(device: str) -> bool:
-    """Whether this worker's side threads should run under SCHED_IDLE: by default on the CPU only."""
+IDLE, BATCH = "idle", "batch"
+BATCH_NICE = 19  # SCHED_BATCH's share: weight 15 against an OpenMP thread's 1024, ~1.4% of a core it shares
+POLICY_NAMES = {IDLE: "SCHED_IDLE", BATCH: f"SCHED_BATCH at nice {BATCH_NICE}"}
+
+
+def side_threads_policy(device: str) -> str | None:
+    """How this worker's side threads yield to the engine: IDLE, BATCH, or None (the normal policy).
+
+    By default SCHED_BATCH at nice 19 on the CPU only; `REGEN_SIDE_THREADS=idle|batch|normal` chooses."""
     choice = os.environ.get(ENV, "").strip().lower()
-    if choice in ("idle", "normal"):
-        return choice == "idle"
+    if choice in (IDLE, BATCH):
+        return choice
+    if choice == "normal":
+        return None
     if choice:
         from app.errors import ConfigError
 
-        raise ConfigError(f"{ENV}={choice!r}: expected 'idle' or 'normal'")
-    return device == "cpu"
+        raise ConfigError(f"{ENV}={choice!r}: expected 'idle', 'batch' or 'normal'")
+    return BATCH if device == "cpu" else None
 
 
-def make_idle(thread_id: int = 0) -> bool:
-    """Put one thread (a native id; 0: the calling thread) under SCHED_IDLE. False where unsupported."""
-    if not hasattr(os, "SCHED_IDLE"):
-        return False
+def lower_priority(thread_id: int = 0, policy: str = IDLE) -> bool:
+    """Put one thread (a native id; 0: the calling thread) under `policy`. False where unsupported."""
+    tid = thread_id or threading.get_native_id()
     try:
-        os.sched_setscheduler(thread_id, os.SCHED_IDLE, os.sched_param(0))
-    except OSError as exc:  # a container or kernel that refuses it: the worker still works, only slower
-        log.warning("could not move thread %s to SCHED_IDLE: %s", thread_id or threading.get_native_id(), exc)
+        if policy == BATCH:
+            os.sched_setscheduler(thread_id, os.SCHED_BATCH, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, tid, BATCH_NICE)  # Linux: per thread
+        else:
+            os.sched_setscheduler(thread_id, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError) as exc:  # a container, kernel or OS that refuses it: only slower
+        log.warning("could not move thread %s to %s: %s", tid, POLICY_NAMES.get(policy, policy), exc)
         return False
     return True
 
