@@ -2,15 +2,17 @@
 
     python bench/bench_fleet.py [--prompts 256] [--max-tokens 64] [--shard-size 64] [--rounds 14]
                                 [--warm-rounds 1] [--directs 2] [--fleets 2] [--in-worker] [--engine-only]
-                                [--ab-engine-host]
+                                [--ab-engine-host | --ab-env KEY=VALUE ...]
 
 Direct: `LLM.generate` over all of a round's prompts (token-id prompts, same sampling, vLLM built from the
 worker's own `llm_kwargs` with the max_model_len the worker derives from the run, capture files in the worker's
 scratch place, /dev/shm: on a disk-backed /tmp their writes cost the direct side ~7%).
 Fleet: `regen produce` -> local Redis -> a real `regen worker --cpu` process -> shards on storage. Steady-state
-tokens/s is measured from the first shard's engine start to the last shard's engine end, so the worker's
-start-up is not counted, but everything between shards (writing, marker, ack, fetching the next message,
-rendering prompts) is. The worker's task slots let the next shards generate while the previous one is
+tokens/s is measured from the first shard's engine start to the moment the last shard's completion marker is on
+storage (the marker file's mtime), so the worker's start-up is not counted, but everything between shards
+(writing, marker, ack, fetching the next message, rendering prompts) is, and so is the side work of the pass's
+last shards: ending at the last shard's engine end, as before, let a worker whose side threads wait for the
+engine to run dry (SCHED_IDLE) leave most of a short pass's side work outside the window. The worker's task slots let the next shards generate while the previous one is
 written, so the engine's idle time is the gaps in the union of the shards' engine spans; it is printed too.
 A shard's span is the engine's own (workers/engine.py `EngineSpan`: when vLLM took its requests, when its last
 one finished there). Spans taken on the task's side, as before, ended only once the last result had crossed the
@@ -41,6 +43,8 @@ How the comparison is kept fair on a noisy machine (speeds here move by 20-30% w
   it (Celery's `add_consumer` remote control), so producing does not overlap the timed window.
 - The ratio is taken within each round and the median printed, with a bootstrap interval; absolute figures mean
   little here.
+`--ab-env KEY=VALUE` (repeatable) starts one more worker with those environment settings instead (for example
+`--ab-env REGEN_SIDE_THREADS=idle`) and adds one pass of it to every round, its gaps printed apart.
 `--ab-engine-host` starts one more worker with the other engine placement (REGEN_ENGINE_HOST flipped: the CPU
 engine in the worker's own process instead of a process of its own) and adds one pass of it to every round.
 On this 2-core CPU the worker's compression and writes compete with the engine for the same cores (and, in one
@@ -246,7 +250,8 @@ class Fleet:
     def _wait_done(self, round_name: str, shards: int) -> list[dict]:
         done = Path(self.storage, f"bench-{round_name}", "done")
         self._wait_for(lambda: done.exists() and len(list(done.glob("shard-*.json"))) >= shards, f"run {round_name}")
-        return [json.loads(p.read_text()) for p in done.glob("shard-*.json")]
+        # Each marker with the time it reached storage: it is the shard's last write (local storage: the mtime).
+        return [{**json.loads(p.read_text()), "stored": p.stat().st_mtime} for p in done.glob("shard-*.json")]
 
     def _wait_for(self, ready, what: str, timeout: float = PASS_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
@@ -271,7 +276,7 @@ class Fleet:
         finally:
             self.control.cancel_consumer(queue, reply=True, timeout=10, destination=worker)
         tokens = sum(m["generated_tokens"] for m in markers)
-        span = markers[-1]["engine_finished"] - markers[0]["engine_started"]
+        span = max(m["stored"] for m in markers) - markers[0]["engine_started"]
         # Shards overlap on the engine (several task slots), so idle time is the gaps in the union of busy spans.
         gaps, end = [], markers[0]["engine_finished"]
         for m in markers[1:]:
@@ -350,12 +355,20 @@ def main() -> None:
     ap.add_argument("--engine-only", action="store_true",
                     help="also run the worker's Engine class alone each round (no Celery, no records), to tell what the "
                          "engine class costs from what the rest of the worker costs")
+    ap.add_argument("--ab-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="also run a worker with these environment settings (repeatable), one pass per round, to "
+                         "measure what they change, e.g. REGEN_SIDE_THREADS=idle")
     ap.add_argument("--ab-engine-host", action="store_true",
                     help="also run a worker whose engine runs in its own process (--no-engine-host: in the "
                          "worker's), one pass per round, to measure what the engine host changes")
     args = ap.parse_args()
     if args.directs < 1 or args.fleets < 1:
         ap.error("--directs and --fleets must be at least 1")
+    if args.ab_env and args.ab_engine_host:
+        ap.error("--ab-env and --ab-engine-host each start the one other worker: choose one")
+    ab_env = dict(kv.split("=", 1) for kv in args.ab_env if "=" in kv)
+    if len(ab_env) != len(args.ab_env):
+        ap.error("--ab-env takes KEY=VALUE")
     from transformers import AutoTokenizer
 
     from workers.tiny_model import build_tiny_qwen3
@@ -364,6 +377,7 @@ def main() -> None:
     own: dict[str, list[float]] = {}  # each process's rate / the round's direct mean: how far its luck goes
     host_default = _engine_host_default()
     gaps_ms: list[float] = []
+    other_gaps_ms: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_qwen3(os.path.join(tmp, "tiny"))
         tok = AutoTokenizer.from_pretrained(model)
@@ -385,9 +399,9 @@ def main() -> None:
         try:
             for i in range(args.fleets):
                 fleets.append(Fleet(model, tmp, args.max_tokens, args.shard_size, tag="" if i == 0 else f"-{i + 1}"))
-            if args.ab_engine_host:
+            if args.ab_engine_host or ab_env:
                 other = Fleet(model, tmp, args.max_tokens, args.shard_size, tag="-other",
-                              env={"REGEN_ENGINE_HOST": "false" if host_default else "true"})
+                              env=ab_env or {"REGEN_ENGINE_HOST": "false" if host_default else "true"})
             for k, r in enumerate(rounds):
                 # Every process runs the round's prompts "a" once (each has its own engine and prefix cache); a
                 # worker's own direct pass runs "b" (same shape, other questions), so it gets no prefix-cache hits
@@ -416,6 +430,8 @@ def main() -> None:
                 fleet_rate = float(np.mean([rate[f"fleet {i + 1}"] for i in range(len(fleets))]))
                 round_gaps = [g * 1000 for i in range(len(fleets)) for g in got[f"fleet {i + 1}"][2]]
                 gaps_ms += round_gaps
+                if other is not None:
+                    other_gaps_ms += [g * 1000 for g in got["other"][2]]
                 for name in names:
                     own.setdefault(name, []).append(rate[name] / direct)
                 ratios["fleet/direct"].append(fleet_rate / direct)
@@ -446,7 +462,11 @@ def main() -> None:
             print(f"fleet {i + 1} / direct on its own engine    = {summary(per_round)}: what the fleet path costs")
     if "engine" in own:
         print(f"engine class alone / direct             = {summary(own['engine'])}")
-    if "other" in own:
+    if "other" in own and ab_env:
+        label = " ".join(f"{k}={v}" for k, v in ab_env.items())
+        print(f"worker with {label} / direct = {summary(own['other'])}")
+        print(f"fleet / worker with {label} = {summary(ratios['fleet/other'])}")
+    elif "other" in own:
         placements = ("in its own process", "in the worker's process")
         placement, other_placement = placements if host_default else placements[::-1]
         print(f"engine {other_placement} / direct{' ' * (23 - len(other_placement))} = {summary(own['other'])}")
@@ -454,6 +474,9 @@ def main() -> None:
     if gaps_ms:
         print(f"engine idle gap between shards: median {_median(gaps_ms):.1f} ms, max {max(gaps_ms):.1f} ms over "
               f"{len(gaps_ms)} gaps  (target < 50 ms)")
+    if other_gaps_ms:
+        print(f"  the other worker's: median {_median(other_gaps_ms):.1f} ms, max {max(other_gaps_ms):.1f} ms over "
+              f"{len(other_gaps_ms)} gaps")
 
 
 if __name__ == "__main__":
