@@ -105,6 +105,20 @@ def test_attempts_are_counted_and_a_dead_letter_keeps_their_errors(tmp_path):
     assert store.dead_shards() == {"shard-000003"}
 
 
+def test_attempts_that_may_still_be_running_do_not_count_against_the_shard(tmp_path):
+    # A copy of the shard delivered twice (Redis re-delivers at least once) is not a failure: only attempts that
+    # failed, or are older than the visibility timeout (killed ones record nothing), count.
+    from workers.shard_output import record_attempt_error
+
+    store = RunStore(Storage(str(tmp_path)), "dup")
+    record_attempt(store, "shard-000001", "old", "gpu0@host", started="2020-01-01T00:00:00+00:00")
+    assert record_attempt(store, "shard-000001", "running", "gpu1@host", stale_after=20) == 2  # "old" is stale
+    assert record_attempt(store, "shard-000001", "dup", "gpu0@host", stale_after=20) == 2  # "running" may still run
+    record_attempt_error(store, "shard-000001", "running", "EngineDead: engine process exited")
+    assert record_attempt(store, "shard-000001", "next", "gpu0@host", stale_after=20) == 3  # it failed: it counts
+    assert record_attempt(store, "shard-000001", "last", "gpu0@host") == 5  # without stale_after: every record
+
+
 def _stream(store, shard: str, attempt: str, samples, threads: int = 4):
     """Append `samples` from several threads at once, as the encoder pool does; return each one's position."""
     from concurrent.futures import ThreadPoolExecutor

@@ -30,12 +30,34 @@ def new_attempt_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def record_attempt(store: RunStore, shard: str, attempt: str, worker: str, **extra) -> int:
-    """Write this attempt's start file; return how many attempts (this one included) the shard has had."""
+def record_attempt(store: RunStore, shard: str, attempt: str, worker: str, stale_after: float | None = None,
+                   **extra) -> int:
+    """Write this attempt's start file; return how many attempts (this one included) count against the shard.
+
+    With `stale_after` (the broker's visibility timeout), an earlier attempt counts only once it has failed (its
+    error recorded) or is older than that (a SIGKILLed attempt records nothing; once its message can be
+    redelivered it is presumed dead). A younger one without an error may still be running: Redis delivers at
+    least once, so a shard re-published by a worker whose engine died also comes back as its original message,
+    and a second worker killed meanwhile put more copies in flight. Counted, those copies dead-lettered a shard
+    that had failed only where its workers were killed, while another copy of it went on to complete.
+    """
     body = {"attempt": attempt, "worker": worker, "host": socket.gethostname(), "pid": os.getpid(),
             "started": _now(), **extra}
     store.storage.write_json(f"{store.attempts_dir(shard)}/{attempt}.json", body)
-    return len(_attempt_names(store, shard))
+    if stale_after is None:
+        return len(_attempt_names(store, shard))
+    now = dt.datetime.now(dt.UTC)
+    counted = 1
+    for other in attempt_errors(store, shard):
+        if other.get("attempt") == attempt:
+            continue
+        try:
+            age = (now - dt.datetime.fromisoformat(other["started"])).total_seconds()
+        except (KeyError, TypeError, ValueError):  # a record without a start time: count it, as before
+            age = float("inf")
+        if other.get("error") or age >= stale_after:
+            counted += 1
+    return counted
 
 
 def _attempt_names(store: RunStore, shard: str) -> list[str]:

@@ -141,8 +141,8 @@ def _begin(task: Task, stage: str, run_id: str, storage: str, shard_id: str):
         raise Reject("run paused", requeue=False)
     manifest = _manifest(ctx, store)
     attempt = new_attempt_id()
-    n = record_attempt(store, key, attempt, ctx.worker_name, stage=stage)
-    if n > ctx.config.max_attempts:
+    n = record_attempt(store, key, attempt, ctx.worker_name, stale_after=_visibility_timeout(task.app), stage=stage)
+    if n > ctx.config.max_attempts and not (stage == "generate" and store.is_done(shard_id)):
         dead_letter(store, key, f"{n - 1} attempts without success")
         log.error("%s/%s dead-lettered after %d attempts", run_id, shard_id, n - 1)
         return None
