@@ -288,6 +288,11 @@ class Engine:
         self.tokenizer = self.llm.get_tokenizer()
 
     @property
+    def dead(self) -> str | None:
+        """Why the engine died, or None while it runs."""
+        return self._dead
+
+    @property
     def delivery_thread_id(self) -> int | None:
         """The delivery thread's native id (the worker lowers its scheduling priority: workers/scheduling.py)."""
         return self._delivery.native_id

@@ -91,6 +91,11 @@ class EngineHost:
         return self._proc.pid
 
     @property
+    def dead(self) -> str | None:
+        """Why the engine (its process) died, or None while it runs."""
+        return self._dead
+
+    @property
     def delivery_thread_id(self) -> int | None:
         """The thread that reads results and capture files and calls `on_done` (workers/scheduling.py idles it)."""
         return self._receiver.native_id

@@ -178,6 +178,10 @@ def _run_attempt(task: Task, stage: str, kwargs: dict, work) -> str:
     key = shard_id if stage == "generate" else f"{shard_id}.capture"
     _inflight.add()
     try:
+        dead = WorkerContext.get().engine.dead
+        if dead:  # another slot saw the engine die and this worker is on its way out: no attempt of this shard
+            # here, which would only fail and count against it (a free slot takes a re-published shard at once)
+            _exit_for_restart(task, kwargs, f"{dead}; {shard_id} not started")
         begun = _begin(task, stage, run_id, storage, shard_id)
         if begun is None:
             return "skipped"
