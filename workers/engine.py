@@ -88,14 +88,21 @@ class GenResult:
 EngineSpan = tuple[float, float]  # (requests added to vLLM, last one finished there), time.time() seconds
 
 
+def one_by_one(on_done: Callable[[GenResult], None]) -> Callable[[list[GenResult]], None]:
+    """A per-result callback as a `_Job`'s per-round one."""
+    def on_results(results: list[GenResult]) -> None:
+        for result in results:
+            on_done(result)
+    return on_results
+
+
 class _Job:
     """One caller's batch inside the engine thread: counts results, carries the caller's error."""
 
-    def __init__(self, requests: list[GenRequest], on_done: Callable[[GenResult], None] | None = None,
-                 on_results: Callable[[list[GenResult]], None] | None = None, finish_on_last: bool = True):
+    def __init__(self, requests: list[GenRequest], on_results: Callable[[list[GenResult]], None],
+                 finish_on_last: bool = True):
         self.requests = requests
-        self.on_done = on_done
-        self.on_results = on_results  # takes the results of one delivery round at once (an engine host's pipe)
+        self.on_results = on_results  # takes the results of one delivery round at once (`one_by_one` splits them)
         self.remaining = len(requests)
         # False in an engine host's worker process: the child's "done" message, which carries the engine's span,
         # comes after the last result and ends the batch.
@@ -113,14 +120,10 @@ class _Job:
         self.deliver_all([result])
 
     def deliver_all(self, results: list[GenResult]) -> None:
-        """Hand on results of this job in finishing order: to `on_results` at once, or to `on_done` one by one."""
+        """Hand on results of this job, in finishing order."""
         if self.error is None:
             try:
-                if self.on_results is not None:
-                    self.on_results(results)
-                else:
-                    for result in results:
-                        self.on_done(result)
+                self.on_results(results)
             except Exception as exc:  # the caller's bug fails the caller's batch, not the engine
                 self.error = exc
         self.remaining -= len(results)
@@ -321,10 +324,7 @@ class Engine:
         Returns when the engine took the batch and when it finished its last request (None for no requests):
         the gaps between batches' spans are the engine's idle time.
         """
-        check_capture_requests(self.options, requests)
-        if not requests:
-            return None
-        return self._submit(_Job(requests, on_done)).span
+        return self.run_batched(requests, one_by_one(on_done))
 
     def run_batched(self, requests: list[GenRequest],
                     on_results: Callable[[list[GenResult]], None]) -> EngineSpan | None:
@@ -335,7 +335,7 @@ class Engine:
         check_capture_requests(self.options, requests)
         if not requests:
             return None
-        return self._submit(_Job(requests, on_results=on_results)).span
+        return self._submit(_Job(requests, on_results)).span
 
     def call(self, fn: Callable, *args):
         """Run `fn(llm, *args)` on the engine thread, between steps, once no request is in the engine; return its result.
@@ -500,7 +500,7 @@ class Engine:
                 if more is _SHUTDOWN:
                     self._deliveries.put(_SHUTDOWN)
                     break
-                items = items + more
+                items.extend(more)  # each item is a list the engine thread built for this hand-over only
             rounds: dict[int, tuple[_Job, list[GenResult]]] = {}  # per job, in finishing order
             for job, result, path in items:
                 try:

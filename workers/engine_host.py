@@ -44,6 +44,7 @@ from workers.engine import (
     _Job,
     attach_capture,
     check_capture_requests,
+    one_by_one,
     remove_capture_file,
     run_self_test,
 )
@@ -106,7 +107,7 @@ class EngineHost:
         check_capture_requests(self.options, requests)
         if not requests:
             return None
-        return self._submit(_Job(requests, on_done, finish_on_last=False)).span
+        return self._submit(_Job(requests, one_by_one(on_done), finish_on_last=False)).span
 
     def call(self, fn: Callable, *args):
         """As `Engine.call`, in the child: `fn` and `args` must pickle (a module-level function)."""
