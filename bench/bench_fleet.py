@@ -43,6 +43,13 @@ How the comparison is kept fair on a noisy machine (speeds here move by 20-30% w
   it (Celery's `add_consumer` remote control), so producing does not overlap the timed window.
 - The ratio is taken within each round and the median printed, with a bootstrap interval; absolute figures mean
   little here.
+Two figures that do not move with the machine's noise are printed too, since a throughput ratio here does (the
+same settings gave 0.92 in one run and 0.96 in another): the workers' CPU per shard by part, read from /proc per
+thread (the engine's, and the side work's: the Celery process and the engine host's other threads), and the
+drain, the time from the engine's last end of a pass to its last marker on storage, which a pass of a few
+shards pays in full and a run of thousands of shards once. On 2 cores nearly all of the fleet's shortfall is the
+side work's CPU taken from the engine's OpenMP team (each millisecond of it on a core the team spins on stalls the
+whole team) plus the drain; cutting side CPU per shard is what moves the ratio.
 `--ab-env KEY=VALUE` (repeatable) starts one more worker with those environment settings instead (for example
 `--ab-env REGEN_SIDE_THREADS=idle`) and adds one pass of it to every round, its gaps printed apart.
 `--ab-engine-host` starts one more worker with the other engine placement (REGEN_ENGINE_HOST flipped: the CPU
@@ -191,6 +198,41 @@ serve(run_once)
 """, Path(scratch, "engine.log"))
 
 
+ENGINE_HOST_COMM = "regen-host"  # workers/engine_host.PROCESS_NAME
+ENGINE_THREAD_COMM = "regen-engine"  # the engine thread; its OpenMP threads inherit the name
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _worker_cpu(root_pid: int) -> dict[str, float]:
+    """CPU seconds so far of a `regen worker` and its children, by part: "engine" (the engine host's engine
+    thread and its OpenMP team), "host side" (the engine host's other threads: delivery, vLLM's idle loops) and
+    "worker" (the supervisor and the Celery process: task slots, delivery, encoders, Celery's consumer).
+
+    Read from /proc per thread, so it is exact up to the clock tick and does not move with the machine's noise
+    the way a throughput ratio does: how much CPU the fleet's side work takes per shard, next to the engine's."""
+    out = {"engine": 0.0, "host side": 0.0, "worker": 0.0}
+    pids, seen = [root_pid], set()
+    while pids:
+        pid = pids.pop()
+        seen.add(pid)
+        try:
+            process = Path(f"/proc/{pid}/comm").read_text().strip()
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                stat = (task / "stat").read_text()
+                fields = stat[stat.rindex(")") + 2:].split()
+                seconds = (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
+                if process != ENGINE_HOST_COMM:
+                    out["worker"] += seconds
+                elif (task / "comm").read_text().strip() == ENGINE_THREAD_COMM:
+                    out["engine"] += seconds
+                else:
+                    out["host side"] += seconds
+                pids += [int(c) for c in (task / "children").read_text().split() if int(c) not in seen]
+        except (OSError, ValueError):  # a thread or process that ended meanwhile
+            continue
+    return out
+
+
 class Fleet:
     """One `regen worker --cpu` process kept for the whole bench; each round is a run of its own."""
 
@@ -265,8 +307,11 @@ class Fleet:
         """Put the round's shards on a queue of their own, which the worker does not consume yet."""
         self.shards[round_name] = self._produce(round_name)
 
-    def timed(self, round_name: str) -> tuple[int, float, list[float]]:
+    def timed(self, round_name: str) -> tuple[int, float, list[float], dict]:
+        """(tokens, seconds, engine gaps, extras): extras has the pass's CPU seconds by part (`_worker_cpu`),
+        its shard count, and its drain (the last marker's time on storage after the engine's last end)."""
         shards = self.shards.pop(round_name)
+        cpu_before = _worker_cpu(self.worker.pid)
         queue = f"{self.prefix}-{round_name}"
         worker = [f"{self.name}@{socket.gethostname()}"]
         if not self.control.add_consumer(queue, reply=True, timeout=10, destination=worker):
@@ -275,6 +320,7 @@ class Fleet:
             markers = sorted(self._wait_done(round_name, shards), key=lambda m: m["engine_started"])
         finally:
             self.control.cancel_consumer(queue, reply=True, timeout=10, destination=worker)
+        cpu_after = _worker_cpu(self.worker.pid)
         tokens = sum(m["generated_tokens"] for m in markers)
         span = max(m["stored"] for m in markers) - markers[0]["engine_started"]
         # Shards overlap on the engine (several task slots), so idle time is the gaps in the union of busy spans.
@@ -282,7 +328,9 @@ class Fleet:
         for m in markers[1:]:
             gaps.append(max(0.0, m["engine_started"] - end))
             end = max(end, m["engine_finished"])
-        return tokens, span, gaps
+        extras = {"cpu": {part: cpu_after[part] - cpu_before[part] for part in cpu_after}, "shards": shards,
+                  "drain": max(m["stored"] for m in markers) - end}
+        return tokens, span, gaps, extras
 
     def close(self) -> None:
         self.worker.terminate()
@@ -377,6 +425,8 @@ def main() -> None:
     own: dict[str, list[float]] = {}  # each process's rate / the round's direct mean: how far its luck goes
     host_default = _engine_host_default()
     gaps_ms: list[float] = []
+    cpu_ms_per_shard: dict[str, list[float]] = {}  # the fleet workers' CPU by part, per shard, one value per pass
+    drains: list[tuple[float, float]] = []  # (drain, pass window) seconds per fleet pass
     other_gaps_ms: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_qwen3(os.path.join(tmp, "tiny"))
@@ -430,6 +480,11 @@ def main() -> None:
                 fleet_rate = float(np.mean([rate[f"fleet {i + 1}"] for i in range(len(fleets))]))
                 round_gaps = [g * 1000 for i in range(len(fleets)) for g in got[f"fleet {i + 1}"][2]]
                 gaps_ms += round_gaps
+                for i in range(len(fleets)):
+                    extras = got[f"fleet {i + 1}"][3]
+                    for part, seconds in extras["cpu"].items():
+                        cpu_ms_per_shard.setdefault(part, []).append(seconds * 1000 / extras["shards"])
+                    drains.append((extras["drain"], got[f"fleet {i + 1}"][1]))
                 if other is not None:
                     other_gaps_ms += [g * 1000 for g in got["other"][2]]
                 for name in names:
@@ -474,6 +529,14 @@ def main() -> None:
     if gaps_ms:
         print(f"engine idle gap between shards: median {_median(gaps_ms):.1f} ms, max {max(gaps_ms):.1f} ms over "
               f"{len(gaps_ms)} gaps  (target < 50 ms)")
+    if cpu_ms_per_shard:
+        engine, host, worker = (_median(cpu_ms_per_shard[p]) for p in ("engine", "host side", "worker"))
+        print(f"fleet CPU per shard (medians over passes): engine {engine:,.0f} ms; side work {worker + host:.1f} ms "
+              f"= {(worker + host) / engine:.1%} of the engine's (Celery process {worker:.1f} ms, engine host's "
+              f"other threads {host:.1f} ms)")
+        drain = [d for d, _ in drains]
+        print(f"drain after the engine's last end of a pass (its last shard's side work, inside the window): median "
+              f"{_median(drain) * 1000:.0f} ms, {_median([d / w for d, w in drains]):.1%} of a pass; a run pays it once")
     if other_gaps_ms:
         print(f"  the other worker's: median {_median(other_gaps_ms):.1f} ms, max {max(other_gaps_ms):.1f} ms over "
               f"{len(other_gaps_ms)} gaps")
