@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import mmap
 import os
 import queue
@@ -631,7 +632,7 @@ def _tensor(data, base: int, meta: dict, dtype) -> np.ndarray:
     start, end = (int(x) for x in meta["data_offsets"])
     shape = [int(x) for x in meta["shape"]]
     itemsize = np.dtype(dtype).itemsize
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)  # Python ints: exact, and ~50x cheaper than np.prod on a 3-element list
     if not 0 <= start <= end <= len(data) - base or end - start != count * itemsize:
         raise ValueError(f"capture tensor {meta} does not fit the file ({len(data)} bytes)")
     return np.frombuffer(data, dtype=dtype, count=count, offset=base + start).reshape(shape)

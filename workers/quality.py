@@ -52,21 +52,18 @@ def answer_token_count(output_ids: list[int], think_end_id: int | None, eos_ids:
 
 def repetition_loop(ids: list[int], min_repeats: int, max_period: int = 64, min_span: int = 16) -> bool:
     """True when the sequence ends with some period-p block repeated at least `min_repeats` times."""
-    n = len(ids)
+    ids = list(ids)  # plain ints: slices of at most max_period * min_repeats compare in C, with none of numpy's
+    n = len(ids)     # per-call overhead, which made this the delivery thread's costliest check on short outputs
     if n < 2:
         return False
     last = ids[-1]
-    arr = None
     for p in range(1, max_period + 1):
         span = max(p * min_repeats, min_span)
         if span > n:
             break
         if ids[n - 1 - p] != last:  # a period-p loop repeats the last token p back: most p fail here, cheaply
             continue
-        if arr is None:
-            arr = np.asarray(ids, dtype=np.int64)
-        tail = arr[n - span:]
-        if np.array_equal(tail[p:], tail[:-p]):
+        if ids[n - span + p:] == ids[n - span:n - p]:
             return True
     return False
 
