@@ -16,7 +16,6 @@ stepping until the file exists; with a separate engine-core process it waits on 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import mmap
@@ -29,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import orjson
 
 from app.errors import ConfigError, EngineDead, PermanentError
 from app.hidden_file import float32_to_bf16
@@ -608,7 +608,7 @@ def _read_capture_file(path: str) -> tuple[np.ndarray, np.ndarray] | None:
         data = fh.read() if size <= _MAP_ABOVE else mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
     try:
         (header_len,) = struct.unpack_from("<Q", data)
-        header = json.loads(bytes(data[8:8 + header_len]))
+        header = orjson.loads(data[8:8 + header_len])
         ids, states = header["token_ids"], header["hidden_states"]
     except (struct.error, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"not a capture file ({size} bytes): {exc}") from exc
