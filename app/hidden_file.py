@@ -96,7 +96,7 @@ class EncodedSample:
     lo_codec: str
     # Each part's crc32, computed where the sample is encoded: the writer appends under its file's lock, and a
     # real model's sample (~140 MB of parts) took ~70 ms of crc32 there, serialising every encoder thread.
-    crc32: tuple[int, int, int] | None = None
+    crc32: tuple[int, int, int]
 
     @property
     def nbytes(self) -> int:
@@ -161,7 +161,7 @@ class HiddenFileWriter:
             "offset": self.offset,
             "sizes": [len(p) for p in sample.parts],
             "lo_codec": sample.lo_codec,
-            "crc32": list(sample.crc32) if sample.crc32 else [zlib.crc32(p) for p in sample.parts],
+            "crc32": list(sample.crc32),
         }
         for part in sample.parts:
             self._write(part)

@@ -203,8 +203,6 @@ serve(run_once)
 """, Path(scratch, "engine.log"))
 
 
-ENGINE_HOST_COMM = "regen-host"  # workers/engine_host.PROCESS_NAME
-ENGINE_THREAD_COMM = "regen-engine"  # the engine thread; its OpenMP threads inherit the name
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -215,6 +213,9 @@ def _worker_cpu(root_pid: int) -> dict[str, float]:
 
     Read from /proc per thread, so it is exact up to the clock tick and does not move with the machine's noise
     the way a throughput ratio does: how much CPU the fleet's side work takes per shard, next to the engine's."""
+    from workers.engine import ENGINE_THREAD
+    from workers.engine_host import PROCESS_NAME
+
     out = {"engine": 0.0, "host side": 0.0, "worker": 0.0}
     pids, seen = [root_pid], set()
     while pids:
@@ -226,9 +227,9 @@ def _worker_cpu(root_pid: int) -> dict[str, float]:
                 stat = (task / "stat").read_text()
                 fields = stat[stat.rindex(")") + 2:].split()
                 seconds = (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
-                if process != ENGINE_HOST_COMM:
+                if process != PROCESS_NAME:
                     out["worker"] += seconds
-                elif (task / "comm").read_text().strip() == ENGINE_THREAD_COMM:
+                elif (task / "comm").read_text().strip() == ENGINE_THREAD:
                     out["engine"] += seconds
                 else:
                     out["host side"] += seconds
@@ -327,14 +328,15 @@ class Fleet:
             self.control.cancel_consumer(queue, reply=True, timeout=10, destination=worker)
         cpu_after = _worker_cpu(self.worker.pid)
         tokens = sum(m["generated_tokens"] for m in markers)
-        span = max(m["stored"] for m in markers) - markers[0]["engine_started"]
+        stored = max(m["stored"] for m in markers)
+        span = stored - markers[0]["engine_started"]
         # Shards overlap on the engine (several task slots), so idle time is the gaps in the union of busy spans.
         gaps, end = [], markers[0]["engine_finished"]
         for m in markers[1:]:
             gaps.append(max(0.0, m["engine_started"] - end))
             end = max(end, m["engine_finished"])
         extras = {"cpu": {part: cpu_after[part] - cpu_before[part] for part in cpu_after}, "shards": shards,
-                  "drain": max(m["stored"] for m in markers) - end}
+                  "drain": stored - end}
         return tokens, span, gaps, extras
 
     def close(self) -> None:
@@ -448,8 +450,9 @@ def main() -> None:
         from workers.devices import PRESETS, task_slots_for
 
         slots = task_slots_for(PRESETS["cpu"]["max_num_seqs"], args.shard_size, "cpu")
-        if -(-args.prompts // args.shard_size) <= slots:
-            print(f"note: a pass's {-(-args.prompts // args.shard_size)} shards all fit the worker's {slots} task slots "
+        pass_shards = -(-args.prompts // args.shard_size)
+        if pass_shards <= slots:
+            print(f"note: a pass's {pass_shards} shards all fit the worker's {slots} task slots "
                   f"at once, so no shard is fetched while another is being written and the gap figure does not show "
                   f"the refills of a long run; use --prompts {(slots + 2) * args.shard_size} or more for that")
         print(f"prompts {args.prompts}, max_tokens {args.max_tokens}, shard size {args.shard_size}, capture inline "

@@ -35,6 +35,7 @@ from app.hidden_file import float32_to_bf16
 from workers.scheduling import name_thread
 
 log = logging.getLogger("regen.engine")
+ENGINE_THREAD = "regen-engine"  # the engine thread's OS-level name; its OpenMP threads inherit it
 
 
 @dataclass
@@ -267,7 +268,7 @@ class Engine:
             # the CPU engine ran at 0.55-0.8x the speed of the same `LLM.generate` on one thread.
             built = threading.Event()
             failure: list[BaseException] = []
-            self._thread = threading.Thread(target=self._own_engine, args=(built, failure), name="regen-engine",
+            self._thread = threading.Thread(target=self._own_engine, args=(built, failure), name=ENGINE_THREAD,
                                             daemon=True)
             self._thread.start()
             built.wait()
@@ -275,7 +276,7 @@ class Engine:
                 raise failure[0]
         else:  # an engine-core process does the compute; this thread only steps the client
             self._build()
-            self._thread = threading.Thread(target=self._loop, name="regen-engine", daemon=True)
+            self._thread = threading.Thread(target=self._loop, name=ENGINE_THREAD, daemon=True)
             self._thread.start()
 
     def _build(self) -> None:
@@ -303,7 +304,7 @@ class Engine:
 
     def _own_engine(self, built: threading.Event, failure: list) -> None:
         """The in-process engine thread: build vLLM here, then serve jobs here until shutdown."""
-        name_thread("regen-engine")  # its OpenMP threads inherit the name
+        name_thread(ENGINE_THREAD)  # its OpenMP threads inherit the name
         try:
             self._build()
         except BaseException as exc:  # handed to __init__, which raises it in the caller's thread
