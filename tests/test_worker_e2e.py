@@ -252,6 +252,15 @@ def test_a_cpu_workers_side_threads_yield_to_the_engine(inline_run, cpu_worker):
     assert "task slots: 5; hidden-state encoder threads: 2" in cpu_worker.text()  # the CPU's 2 (devices.py)
 
 
+def test_the_worker_process_freezes_its_start_up_heap_once_consuming(cpu_worker):
+    # workers/heap.py: torch, transformers, Celery and the tokenizer, hundreds of thousands of objects, leave
+    # the collector's generations, so a full collection no longer stops every task slot for ~200 ms of CPU.
+    import re
+
+    frozen = [int(n) for n in re.findall(r"worker process: (\d+) start-up objects frozen", cpu_worker.text())]
+    assert frozen and min(frozen) > 100_000, frozen  # one line per start of the worker process
+
+
 def test_the_fleet_benchs_baseline_runs_generate_on_the_workers_own_engine(inline_run, cpu_worker, e2e_storage,
                                                                            tiny_qwen3, tmp_path):
     # bench/bench_fleet.py times `LLM.generate` on the worker's own engine (workers/bench_task.py), sent here right after

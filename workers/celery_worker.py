@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from celery.signals import worker_process_init, worker_process_shutdown, worker_shutdown
+from celery.signals import worker_process_init, worker_process_shutdown, worker_ready, worker_shutdown
 
 from app.celery_app import create_app
 from workers.tasks import register
@@ -36,6 +36,14 @@ def _build_engine(**_):
         log.exception("worker start-up failed: %s", exc)
         sys.stderr.flush()
         os._exit(70)
+
+
+@worker_ready.connect
+def _freeze_heap(**_):
+    """Once the consumer runs, this process's start-up heap is frozen out of full collections (workers/heap.py)."""
+    from workers.heap import freeze_startup_heap
+
+    log.info("worker process: %d start-up objects frozen out of garbage collection", freeze_startup_heap())
 
 
 @worker_shutdown.connect
