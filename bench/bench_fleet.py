@@ -1,6 +1,6 @@
-"""Fleet throughput vs vLLM called directly, on the CPU with the tiny Qwen3 (one command, ~8 minutes on 2 cores).
+"""Fleet throughput vs vLLM called directly, on the CPU with the tiny Qwen3 (one command, ~10 minutes on 2 cores).
 
-    python bench/bench_fleet.py [--prompts 512] [--max-tokens 64] [--shard-size 64] [--rounds 12]
+    python bench/bench_fleet.py [--prompts 1024] [--max-tokens 64] [--shard-size 64] [--rounds 10]
                                 [--warm-rounds 1] [--directs 2] [--fleets 2] [--in-worker] [--engine-only]
                                 [--ab-engine-host | --ab-env KEY=VALUE ...]
 
@@ -50,11 +50,13 @@ drain, the time from the engine's last end of a pass to its last marker on stora
 shards pays in full and a run of thousands of shards once. On 2 cores nearly all of the fleet's shortfall is the
 side work's CPU taken from the engine's OpenMP team (each millisecond of it on a core the team spins on stalls the
 whole team) plus the drain; cutting side CPU per shard is what moves the ratio.
-Passes have more shards than the worker's task slots (512 prompts: 8 shards of 64 against 5 slots on the CPU
-preset). With 256 prompts, as before, a pass's 4 shards were all taken at once, the engine never waited for a
-shard fetched while another was being written, and "max 0 ms" said nothing about a long run: there the task's
-start (storage checks, its attempt record, rendering) and the previous shard's write run on side threads the
-engine leaves a thin share of the cores, 0.3-1.2 s each under load here, and the spare slots are the buffer.
+Passes have over twice as many shards as the worker's task slots (1024 prompts: 16 shards of 64 against 7
+slots on the CPU preset), so most shards are refills: fetched and started while earlier ones are still being
+written, as in a long run. With 256 prompts, as before, a pass's 4 shards were all taken at once, the engine
+never waited for a shard fetched while another was being written, and "max 0 ms" said nothing about a long run:
+there the task's start (storage checks, its attempt record, rendering) and the previous shard's write run on side
+threads the engine leaves a thin share of the cores, 0.3-1.2 s each under load here, and the spare slots are the
+buffer. Longer passes also make the drain a smaller part of each pass, as it is of a run.
 `--ab-env KEY=VALUE` (repeatable) starts one more worker with those environment settings instead (for example
 `--ab-env REGEN_SIDE_THREADS=idle`) and adds one pass of it to every round, its gaps printed apart.
 `--ab-engine-host` starts one more worker with the other engine placement (REGEN_ENGINE_HOST flipped: the CPU
@@ -388,13 +390,13 @@ def _median_interval(xs: list[float], level: float = 0.9) -> tuple[float, float]
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=512,
-                    help="per pass; more shards than the worker's task slots (5 on the CPU preset), so the engine's gaps "
-                         "include shards fetched while earlier ones are still being written (refills), as in a long run")
+    ap.add_argument("--prompts", type=int, default=1024,
+                    help="per pass; over twice as many shards as the worker's task slots (7 on the CPU preset), so "
+                         "most shards are fetched while earlier ones are still being written (refills), as in a long run")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--shard-size", type=int, default=64,
                     help="the production default; the second task slot queues its shard behind the first")
-    ap.add_argument("--rounds", type=int, default=12,
+    ap.add_argument("--rounds", type=int, default=10,
                     help="one pass of every direct process and every worker each, order rotating; the ratio is taken "
                          "per round, then the median")
     ap.add_argument("--warm-rounds", type=int, default=1,
@@ -451,10 +453,10 @@ def main() -> None:
 
         slots = task_slots_for(PRESETS["cpu"]["max_num_seqs"], args.shard_size, "cpu")
         pass_shards = -(-args.prompts // args.shard_size)
-        if pass_shards <= slots:
-            print(f"note: a pass's {pass_shards} shards all fit the worker's {slots} task slots "
-                  f"at once, so no shard is fetched while another is being written and the gap figure does not show "
-                  f"the refills of a long run; use --prompts {(slots + 2) * args.shard_size} or more for that")
+        if pass_shards < 2 * slots:
+            print(f"note: a pass's {pass_shards} shards against the worker's {slots} task slots: most are taken at "
+                  f"once, not fetched while another is being written, so the gap figure shows few of a long run's "
+                  f"refills; use --prompts {2 * slots * args.shard_size} or more for that")
         print(f"prompts {args.prompts}, max_tokens {args.max_tokens}, shard size {args.shard_size}, capture inline "
               f"(vLLM layers {LAYERS}), {args.rounds} rounds of one pass each of {args.directs} direct processes "
               f"and {args.fleets} workers, order rotating; starting the engines", flush=True)

@@ -93,8 +93,8 @@ def test_a_cpu_worker_hosts_its_engine_in_a_process_of_its_own_unless_told_not_t
 
 
 @pytest.mark.parametrize(("rows", "cpu", "kw", "slots"), [
-    ([], True, {}, 5),                                   # 64 sequences, shards of 64: one generating, one queued, one
-                                                         # written, and two spare for the CPU's thin side-thread share
+    ([], True, {}, 7),                                   # 64 sequences, shards of 64: one generating, one queued, one
+                                                         # written, and four spare for the CPU's thin side-thread share
     ([B200], False, {}, 10),                             # 512 sequences: 8 shards fill the batch
     ([H200], False, {"shard_size": 100}, 5),             # 256 sequences in shards of 100 (the run's): 3 + 2
     ([RTX_PRO_6000], False, {"engine_overrides": {"max_num_seqs": 16}, "shard_size": 4}, 6),

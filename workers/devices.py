@@ -68,7 +68,7 @@ def preset_for(device_class: str, overrides: dict) -> dict:
     return values
 
 
-CPU_SPARE_SLOTS = 2  # on top of task_slots_for's: see its docstring
+CPU_SPARE_SLOTS = 4  # on top of task_slots_for's: see its docstring
 
 
 def task_slots_for(max_num_seqs: int, shard_size: int, device_class: str = "") -> int:
@@ -82,10 +82,16 @@ def task_slots_for(max_num_seqs: int, shard_size: int, device_class: str = "") -
     in the engine per step, fleet/direct 0.885 against 0.934 (median of 8 rounds), longest engine gap 57 against
     28 ms. A B200 (512 sequences) with 2 slots of 64-sample shards would have run a quarter of its batch.
 
-    A CPU worker gets two more. Its side threads only get a thin share of the cores the engine keeps busy
-    (workers/scheduling.py), so a finished shard waits longer to be written and acked; the spare slots let the
-    next shards start, render their prompts and queue in the engine meanwhile. Measured with 512-prompt passes:
-    with 3 slots the engine still stood idle 0-66 ms before most shards, with 5 at most 45 ms, mostly not at all.
+    A CPU worker gets four more. Its side threads only get a thin share of the cores the engine keeps busy
+    (workers/scheduling.py), so a finished shard waits longer to be written and acked, and a task's start
+    (storage checks, its attempt record, rendering) took 0.3-0.9 s under load; the spare slots let the next
+    shards start, render their prompts and queue in the engine meanwhile. Measured with 512-prompt passes: with
+    3 slots the engine still stood idle 0-66 ms before most shards, with 5 at most 45 ms, mostly not at all.
+    Seven (bench/bench_fleet.py, one worker of each kind in the same rounds, three runs): ahead of a 5-slot worker
+    in all three, by 1.6% and 3.5% (512-prompt passes, 12 rounds each) and 5.1% (1024-prompt passes, 8 rounds),
+    each within what one process's own lasting speed differs here, but in both bench positions; engine gaps no longer than 5 slots' (at most 30
+    against 24 ms in 1024-prompt passes). Ten left no gap in 120, but ran at 0.95 of a 7-slot worker in the same
+    rounds. A queued shard costs the CPU worker only its prompts' memory.
     """
     return -(-max_num_seqs // max(1, shard_size)) + 2 + (CPU_SPARE_SLOTS if device_class == "cpu" else 0)
 

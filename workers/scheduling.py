@@ -26,7 +26,7 @@ engine's own spans, 512-prompt passes); more task slots only batched the first s
 default is SCHED_BATCH at nice 19: SCHED_BATCH never preempts a running thread on wake-up (what made the normal
 policy stall the team), and nice 19's weight (15 against an OpenMP thread's 1024) gives these threads a thin but
 steady share of a core they share, enough for the fleet's side work to keep up (~30 ms of CPU per 64-sample
-shard of the tiny model, per ~0.9 s of engine time), so with two spare task slots (workers/devices.py) the next
+shard of the tiny model, per ~0.9 s of engine time), so with spare task slots (workers/devices.py) the next
 shards are rendered and queued in the engine before the current one ends. Measured in the same rounds as
 SCHED_IDLE workers (bench/bench_fleet.py, 512 prompts, 2 direct processes): engine gaps at most 45 ms and
 mostly none, against 35-80 ms before most shards; fleet/direct 0.944 against 0.957 and 0.940 for two SCHED_IDLE
