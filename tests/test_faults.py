@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from collections import Counter
 from pathlib import Path
@@ -49,7 +50,10 @@ def in_flight_shard(store: RunStore, besides: set[str] = frozenset()) -> str | N
 def test_sigkill_mid_shard_loses_and_duplicates_nothing(cpu_worker, e2e_storage, tiny_qwen3, tmp_path):
     # First the worker is killed (its engine process must die with it), then the engine process alone (the
     # worker must see its engine die, re-publish its shards and exit for a restart, as with a CUDA error).
-    inputs = prompts_file(tmp_path, n_synthetic=28, with_formats=False)
+    # Each kill leaves every shard the worker had started unfinished, up to one per task slot; the second kill
+    # needs shards the first did not reach, so the run has over twice as many shards (of 4) as the worker has slots.
+    slots = int(re.search(r"task slots: (\d+)", cpu_worker.text()).group(1))
+    inputs = prompts_file(tmp_path, n_synthetic=4 * (2 * slots + 2), with_formats=False)
     state = produce(e2e_storage, "sigkill", [inputs], tiny_qwen3, "--max-tokens", "48")
     store = RunStore(Storage(str(e2e_storage)), "sigkill")
     killed: dict[str, set[str]] = {}
