@@ -59,7 +59,7 @@ def test_sigkill_mid_shard_loses_and_duplicates_nothing(cpu_worker, e2e_storage,
     killed: dict[str, set[str]] = {}
     for kills, victim in enumerate(["worker", "engine"], start=1):
         earlier = set().union(*killed.values())
-        wait_for(lambda e=earlier: in_flight_shard(store, besides=e), 240, "a shard in flight")
+        wait_for(lambda e=earlier: in_flight_shard(store, besides=e), 240, "a shard in flight", interval=0.05)
         child = cpu_worker.child_pids()
         assert child, "the supervisor has no worker child"
         engine = engine_host_pid(child[0])
@@ -82,11 +82,14 @@ def test_sigkill_mid_shard_loses_and_duplicates_nothing(cpu_worker, e2e_storage,
 
 
 def test_sigterm_mid_shard_finishes_it_and_does_not_redo_it(cpu_worker, e2e_storage, tiny_qwen3, tmp_path):
-    inputs = prompts_file(tmp_path, n_synthetic=16, with_formats=False)
+    # Enough shards that the run lasts a few seconds: 4 shards of 4 samples, all taken at once, were done in less
+    # than the poll's interval here once.
+    slots = int(re.search(r"task slots: (\d+)", cpu_worker.text()).group(1))
+    inputs = prompts_file(tmp_path, n_synthetic=4 * (2 * slots + 2), with_formats=False)
     state = produce(e2e_storage, "sigterm", [inputs], tiny_qwen3, "--max-tokens", "48")
     store = RunStore(Storage(str(e2e_storage)), "sigterm")
     restarts_before = cpu_worker.text().count("engine self-test passed")
-    shard = wait_for(lambda: in_flight_shard(store), 240, "a shard in flight")
+    shard = wait_for(lambda: in_flight_shard(store), 240, "a shard in flight", interval=0.05)
     child = cpu_worker.child_pids()[0]
     os.kill(child, signal.SIGTERM)  # Celery warm shutdown of the solo worker
     wait_for(lambda: store.is_done(shard), 120, f"{shard} to finish after SIGTERM")
