@@ -47,13 +47,18 @@ def in_flight_shard(store: RunStore, besides: set[str] = frozenset()) -> str | N
     return min(in_flight_shards(store) - besides, default=None)
 
 
+def prompts_beyond_the_slots(cpu_worker, tmp_path: Path) -> Path:
+    """Synthetic prompts for over twice as many shards (of 4, the e2e runs') as the worker has task slots (read
+    from its log): a kill leaves unfinished every shard the worker had started, up to one per slot, and a run that
+    all fits the slots can be done between two polls."""
+    slots = int(re.search(r"task slots: (\d+)", cpu_worker.text()).group(1))
+    return prompts_file(tmp_path, n_synthetic=4 * (2 * slots + 2), with_formats=False)
+
+
 def test_sigkill_mid_shard_loses_and_duplicates_nothing(cpu_worker, e2e_storage, tiny_qwen3, tmp_path):
     # First the worker is killed (its engine process must die with it), then the engine process alone (the
     # worker must see its engine die, re-publish its shards and exit for a restart, as with a CUDA error).
-    # Each kill leaves every shard the worker had started unfinished, up to one per task slot; the second kill
-    # needs shards the first did not reach, so the run has over twice as many shards (of 4) as the worker has slots.
-    slots = int(re.search(r"task slots: (\d+)", cpu_worker.text()).group(1))
-    inputs = prompts_file(tmp_path, n_synthetic=4 * (2 * slots + 2), with_formats=False)
+    inputs = prompts_beyond_the_slots(cpu_worker, tmp_path)  # the second kill needs shards the first did not reach
     state = produce(e2e_storage, "sigkill", [inputs], tiny_qwen3, "--max-tokens", "48")
     store = RunStore(Storage(str(e2e_storage)), "sigkill")
     killed: dict[str, set[str]] = {}
@@ -82,10 +87,7 @@ def test_sigkill_mid_shard_loses_and_duplicates_nothing(cpu_worker, e2e_storage,
 
 
 def test_sigterm_mid_shard_finishes_it_and_does_not_redo_it(cpu_worker, e2e_storage, tiny_qwen3, tmp_path):
-    # Enough shards that the run lasts a few seconds: 4 shards of 4 samples, all taken at once, were done in less
-    # than the poll's interval here once.
-    slots = int(re.search(r"task slots: (\d+)", cpu_worker.text()).group(1))
-    inputs = prompts_file(tmp_path, n_synthetic=4 * (2 * slots + 2), with_formats=False)
+    inputs = prompts_beyond_the_slots(cpu_worker, tmp_path)  # 4 shards of 4 were once done between two polls
     state = produce(e2e_storage, "sigterm", [inputs], tiny_qwen3, "--max-tokens", "48")
     store = RunStore(Storage(str(e2e_storage)), "sigterm")
     restarts_before = cpu_worker.text().count("engine self-test passed")

@@ -4,6 +4,7 @@ Run in a child process: freezing pytest's own heap would change every test after
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -23,8 +24,6 @@ print(json.dumps({"before": before, "frozen": frozen, "after": after, "freed": f
 
 
 def test_freezing_takes_the_start_up_heap_out_of_collections_but_not_later_garbage():
-    import json
-
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, check=True)
     got = json.loads(out.stdout)
     assert got["before"] > 50_000 and got["frozen"] >= 50_000, got

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -255,8 +256,6 @@ def test_a_cpu_workers_side_threads_yield_to_the_engine(inline_run, cpu_worker):
 def test_the_worker_process_freezes_its_start_up_heap_once_consuming(cpu_worker):
     # workers/heap.py: torch, transformers, Celery and the tokenizer, hundreds of thousands of objects, leave
     # the collector's generations, so a full collection no longer stops every task slot for ~200 ms of CPU.
-    import re
-
     frozen = [int(n) for n in re.findall(r"worker process: (\d+) start-up objects frozen", cpu_worker.text())]
     assert frozen and min(frozen) > 100_000, frozen  # one line per start of the worker process
 

@@ -89,9 +89,9 @@ def task_slots_for(max_num_seqs: int, shard_size: int, device_class: str = "") -
     3 slots the engine still stood idle 0-66 ms before most shards, with 5 at most 45 ms, mostly not at all.
     Seven (bench/bench_fleet.py, one worker of each kind in the same rounds, three runs): ahead of a 5-slot worker
     in all three, by 1.6% and 3.5% (512-prompt passes, 12 rounds each) and 5.1% (1024-prompt passes, 8 rounds),
-    each within what one process's own lasting speed differs here, but in both bench positions; engine gaps no longer than 5 slots' (at most 30
-    against 24 ms in 1024-prompt passes). Ten left no gap in 120, but ran at 0.95 of a 7-slot worker in the same
-    rounds. A queued shard costs the CPU worker only its prompts' memory.
+    each within what one process's own lasting speed differs here, but in both bench positions; engine gaps no
+    longer than 5 slots' (at most 30 against 24 ms in 1024-prompt passes). Ten left no gap in 120, but ran at
+    0.95 of a 7-slot worker in the same rounds. A queued shard costs the CPU worker only its prompts' memory.
     """
     return -(-max_num_seqs // max(1, shard_size)) + 2 + (CPU_SPARE_SLOTS if device_class == "cpu" else 0)
 
