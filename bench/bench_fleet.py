@@ -43,13 +43,18 @@ How the comparison is kept fair on a noisy machine (speeds here move by 20-30% w
   it (Celery's `add_consumer` remote control), so producing does not overlap the timed window.
 - The ratio is taken within each round and the median printed, with a bootstrap interval; absolute figures mean
   little here.
-Two figures that do not move with the machine's noise are printed too, since a throughput ratio here does (the
-same settings gave 0.92 in one run and 0.96 in another): the workers' CPU per shard by part, read from /proc per
-thread (the engine's, and the side work's: the Celery process and the engine host's other threads), and the
-drain, the time from the engine's last end of a pass to its last marker on storage, which a pass of a few
-shards pays in full and a run of thousands of shards once. On 2 cores nearly all of the fleet's shortfall is the
-side work's CPU taken from the engine's OpenMP team (each millisecond of it on a core the team spins on stalls the
-whole team) plus the drain; cutting side CPU per shard is what moves the ratio.
+Three figures that do not move with the machine's noise are printed too, since a throughput ratio here does (the
+same settings gave 0.92 in one run and 0.96 in another). First, the workers' CPU per shard by part, read from /proc
+per thread (the engine's, and the side work's: the Celery process and the engine host's other threads). Second, the
+drain: the time from the engine's last end of a pass to its last marker on storage, which a pass of a few shards
+pays in full and a run of thousands of shards once. Third, the CPU per 1,000 generated tokens: a direct process's
+whole CPU (`time.process_time` around its pass, its capture-file tidying included), and a worker's engine (its
+engine thread and OpenMP team) and side work. It shows where the shortfall goes: on the 2-core EPYC the workers'
+engines took ~9% more CPU per token than direct processes doing the same generation (309 against 283 ms, medians of
+6 passes), besides ~12 ms of side work, because each millisecond a side thread holds one of the team's cores the
+other OpenMP thread spins at the next barrier. On 2 cores nearly all of the fleet's shortfall is the side work's
+CPU taken from the engine's OpenMP team (each millisecond of it on a core the team spins on stalls the whole team)
+plus the drain; cutting side CPU per shard is what moves the ratio.
 Passes have over twice as many shards as the worker's task slots (1024 prompts: 16 shards of 64 against 7
 slots on the CPU preset), so most shards are refills: fetched and started while earlier ones are still being
 written, as in a long run. With 256 prompts, as before, a pass's 4 shards were all taken at once, the engine
@@ -113,8 +118,10 @@ def serve(run_once):
             cmd = line.split()
             if not cmd or cmd[0] != "go":
                 break
+            cpu = time.process_time()
             tokens, seconds = run_once(cmd[1])
-            results.write(json.dumps({{"tokens": tokens, "seconds": seconds}}) + "\\n")
+            cpu = time.process_time() - cpu  # every thread of this process, the untimed tidying included
+            results.write(json.dumps({{"tokens": tokens, "seconds": seconds, "cpu": cpu}}) + "\\n")
     finally:
         shutil.rmtree(o.scratch_dir, ignore_errors=True)
         os._exit(0)
@@ -130,7 +137,8 @@ class _Child:
                                      stderr=open(log, "wb"), text=True,  # noqa: SIM115
                                      env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
-    def timed(self, round_name: str) -> tuple[int, float]:
+    def timed(self, round_name: str) -> tuple[int, float, list[float], dict]:
+        """(tokens, seconds, [], {"cpu": {"process": CPU seconds of the child's pass}})."""
         self.proc.stdin.write(f"go {round_name}\n")
         self.proc.stdin.flush()
         if not select.select([self.proc.stdout], [], [], PASS_TIMEOUT)[0]:  # a pass takes seconds: fail, never hang
@@ -140,7 +148,7 @@ class _Child:
         if not line:
             raise SystemExit(f"bench child failed; the end of {self.log}:\n" + self.log.read_text()[-3000:])
         result = json.loads(line)
-        return result["tokens"], result["seconds"]
+        return result["tokens"], result["seconds"], [], {"cpu": {"process": result["cpu"]}}
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -283,19 +291,21 @@ class Fleet:
         produced = json.loads(Path(self.storage, f"bench-{round_name}", "produce.json").read_text())
         return produced["counts"]["shards"]
 
-    def direct_in_worker(self, round_name: str, sampling_of: str) -> tuple[int, float]:
+    def direct_in_worker(self, round_name: str, sampling_of: str) -> tuple[int, float, list[float], dict]:
         """`LLM.generate` over the round's prompts on the worker's own engine (workers/bench_task.py), with the
-        sampling of run `bench-<sampling_of>`."""
+        sampling of run `bench-<sampling_of>`; extras as `timed`'s (CPU by part over the whole exchange)."""
         from app.celery_app import BENCH_DIRECT_TASK
 
         manifest = json.loads(Path(self.storage, f"bench-{sampling_of}", "run.json").read_text())
         result = Path(self.scratch, f"worker-direct-{round_name}{self.tag}.json")
+        cpu_before = _worker_cpu(self.worker.pid)
         self.app.send_task(BENCH_DIRECT_TASK, queue=f"{self.prefix}-direct", kwargs={
             "prompts": json.loads(Path(self.scratch, f"prompts-{round_name}.json").read_text()),
             "sampling": manifest["settings"]["sampling"], "result_path": str(result)})
         self._wait_for(result.exists, "its direct pass")
+        cpu_after = _worker_cpu(self.worker.pid)
         got = json.loads(result.read_text())
-        return got["tokens"], got["seconds"]
+        return got["tokens"], got["seconds"], [], {"cpu": {part: cpu_after[part] - cpu_before[part] for part in cpu_after}}
 
     def _wait_done(self, round_name: str, shards: int) -> list[dict]:
         done = Path(self.storage, f"bench-{round_name}", "done")
@@ -437,6 +447,11 @@ def main() -> None:
     gaps_ms: list[float] = []
     cpu_ms_per_shard: dict[str, list[float]] = {}  # the fleet workers' CPU by part, per shard, one value per pass
     drains: list[tuple[float, float]] = []  # (drain, pass window) seconds per fleet pass
+    # CPU ms per 1,000 generated tokens, one value per pass: a direct process's whole CPU, a worker's engine
+    # (its engine thread and OpenMP team) and its side work. Where the engine's exceeds direct's, the engine did
+    # the same work with more CPU: its OpenMP team spun at barriers while a side thread held one of its cores.
+    cpu_per_ktok: dict[str, list[float]] = {"direct": [], "fleet engine": [], "fleet side": [], "in worker": [],
+                                         "engine class": []}
     other_gaps_ms: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_qwen3(os.path.join(tmp, "tiny"))
@@ -498,11 +513,23 @@ def main() -> None:
                 fleet_rate = float(np.mean([rate[f"fleet {i + 1}"] for i in range(len(fleets))]))
                 round_gaps = [g * 1000 for i in range(len(fleets)) for g in got[f"fleet {i + 1}"][2]]
                 gaps_ms += round_gaps
+                for i in range(len(directs)):
+                    tokens, _, _, extras = got[f"direct {i + 1}"]
+                    cpu_per_ktok["direct"].append(extras["cpu"]["process"] * 1e6 / tokens)
                 for i in range(len(fleets)):
-                    extras = got[f"fleet {i + 1}"][3]
+                    tokens, _, _, extras = got[f"fleet {i + 1}"]
+                    cpu_per_ktok["fleet engine"].append(extras["cpu"]["engine"] * 1e6 / tokens)
+                    cpu_per_ktok["fleet side"].append(
+                        (extras["cpu"]["worker"] + extras["cpu"]["host side"]) * 1e6 / tokens)
+                    if args.in_worker:
+                        own_tokens, _, _, own_extras = got[f"in worker {i + 1}"]
+                        cpu_per_ktok["in worker"].append(own_extras["cpu"]["engine"] * 1e6 / own_tokens)
                     for part, seconds in extras["cpu"].items():
                         cpu_ms_per_shard.setdefault(part, []).append(seconds * 1000 / extras["shards"])
                     drains.append((extras["drain"], got[f"fleet {i + 1}"][1]))
+                if engine_only is not None:
+                    own_tokens, _, _, own_extras = got["engine"]
+                    cpu_per_ktok["engine class"].append(own_extras["cpu"]["process"] * 1e6 / own_tokens)
                 if other is not None:
                     other_gaps_ms += [g * 1000 for g in got["other"][2]]
                 for name in names:
@@ -511,7 +538,10 @@ def main() -> None:
                 line = (f"round {r}: direct {direct:,.0f} tok/s (mean of {len(directs)}), fleet {fleet_rate:,.0f} "
                         f"(steady state, mean of {len(fleets)}); fleet/direct {ratios['fleet/direct'][-1]:.3f}; "
                         + ", ".join(f"{name} {rate[name] / direct:.3f}" for name in names)
-                        + f"; longest engine gap {max(round_gaps, default=0):.0f} ms")
+                        + f"; longest engine gap {max(round_gaps, default=0):.0f} ms; CPU ms per 1k tokens: direct "
+                        + ", ".join(f"{x:.0f}" for x in cpu_per_ktok["direct"][-len(directs):]) + ", fleet engine "
+                        + ", ".join(f"{x:.0f}" for x in cpu_per_ktok["fleet engine"][-len(fleets):]) + " + side "
+                        + ", ".join(f"{x:.1f}" for x in cpu_per_ktok["fleet side"][-len(fleets):]))
                 if other is not None:
                     ratios["fleet/other"].append(fleet_rate / rate["other"])
                 print(line, flush=True)
@@ -552,6 +582,13 @@ def main() -> None:
         print(f"fleet CPU per shard (medians over passes): engine {engine:,.0f} ms; side work {worker + host:.1f} ms "
               f"= {(worker + host) / engine:.1%} of the engine's (Celery process {worker:.1f} ms, engine host's "
               f"other threads {host:.1f} ms)")
+        direct_cpu, engine_cpu, side_cpu = (_median(cpu_per_ktok[k]) for k in ("direct", "fleet engine", "fleet side"))
+        print(f"CPU per 1,000 generated tokens (medians over passes): direct {direct_cpu:.0f} ms (its whole process); "
+              f"fleet engine {engine_cpu:.0f} ms ({engine_cpu / direct_cpu:.3f} of direct's) + side work "
+              f"{side_cpu:.1f} ms" + (f"; LLM.generate on a worker's engine {_median(cpu_per_ktok['in worker']):.0f} ms "
+                                      f"(its engine thread and team)" if cpu_per_ktok["in worker"] else "")
+              + (f"; the Engine class alone {_median(cpu_per_ktok['engine class']):.0f} ms (its whole process)"
+                 if cpu_per_ktok["engine class"] else ""))
         drain = [d for d, _ in drains]
         print(f"drain after the engine's last end of a pass (its last shard's side work, inside the window): median "
               f"{_median(drain) * 1000:.0f} ms, {_median([d / w for d, w in drains]):.1%} of a pass; a run pays it once")
