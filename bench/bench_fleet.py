@@ -305,7 +305,8 @@ class Fleet:
         self._wait_for(result.exists, "its direct pass")
         cpu_after = _worker_cpu(self.worker.pid)
         got = json.loads(result.read_text())
-        return got["tokens"], got["seconds"], [], {"cpu": {part: cpu_after[part] - cpu_before[part] for part in cpu_after}}
+        cpu = {part: cpu_after[part] - cpu_before[part] for part in cpu_after}
+        return got["tokens"], got["seconds"], [], {"cpu": cpu}
 
     def _wait_done(self, round_name: str, shards: int) -> list[dict]:
         done = Path(self.storage, f"bench-{round_name}", "done")
@@ -583,12 +584,15 @@ def main() -> None:
               f"= {(worker + host) / engine:.1%} of the engine's (Celery process {worker:.1f} ms, engine host's "
               f"other threads {host:.1f} ms)")
         direct_cpu, engine_cpu, side_cpu = (_median(cpu_per_ktok[k]) for k in ("direct", "fleet engine", "fleet side"))
-        print(f"CPU per 1,000 generated tokens (medians over passes): direct {direct_cpu:.0f} ms (its whole process); "
-              f"fleet engine {engine_cpu:.0f} ms ({engine_cpu / direct_cpu:.3f} of direct's) + side work "
-              f"{side_cpu:.1f} ms" + (f"; LLM.generate on a worker's engine {_median(cpu_per_ktok['in worker']):.0f} ms "
-                                      f"(its engine thread and team)" if cpu_per_ktok["in worker"] else "")
-              + (f"; the Engine class alone {_median(cpu_per_ktok['engine class']):.0f} ms (its whole process)"
-                 if cpu_per_ktok["engine class"] else ""))
+        line = (f"CPU per 1,000 generated tokens (medians over passes): direct {direct_cpu:.0f} ms (its whole "
+                f"process); fleet engine {engine_cpu:.0f} ms ({engine_cpu / direct_cpu:.3f} of direct's) + side work "
+                f"{side_cpu:.1f} ms")
+        if cpu_per_ktok["in worker"]:
+            line += (f"; LLM.generate on a worker's engine {_median(cpu_per_ktok['in worker']):.0f} ms (its engine "
+                     f"thread and team)")
+        if cpu_per_ktok["engine class"]:
+            line += f"; the Engine class alone {_median(cpu_per_ktok['engine class']):.0f} ms (its whole process)"
+        print(line)
         drain = [d for d, _ in drains]
         print(f"drain after the engine's last end of a pass (its last shard's side work, inside the window): median "
               f"{_median(drain) * 1000:.0f} ms, {_median([d / w for d, w in drains]):.1%} of a pass; a run pays it once")
