@@ -382,6 +382,13 @@ def _engine_host_default() -> bool:
     return PRESETS["cpu"].get("host_process", False) if choice is None else click.BOOL.convert(choice, None, None)
 
 
+def _ms_per_ktok(result: tuple, *parts: str) -> float:
+    """CPU milliseconds per 1,000 generated tokens of one timed pass (tokens, seconds, gaps, extras), summed over
+    `parts` of its `extras["cpu"]`."""
+    tokens, _, _, extras = result
+    return sum(extras["cpu"][part] for part in parts) * 1e6 / tokens
+
+
 def _median(xs: list[float]) -> float:
     return float(np.median(xs))
 
@@ -514,23 +521,22 @@ def main() -> None:
                 fleet_rate = float(np.mean([rate[f"fleet {i + 1}"] for i in range(len(fleets))]))
                 round_gaps = [g * 1000 for i in range(len(fleets)) for g in got[f"fleet {i + 1}"][2]]
                 gaps_ms += round_gaps
-                for i in range(len(directs)):
-                    tokens, _, _, extras = got[f"direct {i + 1}"]
-                    cpu_per_ktok["direct"].append(extras["cpu"]["process"] * 1e6 / tokens)
+                round_cpu = {
+                    "direct": [_ms_per_ktok(got[f"direct {i + 1}"], "process") for i in range(len(directs))],
+                    "fleet engine": [_ms_per_ktok(got[f"fleet {i + 1}"], "engine") for i in range(len(fleets))],
+                    "fleet side": [_ms_per_ktok(got[f"fleet {i + 1}"], "worker", "host side")
+                                   for i in range(len(fleets))],
+                    "in worker": [_ms_per_ktok(got[f"in worker {i + 1}"], "engine")
+                                  for i in range(len(fleets)) if args.in_worker],
+                    "engine class": [_ms_per_ktok(got["engine"], "process")] if engine_only is not None else [],
+                }
+                for kind, values in round_cpu.items():
+                    cpu_per_ktok[kind] += values
                 for i in range(len(fleets)):
-                    tokens, _, _, extras = got[f"fleet {i + 1}"]
-                    cpu_per_ktok["fleet engine"].append(extras["cpu"]["engine"] * 1e6 / tokens)
-                    cpu_per_ktok["fleet side"].append(
-                        (extras["cpu"]["worker"] + extras["cpu"]["host side"]) * 1e6 / tokens)
-                    if args.in_worker:
-                        own_tokens, _, _, own_extras = got[f"in worker {i + 1}"]
-                        cpu_per_ktok["in worker"].append(own_extras["cpu"]["engine"] * 1e6 / own_tokens)
+                    extras = got[f"fleet {i + 1}"][3]
                     for part, seconds in extras["cpu"].items():
                         cpu_ms_per_shard.setdefault(part, []).append(seconds * 1000 / extras["shards"])
                     drains.append((extras["drain"], got[f"fleet {i + 1}"][1]))
-                if engine_only is not None:
-                    own_tokens, _, _, own_extras = got["engine"]
-                    cpu_per_ktok["engine class"].append(own_extras["cpu"]["process"] * 1e6 / own_tokens)
                 if other is not None:
                     other_gaps_ms += [g * 1000 for g in got["other"][2]]
                 for name in names:
@@ -540,9 +546,9 @@ def main() -> None:
                         f"(steady state, mean of {len(fleets)}); fleet/direct {ratios['fleet/direct'][-1]:.3f}; "
                         + ", ".join(f"{name} {rate[name] / direct:.3f}" for name in names)
                         + f"; longest engine gap {max(round_gaps, default=0):.0f} ms; CPU ms per 1k tokens: direct "
-                        + ", ".join(f"{x:.0f}" for x in cpu_per_ktok["direct"][-len(directs):]) + ", fleet engine "
-                        + ", ".join(f"{x:.0f}" for x in cpu_per_ktok["fleet engine"][-len(fleets):]) + " + side "
-                        + ", ".join(f"{x:.1f}" for x in cpu_per_ktok["fleet side"][-len(fleets):]))
+                        + ", ".join(f"{x:.0f}" for x in round_cpu["direct"]) + ", fleet engine "
+                        + ", ".join(f"{x:.0f}" for x in round_cpu["fleet engine"]) + " + side "
+                        + ", ".join(f"{x:.1f}" for x in round_cpu["fleet side"]))
                 if other is not None:
                     ratios["fleet/other"].append(fleet_rate / rate["other"])
                 print(line, flush=True)
