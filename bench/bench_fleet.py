@@ -1,6 +1,6 @@
-"""Fleet throughput vs vLLM called directly, on the CPU with the tiny Qwen3 (one command, ~10 minutes on 2 cores).
+"""Fleet throughput vs vLLM called directly, on the CPU with the tiny Qwen3 (one command, ~20 minutes on 2 cores).
 
-    python bench/bench_fleet.py [--prompts 1024] [--max-tokens 64] [--shard-size 64] [--rounds 10]
+    python bench/bench_fleet.py [--prompts 512] [--max-tokens 256] [--shard-size 32] [--rounds 6]
                                 [--warm-rounds 1] [--directs 2] [--fleets 2] [--in-worker] [--engine-only]
                                 [--ab-engine-host | --ab-env KEY=VALUE ...]
 
@@ -55,7 +55,14 @@ engines took ~9% more CPU per token than direct processes doing the same generat
 other OpenMP thread spins at the next barrier. On 2 cores nearly all of the fleet's shortfall is the side work's
 CPU taken from the engine's OpenMP team (each millisecond of it on a core the team spins on stalls the whole team)
 plus the drain; cutting side CPU per shard is what moves the ratio.
-Passes have over twice as many shards as the worker's task slots (1024 prompts: 16 shards of 64 against 7
+Outputs are 256 tokens by default. The worker's side work is mostly per sample (rendering the prompt, reading,
+checking and compressing its capture, its record): measured on a 2-core Xeon, ~0.8 ms of CPU per sample plus ~9
+ms per 1,000 tokens, so at the 64 tokens per output of earlier defaults it was spread over a sixteenth of the
+tokens it is at 1,024 and a sixty-fourth of the 4,096 that `regen produce` allows by default, and thinking-mode
+outputs run to thousands of tokens. There the bench measured little but the per-sample path: 0.889 of direct,
+where 256-token outputs gave 0.982 and 512-token ones 0.994 on the same box. `--prompts 1024 --max-tokens 64
+--shard-size 64 --rounds 10` (~15 minutes) is that stress case, kept for work on the per-sample path.
+Passes have over twice as many shards as the worker's task slots (512 prompts: 16 shards of 32 against 8
 slots on the CPU preset), so most shards are refills: fetched and started while earlier ones are still being
 written, as in a long run. With 256 prompts, as before, a pass's 4 shards were all taken at once, the engine
 never waited for a shard fetched while another was being written, and "max 0 ms" said nothing about a long run:
@@ -408,13 +415,16 @@ def _median_interval(xs: list[float], level: float = 0.9) -> tuple[float, float]
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=1024,
-                    help="per pass; over twice as many shards as the worker's task slots (7 on the CPU preset), so "
+    ap.add_argument("--prompts", type=int, default=512,
+                    help="per pass; over twice as many shards as the worker's task slots (8 on the CPU preset with "
+                         "32-sample shards), so "
                          "most shards are fetched while earlier ones are still being written (refills), as in a long run")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--shard-size", type=int, default=64,
-                    help="the production default; the second task slot queues its shard behind the first")
-    ap.add_argument("--rounds", type=int, default=10,
+    ap.add_argument("--max-tokens", type=int, default=256,
+                    help="per output; 64 makes the bench a stress case of the per-sample path (see the docstring)")
+    ap.add_argument("--shard-size", type=int, default=32,
+                    help="half the production default, so a 512-prompt pass has twice the task slots' shards; "
+                         "per-shard work weighs twice what it does in a run")
+    ap.add_argument("--rounds", type=int, default=6,
                     help="one pass of every direct process and every worker each, order rotating; the ratio is taken "
                          "per round, then the median")
     ap.add_argument("--warm-rounds", type=int, default=1,
