@@ -57,12 +57,12 @@ CPU taken from the engine's OpenMP team (each millisecond of it on a core the te
 plus the drain; cutting side CPU per shard is what moves the ratio.
 Outputs are 256 tokens by default. The worker's side work is mostly per sample (rendering the prompt, reading,
 checking and compressing its capture, its record): measured on a 2-core Xeon, ~0.8 ms of CPU per sample plus ~9
-ms per 1,000 tokens, so at the 64 tokens per output of earlier defaults it was spread over a sixteenth of the
-tokens it is at 1,024 and a sixty-fourth of the 4,096 that `regen produce` allows by default, and thinking-mode
-outputs run to thousands of tokens. There the bench measured little but the per-sample path: 0.889 of direct,
-where 256-token outputs gave 0.982 and 512-token ones 0.994 on the same box. `--prompts 1024 --max-tokens 64
+ms per 1,000 tokens. At 64 tokens per output, the earlier default, the per-sample part weighed 16 times per token
+what it does at 1,024-token outputs and 64 times what it does at the 4,096 `regen produce` allows by default, and
+thinking-mode outputs run to thousands of tokens. So the bench measured little but the per-sample path: 0.889 of
+direct, where 256-token outputs gave 0.982 and 1.036 and 512-token ones 0.994 on the same box. `--prompts 1024 --max-tokens 64
 --shard-size 64 --rounds 10` (~15 minutes) is that stress case, kept for work on the per-sample path.
-Passes have over twice as many shards as the worker's task slots (512 prompts: 16 shards of 32 against 8
+Passes have at least twice as many shards as the worker's task slots (512 prompts: 16 shards of 32 against 8
 slots on the CPU preset), so most shards are refills: fetched and started while earlier ones are still being
 written, as in a long run. With 256 prompts, as before, a pass's 4 shards were all taken at once, the engine
 never waited for a shard fetched while another was being written, and "max 0 ms" said nothing about a long run:
@@ -416,7 +416,7 @@ def _median_interval(xs: list[float], level: float = 0.9) -> tuple[float, float]
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=512,
-                    help="per pass; over twice as many shards as the worker's task slots (8 on the CPU preset with "
+                    help="per pass; at least twice as many shards as the worker's task slots (8 on the CPU preset with "
                          "32-sample shards), so "
                          "most shards are fetched while earlier ones are still being written (refills), as in a long run")
     ap.add_argument("--max-tokens", type=int, default=256,
