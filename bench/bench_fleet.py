@@ -60,8 +60,9 @@ checking and compressing its capture, its record): measured on a 2-core Xeon, ~0
 ms per 1,000 tokens. At 64 tokens per output, the earlier default, the per-sample part weighed 16 times per token
 what it does at 1,024-token outputs and 64 times what it does at the 4,096 `regen produce` allows by default, and
 thinking-mode outputs run to thousands of tokens. So the bench measured little but the per-sample path: 0.889 of
-direct, where 256-token outputs gave 0.982 and 1.036 and 512-token ones 0.994 on the same box. `--prompts 1024 --max-tokens 64
---shard-size 64 --rounds 10` (~15 minutes) is that stress case, kept for work on the per-sample path.
+direct, where 256-token outputs gave 0.982 and 1.036 and 512-token ones 0.994 on the same box.
+`--prompts 1024 --max-tokens 64 --shard-size 64 --rounds 10` (~15 minutes) is that stress case, kept for work on
+the per-sample path.
 Passes have at least twice as many shards as the worker's task slots (512 prompts: 16 shards of 32 against 8
 slots on the CPU preset), so most shards are refills: fetched and started while earlier ones are still being
 written, as in a long run. With 256 prompts, as before, a pass's 4 shards were all taken at once, the engine
@@ -256,6 +257,12 @@ def _worker_cpu(root_pid: int) -> dict[str, float]:
     return out
 
 
+def _worker_cpu_since(root_pid: int, before: dict[str, float]) -> dict[str, float]:
+    """CPU seconds by part (`_worker_cpu`) the worker has used since `before` was read."""
+    now = _worker_cpu(root_pid)
+    return {part: now[part] - before[part] for part in now}
+
+
 class Fleet:
     """One `regen worker --cpu` process kept for the whole bench; each round is a run of its own."""
 
@@ -310,9 +317,8 @@ class Fleet:
             "prompts": json.loads(Path(self.scratch, f"prompts-{round_name}.json").read_text()),
             "sampling": manifest["settings"]["sampling"], "result_path": str(result)})
         self._wait_for(result.exists, "its direct pass")
-        cpu_after = _worker_cpu(self.worker.pid)
+        cpu = _worker_cpu_since(self.worker.pid, cpu_before)
         got = json.loads(result.read_text())
-        cpu = {part: cpu_after[part] - cpu_before[part] for part in cpu_after}
         return got["tokens"], got["seconds"], [], {"cpu": cpu}
 
     def _wait_done(self, round_name: str, shards: int) -> list[dict]:
@@ -346,7 +352,7 @@ class Fleet:
             markers = sorted(self._wait_done(round_name, shards), key=lambda m: m["engine_started"])
         finally:
             self.control.cancel_consumer(queue, reply=True, timeout=10, destination=worker)
-        cpu_after = _worker_cpu(self.worker.pid)
+        cpu = _worker_cpu_since(self.worker.pid, cpu_before)
         tokens = sum(m["generated_tokens"] for m in markers)
         stored = max(m["stored"] for m in markers)
         span = stored - markers[0]["engine_started"]
@@ -355,8 +361,7 @@ class Fleet:
         for m in markers[1:]:
             gaps.append(max(0.0, m["engine_started"] - end))
             end = max(end, m["engine_finished"])
-        extras = {"cpu": {part: cpu_after[part] - cpu_before[part] for part in cpu_after}, "shards": shards,
-                  "drain": stored - end}
+        extras = {"cpu": cpu, "shards": shards, "drain": stored - end}
         return tokens, span, gaps, extras
 
     def close(self) -> None:
@@ -416,9 +421,9 @@ def _median_interval(xs: list[float], level: float = 0.9) -> tuple[float, float]
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=512,
-                    help="per pass; at least twice as many shards as the worker's task slots (8 on the CPU preset with "
-                         "32-sample shards), so "
-                         "most shards are fetched while earlier ones are still being written (refills), as in a long run")
+                    help="per pass; at least twice as many shards as the worker's task slots (8 on the CPU preset "
+                         "with 32-sample shards), so most shards are fetched while earlier ones are still being "
+                         "written (refills), as in a long run")
     ap.add_argument("--max-tokens", type=int, default=256,
                     help="per output; 64 makes the bench a stress case of the per-sample path (see the docstring)")
     ap.add_argument("--shard-size", type=int, default=32,
