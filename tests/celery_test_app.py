@@ -12,8 +12,9 @@ from pathlib import Path
 
 from app.celery_app import create_app
 from app.config import BrokerSettings
+from tests.redis_urls import redis_url
 
-app = create_app(BrokerSettings(url=os.environ.get("REGEN_TEST_CELERY_BROKER", "redis://127.0.0.1:6379/7")))
+app = create_app(BrokerSettings(url=os.environ.get("REGEN_TEST_CELERY_BROKER", redis_url(7))))
 
 
 @app.task(name="regen_test.touch")

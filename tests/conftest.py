@@ -19,11 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.redis_urls import redis_url
+
 REPO = Path(__file__).resolve().parents[1]
 FORMATS_DIR = REPO.parent / "shared" / "data" / "formats"
 pytest_plugins = ["tests.run_fixtures"]  # the `redis7` fixture of the operations tests
 
-E2E_BROKER = os.environ.get("REGEN_TEST_BROKER", "redis://127.0.0.1:6379/3")
+E2E_BROKER = os.environ.get("REGEN_TEST_BROKER", redis_url(3))
 E2E_LAYERS = "vllm:1,2,4"
 VISIBILITY_TIMEOUT = 20
 

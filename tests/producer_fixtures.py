@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.redis_urls import redis_url
+
 FORMATS_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "formats"
-REDIS_URL = os.environ.get("REGEN_TEST_PRODUCER_REDIS", "redis://127.0.0.1:6379/5")
+REDIS_URL = os.environ.get("REGEN_TEST_PRODUCER_REDIS", redis_url(5))
 QUEUE = "regen-test"
 
 _SENTENCES = [

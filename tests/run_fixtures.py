@@ -15,6 +15,7 @@ import pytest
 
 from app.hidden_file import encode_sample
 from app.storage import RunStore, Storage
+from tests.redis_urls import redis_url
 from workers.shard_output import dead_letter, publish_shard, record_attempt, record_attempt_error
 
 QUEUE = "regen-status-test"
@@ -78,7 +79,7 @@ def build_run(root: str, run_id: str = "r1") -> dict:
     return {"store": store, "summaries": summaries}
 
 
-OPS_BROKER = os.environ.get("REGEN_TEST_OPS_REDIS", "redis://127.0.0.1:6379/7")
+OPS_BROKER = os.environ.get("REGEN_TEST_OPS_REDIS", redis_url(7))
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from app.cli import main
 from app.errors import ConfigError
+from tests.redis_urls import redis_url
 from workers.cli import worker_configs
 from workers.devices import PRESETS, choose_tensor_parallel, detect_gpus, encode_threads_for
 from workers.supervisor import Supervisor
@@ -190,20 +191,20 @@ def test_mixed_gpu_kinds_need_one_worker_command_each(fake_gpus, tmp_path):
 def test_each_child_is_pinned_to_its_gpus_before_it_starts(fake_gpus, tmp_path):
     fake_gpus(*[H200] * 4)
     got = configs(model_dir(tmp_path, 131))
-    sup = Supervisor(got, "redis://127.0.0.1:6379/15", "regen")
+    sup = Supervisor(got, redis_url(15), "regen")
     assert [c.env["CUDA_VISIBLE_DEVICES"] for c in sup.children] == ["0,1", "2,3"]
     for child in sup.children:
         config = json.loads(child.env["REGEN_WORKER_CONFIG"])
         assert config["engine"]["tensor_parallel_size"] == 2 and config["capture_layers"] == [2, 17]
         assert child.env["REGEN_QUEUES"] == "regen"
-    cpu = Supervisor(configs("m", cpu=True), "redis://127.0.0.1:6379/15", "regen")
+    cpu = Supervisor(configs("m", cpu=True), redis_url(15), "regen")
     assert cpu.children[0].env["CUDA_VISIBLE_DEVICES"] == ""  # a CPU worker never sees a GPU
 
 
 def test_regen_worker_reports_a_bad_gpu_choice_in_one_line(fake_gpus, tiny_qwen3):
     fake_gpus(H200, H200)
     result = CliRunner().invoke(main, ["worker", "--model", str(tiny_qwen3), "--gpus", "0,5",
-                                       "--broker", "redis://127.0.0.1:6379/15"])
+                                       "--broker", redis_url(15)])
     assert result.exit_code == 2
     assert result.output.strip().splitlines()[-1] == "regen: error: --gpus 0,5: no such GPU 5 (nvidia-smi sees 0, 1)"
     assert "Traceback" not in result.output

@@ -21,10 +21,11 @@ from app.jsonl_zst import loads_jsonl_zst
 from app.storage import RunStore, Storage
 from tests.conftest import redis_or_fail
 from tests.producer_fixtures import build_tiny_model, decode_queue, sharegpt_row, write_jsonl
+from tests.redis_urls import redis_url
 from tests.run_fixtures import DONE, build_run, publish_synthetic
 
 BUCKET = "regen-test"
-BROKER = "redis://127.0.0.1:6379/7"
+BROKER = redis_url(7)
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,9 @@ from app.cli import main
 from app.config import mask_url
 from tests.conftest import redis_or_fail, wait_for
 from tests.producer_fixtures import sharegpt_row, write_jsonl
+from tests.redis_urls import redis_url
 
-BROKER = "redis://127.0.0.1:6379/7"
+BROKER = redis_url(7)
 QUEUE = "regen-security-test"
 PASSWORD = "s3cr3t-Pa55"
 
