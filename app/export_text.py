@@ -30,8 +30,9 @@ Formats:
   absent in a non-thinking run (passes `--expect-non-reasoning`). SpecForge supervises every assistant turn
   of such a row, so a row must be the target's own words throughout: conversations that keep an original
   (not regenerated) assistant turn as context, which happens in `--regenerate last` runs, are left out as
-  `specforge:context_not_regenerated` (`--regenerate all` regenerates them). The format has no tool roles, so
-  conversations with tool turns or tool calls are left out as `specforge:tool_turns` (use `sharegpt`). The
+  `specforge:context_not_regenerated` (`--regenerate all` regenerates them). The format has no tool
+  definitions, tool roles or calls, so conversations with any of them are left out as `specforge:tools`
+  (use `sharegpt`). The
   per-shard files are also joined into one `regenerated.jsonl` at the end of every export call, because
   SpecForge's validator and its `data.train_data_path` take one file.
 """
@@ -139,8 +140,8 @@ def _text(content) -> str:
 def specforge_row(rec: dict, settings: dict) -> tuple[dict | None, str | None]:
     """(SpecForge regenerated-data row, None), or (None, why the conversation cannot be one)."""
     context = rec.get("messages") or []
-    if any(m.get("role") == "tool" or m.get("tool_calls") for m in context):
-        return None, "specforge:tool_turns"
+    if rec.get("tools") or any(m.get("role") == "tool" or m.get("tool_calls") for m in context):
+        return None, "specforge:tools"  # its rows have no tool definitions, tool roles or calls
     if settings.get("regenerate") != "all" and any(m.get("role") == "assistant" for m in context):
         return None, "specforge:context_not_regenerated"
     lead = next((k for k, m in enumerate(context) if m.get("role") != "system"), len(context))
