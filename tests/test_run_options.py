@@ -7,7 +7,8 @@ import json
 from click.testing import CliRunner
 
 from app.cli import main
-from producer.cli import SETTING_FLAGS, produce_command
+from producer.cli import _SETTING_FLAGS as SETTING_FLAGS
+from producer.cli import produce_command
 from tests.producer_fixtures import REDIS_URL, producer_redis, tiny_model  # noqa: F401 - pytest fixtures
 from workers.run_job import run
 
