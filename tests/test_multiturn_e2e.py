@@ -48,10 +48,11 @@ def runs(cpu_worker, e2e_storage, tiny_qwen3, tmp_path_factory):
     tools = [FIXTURES / "toolcall_openai.jsonl", FIXTURES / "hermes_toolcall.jsonl"]
     produce(e2e_storage, "mt-all", [multi, tools[0]], tiny_qwen3, "--regenerate", "all")
     produce(e2e_storage, "tools-last", tools, tiny_qwen3)
+    produce(e2e_storage, "mt-staged", [multi], tiny_qwen3, "--regenerate", "all", "--capture", "staged")
     for run in ("mt-all", "tools-last"):
         wait_run_done(e2e_storage, run)
-    inputs = {"mt-all": [multi, tools[0]], "tools-last": tools}
-    return inputs
+    wait_run_done(e2e_storage, "mt-staged", marker="captured")
+    return {"mt-all": [multi, tools[0]], "tools-last": tools, "mt-staged": [multi]}
 
 
 def _samples(paths: list[Path], regenerate: str) -> dict[str, dict]:
@@ -101,6 +102,21 @@ def test_every_regenerated_turn_is_a_training_sample_with_its_own_states(runs, e
     assert report.accounting["identity_holds"] and report.accounting["written"] == 4
     assert report.accounting["written_ok"] == len(records) == sum(len(turns_to_regenerate(s["messages"]))
                                                                   for s in samples.values())
+
+
+def test_staged_capture_of_a_multi_turn_run_captures_every_turns_sequence(runs, e2e_storage):
+    from app.run_reader import RunReader
+    from app.verify import verify_run
+
+    records = run_records(e2e_storage, "mt-staged")
+    states = run_states(e2e_storage, "mt-staged", staged=True)
+    assert len(records) == 5 and {r["turn"] for r in records} == {0, 1, 2}  # 2 + 3 turns
+    for rec in records:
+        token_ids, hidden = states[rec["sample_id"]]
+        assert np.array_equal(token_ids, np.asarray(rec["input_ids"][:-1])) and hidden.any()
+    report = verify_run(RunReader(str(e2e_storage), "mt-staged"))
+    assert report.ok(), [p for p in report.problems if p.severity == "error"]
+    assert report.accounting["written"] == 2 and report.accounting["identity_holds"]
 
 
 @pytest.mark.parametrize("run", ["tools-last", "mt-all"])

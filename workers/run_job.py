@@ -30,13 +30,15 @@ def _progress_counts(store: RunStore, staged: bool) -> tuple[int, int]:
 
 
 def summarise(store: RunStore, console: Console, seconds: float) -> dict:
-    totals = {"shards": 0, "samples": 0, "ok": 0, "rejected": 0, "generated_tokens": 0, "stubs": 0}
+    # samples: the producer's (conversations); records: training samples (a multi-turn run has one per turn)
+    totals = {"shards": 0, "samples": 0, "records": 0, "ok": 0, "rejected": 0, "generated_tokens": 0, "stubs": 0}
     flags: dict[str, int] = {}
     for shard in sorted(store.done_shards()):
         m = store.done_marker(shard)
         totals["shards"] += 1
         for k in ("samples", "ok", "generated_tokens", "stubs"):
             totals[k] += m.get(k, 0)
+        totals["records"] += m.get("records", m.get("samples", 0))
         totals["rejected"] += sum(m.get("rejected", {}).values())
         for f, n in m.get("flags", {}).items():
             flags[f] = flags.get(f, 0) + n
