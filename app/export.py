@@ -65,8 +65,6 @@ def filter_reason(rec: dict, opts: ExportOptions) -> str | None:
 
 
 # -- row builders -------------------------------------------------------------------------------------------
-
-
 def safetensors_bytes(tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> bytes:
     """A safetensors file from raw little-endian buffers (numpy has no bf16; this avoids importing torch)."""
     header, offset = {}, 0

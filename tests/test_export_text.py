@@ -222,6 +222,21 @@ def test_verify_counts_a_multi_turn_conversation_once(tmp_path):
     assert report.accounting["identity_holds"]
 
 
+def test_verify_finds_a_multi_turn_conversation_with_a_turn_missing(tmp_path):
+    from app.run_reader import RunReader
+    from app.verify import verify_run
+
+    sample = normalise({"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"},
+                                     {"role": "user", "content": "More?"}, {"role": "assistant", "content": "B"},
+                                     {"role": "user", "content": "Last?"}]}, file="m", line=1, regenerate="all")
+    records = multi_turn_records(sample, ["x", "y", "z"])
+    del records[1]  # turn 1 lost: turn 2's prompt holds an answer no record has
+    write_run(tmp_path / "s", [records], regenerate="all")
+    report = verify_run(RunReader(str(tmp_path / "s"), "txt"))
+    assert [p.kind for p in report.problems] == ["turns"] and "turns [0, 2]" in report.problems[0].detail
+    assert report.accounting["written"] == 1 and report.accounting["identity_holds"]
+
+
 @pytest.mark.parametrize("thinking", [True, False])
 def test_specforge_rows_pass_the_validators_rules(tmp_path, thinking):
     multi = [normalise({"id": f"m{i}", "messages": [
