@@ -90,13 +90,12 @@ def conversation_rows(fmt: str, records: Iterable[dict], reason: Callable[[dict]
         for rec in group[len(turns):]:
             counts[f"cut_turn:status:{rec.get('status')}"] += 1
         why = next((r for r in map(reason, turns) if r), None)
-        row = None
         if why is None:
             row, why = (sharegpt_row(turns[-1]), None) if fmt == "sharegpt" else specforge_row(turns[-1], settings)
-        if why:
-            counts[why] += 1
-        else:
-            rows.append(row)
+            if why is None:
+                rows.append(row)
+                continue
+        counts[why] += 1
     return rows, counts
 
 
