@@ -202,9 +202,13 @@ def test_a_multi_turn_run_gives_one_row_per_conversation_with_every_regenerated_
     assert rows[0]["conversations"][1]["reasoning_content"] == "Thinking 0."
     assert [t["value"] for t in rows[1]["conversations"]] == ["Colour 1?", "Teal."]  # ends before the rejected turn
     assert left_out == {"cut_turn:status:rejected": 1, "status:rejected": 1}
-    parquet = CliRunner().invoke(main, ["export", "txt", "--storage", str(tmp_path / "s"), "--format", "parquet",
-                                        "--out", str(tmp_path / "pq")], catch_exceptions=False)
-    assert "samples exported" in parquet.output and "│ 3" in parquet.output  # one parquet row per turn sample
+    import pyarrow.parquet as pq
+
+    CliRunner().invoke(main, ["export", "txt", "--storage", str(tmp_path / "s"), "--format", "parquet",
+                              "--out", str(tmp_path / "pq")], catch_exceptions=False)
+    table = pq.read_table(str(tmp_path / "pq" / "data" / "shard-000000.parquet")).to_pylist()
+    assert [(r["conversation_id"], r["turn"]) for r in table] == [  # one parquet row per ok turn sample
+        (samples[0]["id"], 0), (samples[0]["id"], 1), (samples[1]["id"], 0)]
 
 
 def test_verify_counts_a_multi_turn_conversation_once(tmp_path):

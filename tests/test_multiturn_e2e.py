@@ -85,6 +85,8 @@ def test_every_regenerated_turn_is_a_training_sample_with_its_own_states(runs, e
         assert [t["turn"] for t in turns] == list(range(len(slots))) and len(slots) >= 2
         for r, rec in enumerate(turns):
             assert rec["status"] == "ok" and rec["sample_id"] == f"{cid}-t{r}"
+            if "missing_think_end" in rec["flags"]:  # never reached </think>: all reasoning, no answer
+                assert rec["answer"] == "" and rec["reasoning"] is not None
             prompt = rec["input_ids"][: rec["num_prompt_tokens"]]
             assert prompt == render_prompt(tok, rec["messages"], rec["tools"], thinking=True)
             assert len(rec["messages"]) == slots[r]  # the conversation up to this turn
