@@ -89,12 +89,16 @@ def _print_verify(report, strict: bool) -> None:
 @click.command("export")
 @click.argument("run_id", metavar="RUN")
 @_storage
-@click.option("--format", "fmt", type=click.Choice(["sharegpt", "speculators", "parquet"]), required=True)
+@click.option("--format", "fmt", type=click.Choice(["sharegpt", "speculators", "parquet", "specforge-jsonl"]),
+              required=True)
 @click.option("--out", required=True, help="Output folder (path or URL); a rerun resumes it.")
 @click.option("--exclude-flags", default="", help="Comma-separated quality flags to leave out, e.g. stub_answer,truncated.")
 @click.option("--min-response-tokens", type=click.IntRange(min=0), default=0, show_default=True,
               help="Leave out samples with fewer generated tokens.")
-def export_cmd(run_id: str, storage: str, fmt: str, out: str, exclude_flags: str, min_response_tokens: int) -> None:
+@click.option("--include-unterminated", is_flag=True,
+              help="Text formats: keep samples whose thinking never reached </think> (reasoning, empty answer).")
+def export_cmd(run_id: str, storage: str, fmt: str, out: str, exclude_flags: str, min_response_tokens: int,
+               include_unterminated: bool) -> None:
     """Export RUN's ok records (done shards) as ShareGPT JSONL, speculators rows + safetensors, or Parquet."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.table import Table
@@ -103,7 +107,8 @@ def export_cmd(run_id: str, storage: str, fmt: str, out: str, exclude_flags: str
     from app.run_reader import RunReader
 
     flags = tuple(f.strip() for f in exclude_flags.split(",") if f.strip())
-    exporter = Exporter(RunReader(storage, run_id), out, ExportOptions(fmt, flags, min_response_tokens))
+    exporter = Exporter(RunReader(storage, run_id), out,
+                        ExportOptions(fmt, flags, min_response_tokens, include_unterminated))
     todo, skipped = exporter.pending()
     columns = (TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeRemainingColumn())
@@ -113,9 +118,12 @@ def export_cmd(run_id: str, storage: str, fmt: str, out: str, exclude_flags: str
     console = _console()
     table = Table(title=f"export of {run_id} -> {out}", show_header=False)
     table.add_row("shards exported now / skipped (done before)", f"{totals['shards_exported_now']} / {len(skipped)}")
-    table.add_row("samples exported", str(totals["exported"]))
+    table.add_row("conversations exported" if fmt in ("sharegpt", "specforge-jsonl") else "samples exported",
+                  str(totals["exported"]))
     for reason, n in totals["filtered"].items():
-        table.add_row(f"filtered: {reason}", str(n))
+        table.add_row(f"left out: {reason}", str(n))
+    if totals.get("file"):
+        table.add_row("one file of every row", f"{out.rstrip('/')}/{totals['file']}")
     console.print(table)
 
 

@@ -6,12 +6,14 @@ generating) does exactly the shards not yet exported. `export.json` pins the run
 with other settings is refused instead of mixing two selections in one folder.
 
 Formats:
-- `sharegpt`     `data/{shard}.jsonl`: `conversations` of `{from, value}` (system/human/gpt/tool); the regenerated
-                 final turn carries `reasoning_content` (SpecForge's regeneration output shape).
+- `sharegpt`, `specforge-jsonl`  one row per conversation with every turn the model saw (app/export_text.py).
 - `speculators`  `data/{shard}.jsonl` rows `{id, input_ids, loss_mask, hidden_states_path}` plus
                  `hidden/{shard}/{id}.safetensors` with `hidden_states [T-1, L, H]` bf16 and `token_ids` int64:
                  the layout vLLM's hidden-state extraction writes.
 - `parquet`      `data/{shard}.parquet`, one row per record, one fixed schema for every shard.
+
+Text formats (`sharegpt`, `specforge-jsonl`, `parquet`) leave out samples whose thinking never ended unless
+`include_unterminated` (app/export_text.py says why); every left-out sample is counted by reason.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ from dataclasses import dataclass
 
 import orjson
 
+from app import export_text
 from app.errors import RegenError
 from app.run_reader import RunReader, ShardInfo
 from app.storage import Storage
 
-FORMATS = ("sharegpt", "speculators", "parquet")
+FORMATS = ("sharegpt", "speculators", "parquet", "specforge-jsonl")
+TEXT_FORMATS = ("sharegpt", "parquet", "specforge-jsonl")
 EXPORT_FORMAT = "regen.export/1"
-ROLES = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
 
 
 @dataclass(frozen=True)
@@ -39,10 +42,11 @@ class ExportOptions:
     fmt: str
     exclude_flags: tuple[str, ...] = ()
     min_response_tokens: int = 0
+    include_unterminated: bool = False
 
     def to_dict(self) -> dict:
         return {"format": self.fmt, "exclude_flags": list(self.exclude_flags),
-                "min_response_tokens": self.min_response_tokens}
+                "min_response_tokens": self.min_response_tokens, "include_unterminated": self.include_unterminated}
 
 
 def filter_reason(rec: dict, opts: ExportOptions) -> str | None:
@@ -55,27 +59,12 @@ def filter_reason(rec: dict, opts: ExportOptions) -> str | None:
             return f"flag:{f}"
     if rec["num_output_tokens"] < opts.min_response_tokens:
         return "min_response_tokens"
+    if opts.fmt in TEXT_FORMATS:
+        return export_text.unterminated_reason(rec, opts.include_unterminated)
     return None
 
 
 # -- row builders -------------------------------------------------------------------------------------------
-def sharegpt_row(rec: dict) -> dict:
-    turns = []
-    for m in rec.get("messages") or []:
-        content = m.get("content")
-        if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        turn = {"from": ROLES.get(m.get("role"), m.get("role")), "value": content or ""}
-        if m.get("reasoning_content"):
-            turn["reasoning_content"] = m["reasoning_content"]
-        turns.append(turn)
-    turns.append({"from": "gpt", "value": rec["answer"], "reasoning_content": rec.get("reasoning")})
-    row = {"id": rec["sample_id"], "conversations": turns, "finish_reason": rec.get("finish_reason")}
-    if rec.get("tools"):
-        row["tools"] = json.dumps(rec["tools"], ensure_ascii=False)
-    return row
-
-
 def safetensors_bytes(tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> bytes:
     """A safetensors file from raw little-endian buffers (numpy has no bf16; this avoids importing torch)."""
     header, offset = {}, 0
@@ -91,7 +80,8 @@ def _parquet_schema():
     import pyarrow as pa
 
     return pa.schema([
-        ("sample_id", pa.string()), ("run_id", pa.string()), ("shard_id", pa.string()),
+        ("sample_id", pa.string()), ("conversation_id", pa.string()), ("turn", pa.int32()),
+        ("run_id", pa.string()), ("shard_id", pa.string()),
         ("source_file", pa.string()), ("source_line", pa.int64()),
         ("messages", pa.string()), ("tools", pa.string()),
         ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
@@ -104,7 +94,8 @@ def _parquet_schema():
 def _parquet_row(rec: dict) -> dict:
     src = rec.get("source") or {}
     return {
-        "sample_id": rec["sample_id"], "run_id": rec.get("run_id"), "shard_id": rec.get("shard_id"),
+        "sample_id": rec["sample_id"], "conversation_id": rec.get("conversation_id") or rec["sample_id"],
+        "turn": rec.get("turn", 0), "run_id": rec.get("run_id"), "shard_id": rec.get("shard_id"),
         "source_file": src.get("file"), "source_line": src.get("line"),
         "messages": json.dumps(rec.get("messages"), ensure_ascii=False),
         "tools": json.dumps(rec["tools"], ensure_ascii=False) if rec.get("tools") else None,
@@ -124,6 +115,9 @@ class Exporter:
             raise RegenError(f"unknown export format {opts.fmt!r} (one of {', '.join(FORMATS)})")
         if opts.fmt == "speculators" and reader.capture_mode == "off":
             raise RegenError(f"run {reader.run_id!r} captured no hidden states: the speculators format needs them")
+        if opts.fmt == "specforge-jsonl" and opts.include_unterminated:
+            raise RegenError("--include-unterminated: SpecForge's rows need a non-empty answer on every assistant "
+                             "turn; use --format sharegpt or parquet to keep unterminated samples")
         self.reader, self.opts, self.out = reader, opts, Storage(out)
         self._pin()
 
@@ -147,14 +141,18 @@ class Exporter:
         return [i for i in infos if i.shard_id not in exported], sorted(exported)
 
     def export_shard(self, info: ShardInfo) -> dict:
-        counts: Counter = Counter()
-        rows: list[dict] = []
-        for rec in self.reader.records(info):
-            reason = filter_reason(rec, self.opts)
-            if reason:
-                counts[reason] += 1
-                continue
-            rows.append(self._row(info, rec))
+        if self.opts.fmt in export_text.FORMATS:  # one row per conversation
+            rows, counts = export_text.conversation_rows(self.opts.fmt, self.reader.records(info),
+                                                         lambda rec: filter_reason(rec, self.opts),
+                                                         self.reader.settings)
+        else:
+            rows, counts = [], Counter()
+            for rec in self.reader.records(info):
+                reason = filter_reason(rec, self.opts)
+                if reason:
+                    counts[reason] += 1
+                    continue
+                rows.append(self._row(info, rec))
         data_rel = f"data/{info.shard_id}.{'parquet' if self.opts.fmt == 'parquet' else 'jsonl'}"
         if rows:  # no empty files: JSON readers (datasets) fail on them
             self._write_data(data_rel, rows)
@@ -177,8 +175,6 @@ class Exporter:
                     fh.write(orjson.dumps(row) + b"\n")
 
     def _row(self, info: ShardInfo, rec: dict) -> dict:
-        if self.opts.fmt == "sharegpt":
-            return sharegpt_row(rec)
         if self.opts.fmt == "parquet":
             return _parquet_row(rec)
         got = self.reader.states(info, rec)
@@ -200,7 +196,11 @@ class Exporter:
             if on_shard:
                 on_shard(info.shard_id)
         self.reader.close()
-        return {**self.totals(), "shards_exported_now": len(todo), "shards_skipped": len(skipped)}
+        totals = {**self.totals(), "shards_exported_now": len(todo), "shards_skipped": len(skipped)}
+        if self.opts.fmt == "specforge-jsonl":
+            export_text.join_shard_files(self.out, [n for n in self.out.listdir("done") if n.endswith(".json")])
+            totals["file"] = export_text.SPECFORGE_FILE
+        return totals
 
     def totals(self) -> dict:
         """Counts over every shard exported into `out` so far (this call's and earlier ones')."""

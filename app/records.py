@@ -2,18 +2,30 @@
 
 Fields (a record is either `status: "ok"` or `status: "rejected"` with `reject_reason`):
 
-    run_id, shard_id, sample_id, index        where the sample lives
+    run_id, shard_id, sample_id, index        where the sample lives (index: the input sample's place in the shard)
+    conversation_id, turn                      multi-turn runs only (`--regenerate all`): the producer's sample id
+                                               and which regenerated turn (0, 1, ...) this record is
     source {file, line, source_id}            provenance from the producer
-    messages, tools                           the normalised prompt that was rendered
+    messages, tools                           the normalised prompt that was rendered (multi-turn: the conversation
+                                               so far, earlier turns as the model regenerated them)
     status, reject_reason, reject_detail
     input_ids                                  prompt ids + generated ids, exactly as the engine returned them
     loss_mask                                  0 over the prompt, 1 over the generated ids (same length)
     num_prompt_tokens, num_output_tokens, num_answer_tokens
-    text, reasoning, answer                    decoded output, split at `</think>` (reasoning None if absent)
+    text, reasoning, answer                    decoded output, split at `</think>`; in thinking mode an output that
+                                               never reached `</think>` is all reasoning, answer "" (flagged
+                                               missing_think_end); outside thinking mode reasoning is None
     finish_reason, stop_reason, seed
     flags                                      quality flags (workers/quality.py)
     hidden {index, n_tokens, layers}           where the states are in the shard's hidden file (None if off)
     seconds, worker, device                    timing and who produced it
+
+Multi-turn runs: a conversation whose assistant turns are all regenerated gives one record per turn, each a
+training sample of its own (prompt = the conversation up to that turn as the target's template renders it,
+response = that turn's generated ids, states for that sequence). `sample_id` is then
+`{conversation_id}-t{turn}`. The producer counts conversations, so accounting counts distinct
+`conversation_id`s (`conversation_id()`), and a turn the worker rejects (prompt too long) ends its conversation:
+later turns would need its answer.
 """
 
 from __future__ import annotations
@@ -27,3 +39,12 @@ def loss_mask(num_prompt: int, num_output: int) -> list[int]:
 
 def rejected_record(base: dict, reason: str, detail: str) -> dict:
     return {**base, "status": "rejected", "reject_reason": reason, "reject_detail": detail}
+
+
+def turn_sample_id(conversation: str, turn: int) -> str:
+    return f"{conversation}-t{turn}"
+
+
+def conversation_id(rec: dict) -> str:
+    """The producer's sample id this record belongs to (its own id outside multi-turn runs)."""
+    return rec.get("conversation_id") or rec["sample_id"]

@@ -46,6 +46,7 @@ class ShardResult:
     shard: str
     state: str  # done | dead | missing
     records: int = 0
+    conversations: int = 0  # the producer's samples: a multi-turn conversation's turns are several records
     ok: int = 0
     rejected: int = 0
     problems: list[Problem] = field(default_factory=list)
@@ -269,10 +270,12 @@ def _check_records(res: ShardResult, reader: RunReader, info: ShardInfo, raw: by
     hidden_size = (reader.settings.get("model") or {}).get("hidden_size")
     rejected: Counter = Counter()
     seen_hidden: set[int] = set()
+    turns: dict[str, list[dict]] = {}
     try:
         for rec in iter_jsonl_zst(io.BytesIO(raw)):
             res.records += 1
             sid = rec.get("sample_id")
+            turns.setdefault(rec.get("conversation_id") or sid, []).append(rec)
             if rec.get("status") == "rejected":
                 res.rejected += 1
                 rejected[rec.get("reject_reason")] += 1
@@ -297,13 +300,31 @@ def _check_records(res: ShardResult, reader: RunReader, info: ShardInfo, raw: by
     except (zstandard.ZstdError, orjson.JSONDecodeError, OSError) as exc:
         res.add("records_unreadable", f"{type(exc).__name__}: {exc}")
         return
+    res.conversations = len(turns)
+    check_turns(res, turns)
     if hreader is not None and len(seen_hidden) != len(hreader):
         res.add("hidden_extra", f"hidden file holds {len(hreader) - len(seen_hidden)} samples no ok record names")
-    for key, got in (("samples", res.records), ("ok", res.ok)):
+    for key, got in (("samples", res.conversations), ("records", res.records), ("ok", res.ok)):
         if key in m and m[key] != got:
             res.add("count_mismatch", f"marker says {m[key]} {key}, records file has {got}")
     if "rejected" in m and dict(m["rejected"]) != dict(rejected):
         res.add("count_mismatch", f"marker rejects {m['rejected']} != records' {dict(rejected)}")
+
+
+def check_turns(res: ShardResult, turns: dict[str, list[dict]]) -> None:
+    """A multi-turn conversation's records are its turns 0, 1, ... in order, ids `{conversation}-t{turn}`, and
+    only the last may be rejected (a rejected turn ends the conversation)."""
+    from app.records import turn_sample_id
+
+    for conv, recs in turns.items():
+        if len(recs) == 1 and "turn" not in recs[0]:
+            continue
+        got = [r.get("turn") for r in recs]
+        ids_ok = all(r.get("sample_id") == turn_sample_id(conv, r.get("turn")) for r in recs)
+        if got != list(range(len(recs))) or not ids_ok:
+            res.add("turns", f"conversation {conv}: records are turns {got}, not 0..{len(recs) - 1} in order")
+        elif any(r.get("status") != "ok" for r in recs[:-1]):
+            res.add("turns", f"conversation {conv}: a turn before the last is not ok")
 
 
 def _expected_sizes(reader: RunReader, counts: dict) -> dict[str, int]:
@@ -344,11 +365,12 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
             res.add("missing", "no completion marker and not dead-lettered")
         results.append(res)
     for res in results:
-        if res.state == "done" and res.shard in expected and res.records != expected[res.shard] and res.records:
-            res.add("shard_size", f"{res.records} records, the producer enqueued {expected[res.shard]}")
+        if (res.state == "done" and res.shard in expected and res.conversations != expected[res.shard]
+                and res.records):
+            res.add("shard_size", f"{res.conversations} samples, the producer enqueued {expected[res.shard]}")
         if expected and res.shard not in expected:
             res.add("unexpected_shard", "shard not among the producer's shards")
-    written = sum(r.records for r in results if r.state == "done")
+    written = sum(r.conversations for r in results if r.state == "done")
     dead_samples = sum(expected.get(r.shard, 0) for r in results if r.state == "dead")
     missing_samples = sum(expected.get(r.shard, 0) for r in results if r.state == "missing")
     accounting = {

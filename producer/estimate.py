@@ -5,7 +5,10 @@ is ~100-190 TB, NOTES.md), so a user must see the token and disk figures before 
 
 Prompt tokens are counted with the target model's own tokenizer and chat template on a uniform random sample
 (reservoir, fixed seed) of up to N prompts and scaled to the total, so the figure is an estimate and says so.
-Response tokens are an assumption (default max_tokens / 2) with the hard maximum beside it. Compressed size
+Response tokens are an assumption (default max_tokens / 2) with the hard maximum beside it. In multi-turn mode
+(`--regenerate all`) every regenerated turn is a sample of its own with its own states, so each turn's prompt
+(the conversation before it, the dataset's old answers standing in for the new ones) and each turn's response
+count. Compressed size
 uses the byte-shuffled zstd ratio measured on bf16 activations (1.45, NOTES.md), stated as an assumption.
 """
 
@@ -55,17 +58,15 @@ class Reservoir:
             self.items[j] = item
 
 
-def _prompt_messages(messages: list[dict]) -> list[dict]:
-    """The messages the model reads before its (first) answer; in `all` mode old answers stand in for new ones."""
-    out = []
-    for m in messages:
-        if "original_content" in m:
-            out.append({"role": "assistant", "content": m["original_content"] or ""})
-        else:
-            out.append(m)
-    if out and "original_content" in messages[-1]:
-        out.pop()
-    return out
+def turn_prompts(messages: list[dict]) -> list[list[dict]]:
+    """The prompt of each response the sample will get: one in `last` mode; in `all` mode one per turn to
+    regenerate, the conversation before it with the old answers standing in for the new ones."""
+    slots = [i for i, m in enumerate(messages) if "original_content" in m]
+    if not slots:
+        return [messages]
+    stand_in = [{"role": "assistant", "content": m["original_content"] or ""} if "original_content" in m else m
+                for m in messages]
+    return [stand_in[:slot] for slot in slots]
 
 
 def count_prompt_tokens(model_path: str, samples: list[dict], thinking: bool) -> list[int]:
@@ -75,16 +76,24 @@ def count_prompt_tokens(model_path: str, samples: list[dict], thinking: bool) ->
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     counts = []
     for sample in samples:
-        # Rendered to text, then encoded without special tokens: exactly what the worker does (render_prompt).
-        text = tokenizer.apply_chat_template(
-            _prompt_messages(sample["messages"]),
-            tools=sample.get("tools") or None,
-            tokenize=False,
-            add_generation_prompt=True,
-            enable_thinking=thinking,
-        )
-        counts.append(len(tokenizer.encode(text, add_special_tokens=False)))
+        total = 0
+        for messages in turn_prompts(sample["messages"]):
+            # Rendered to text, then encoded without special tokens: exactly what the worker does (render_prompt).
+            text = tokenizer.apply_chat_template(
+                messages,
+                tools=sample.get("tools") or None,
+                tokenize=False,
+                add_generation_prompt=True,
+                enable_thinking=thinking,
+            )
+            total += len(tokenizer.encode(text, add_special_tokens=False))
+        counts.append(total)
     return counts
+
+
+def count_responses(samples: list[dict]) -> list[int]:
+    """Responses (training samples) each sample will give: its turns to regenerate in `all` mode, else 1."""
+    return [len(turn_prompts(s["messages"])) for s in samples]
 
 
 @dataclass
@@ -96,6 +105,7 @@ class Estimate:
     response_tokens_max: int
     layers: int
     hidden_size: int
+    responses: int | None = None  # training samples (multi-turn: one per regenerated turn); None: one per sample
 
     @property
     def context_tokens(self) -> int:
@@ -116,6 +126,8 @@ class Estimate:
             "tokenised with the model's chat template)",
             f"response tokens: {self.response_tokens_assumed:,} assumed, {self.response_tokens_max:,} at most",
         ]
+        if self.responses is not None and self.responses != self.samples:
+            out.append(f"responses: {self.responses:,} (every regenerated turn is a sample with its own states)")
         if self.layers == 0:
             out.append("hidden states: capture off, nothing stored")
             return out
@@ -130,16 +142,19 @@ class Estimate:
 
 
 def build_estimate(*, samples: int, token_counts: list[int], max_tokens: int, assumed_response_tokens: int | None,
-                   layers: int, hidden_size: int) -> Estimate:
+                   layers: int, hidden_size: int, response_counts: list[int] | None = None) -> Estimate:
+    """`token_counts` and `response_counts` are per sampled sample (all its turns' prompts; its responses)."""
     sampled = len(token_counts)
     prompt_tokens = round(sum(token_counts) * samples / sampled) if sampled else 0
+    responses = round(sum(response_counts) * samples / len(response_counts)) if response_counts else samples
     per_response = assumed_response_tokens if assumed_response_tokens is not None else max_tokens // 2
     return Estimate(
         samples=samples,
         sampled=sampled,
         prompt_tokens=prompt_tokens,
-        response_tokens_assumed=samples * per_response,
-        response_tokens_max=samples * max_tokens,
+        response_tokens_assumed=responses * per_response,
+        response_tokens_max=responses * max_tokens,
         layers=layers,
         hidden_size=hidden_size,
+        responses=responses,
     )

@@ -34,7 +34,7 @@ from producer.accounting import (
     write_produce_state,
 )
 from producer.enqueue import ShardSender
-from producer.estimate import Estimate, Reservoir, build_estimate, count_prompt_tokens
+from producer.estimate import Estimate, Reservoir, build_estimate, count_prompt_tokens, count_responses
 from producer.normalise import Rejected, normalise, parse_line
 from producer.readers import InputReader, ReadFailure, expand_inputs
 from producer.run_setup import (
@@ -136,6 +136,7 @@ def _dry_run(opts: ProduceOptions, run_id: str, paths: list[str], model: dict, l
         assumed_response_tokens=opts.assumed_response_tokens,
         layers=len(layers["vllm_ids"]) if layers else 0,
         hidden_size=model["hidden_size"],
+        response_counts=count_responses(reservoir.items),
     )
     return ProduceResult(run_id, "dry_run", acc, paths, estimate=estimate)
 

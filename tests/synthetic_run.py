@@ -66,7 +66,7 @@ def _sample(i: int, spec: Spec, rng: np.random.Generator) -> tuple[dict, np.ndar
         reasoning, answer = f"thinking {i} " * 3, f"answer {i} " * 4
     prompt = [int(t) for t in rng.integers(10, 90, n_prompt)]
     finish = "length" if i % 11 == 10 else "stop"
-    flags = sample_flags(thinking=True, reasoning=reasoning, answer=answer, answer_tokens=n_answer,
+    flags = sample_flags(thinking=True, reasoning=reasoning, think_closed=True, answer=answer, answer_tokens=n_answer,
                          finish_reason=finish, output_ids=out, quality=QualitySettings())
     source = spec.sources[i % len(spec.sources)]
     rec = {

@@ -75,3 +75,20 @@ def test_reservoir_is_uniform_enough_and_bounded():
         r.offer(i)
     assert len(r.items) == 100 and r.seen == 10_000
     assert 3000 < sum(r.items) / 100 < 7000
+
+
+def test_a_multi_turn_estimate_counts_every_regenerated_turns_prompt_and_response():
+    from producer.estimate import turn_prompts
+    from producer.normalise import normalise
+
+    row = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                        {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}
+    prompts = turn_prompts(normalise(row, file="f", line=1, regenerate="all")["messages"])
+    assert [[m["content"] for m in p] for p in prompts] == [["a"], ["a", "b", "c"]]  # old answers stand in
+    assert turn_prompts(normalise(row, file="f", line=1)["messages"]) == [[{"role": "user", "content": "a"},
+                                                                            {"role": "assistant", "content": "b"},
+                                                                            {"role": "user", "content": "c"}]]
+    e = build_estimate(samples=1000, token_counts=[100, 300], max_tokens=4096, assumed_response_tokens=None,
+                       layers=5, hidden_size=5120, response_counts=[2, 4])
+    assert e.responses == 3000 and e.response_tokens_assumed == 3000 * 2048 and e.response_tokens_max == 3000 * 4096
+    assert "responses: 3,000" in "\n".join(e.lines())

@@ -17,6 +17,7 @@ from workers.quality import (
     sample_flags,
     split_reasoning,
     states_problem,
+    think_closed,
 )
 
 Q = QualitySettings()
@@ -26,8 +27,8 @@ THINK_END, EOS = 10, 2
 def flags_for(text: str, output_ids: list[int], finish_reason: str = "stop", thinking: bool = True) -> list[str]:
     reasoning, answer = split_reasoning(text, thinking)
     n = answer_token_count(output_ids, THINK_END, {EOS}, answer)
-    return sample_flags(thinking=thinking, reasoning=reasoning, answer=answer, answer_tokens=n,
-                        finish_reason=finish_reason, output_ids=output_ids, quality=Q)
+    return sample_flags(thinking=thinking, reasoning=reasoning, think_closed=think_closed(text), answer=answer,
+                        answer_tokens=n, finish_reason=finish_reason, output_ids=output_ids, quality=Q)
 
 
 def test_the_known_stub_is_flagged_as_empty_reasoning_and_stub_answer():
@@ -56,7 +57,15 @@ def test_truncated_thinking_is_truncated_not_stub():
 
 def test_missing_think_end_when_the_model_stops_without_closing():
     out = list(range(20, 60)) + [EOS]
-    assert "missing_think_end" in flags_for("an answer with no think block at all, long enough", out)
+    assert set(flags_for("an answer with no think block at all, long enough", out)) == {"missing_think_end",
+                                                                                       "empty_answer"}
+
+
+def test_unterminated_thinking_is_reasoning_with_an_empty_answer_never_an_answer_with_think():
+    assert split_reasoning("<think>\nstill thinking about", thinking=True) == ("still thinking about", "")
+    assert split_reasoning("still thinking about", thinking=True) == ("still thinking about", "")
+    assert split_reasoning("a plain answer", thinking=False) == (None, "a plain answer")
+    assert split_reasoning("<think>\nhm\n</think>\n\nYes.", thinking=True) == ("hm", "Yes.")
 
 
 def test_non_thinking_mode_checks_only_the_answer():

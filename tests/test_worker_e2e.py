@@ -170,29 +170,6 @@ def test_staged_reconcile_recaptures_a_shard_whose_capture_was_lost(inline_run, 
     assert len(run_states(e2e_storage, "staged-lost", staged=True)) == 6
 
 
-def test_multi_turn_mode_regenerates_every_assistant_turn_in_order(cpu_worker, e2e_storage, tiny_qwen3, tmp_path):
-    import json
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_qwen3))
-    rows = [{"messages": [{"role": "user", "content": f"Name a colour, round {i}."},
-                          {"role": "assistant", "content": "Blue."},
-                          {"role": "user", "content": "And another?"},
-                          {"role": "assistant", "content": "Red."}]} for i in range(3)]
-    inputs = tmp_path / "multi.jsonl"
-    inputs.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    produce(e2e_storage, "multiturn", [inputs], tiny_qwen3, "--regenerate", "all")
-    wait_run_done(e2e_storage, "multiturn")
-    for r in run_records(e2e_storage, "multiturn"):
-        assert r["status"] == "ok"
-        assert len(r["turns"]) == 1  # the first assistant turn, regenerated before the final one
-        first = r["turns"][0]
-        assert "Blue." not in tok.decode(r["input_ids"][: r["num_prompt_tokens"]])  # the old answer is gone
-        # The final prompt is the conversation with the model's own first turn in place of the original.
-        assert r["messages"][1]["role"] == "assistant" and r["messages"][1]["content"] == first["answer"]
-        assert r["input_ids"][: r["num_prompt_tokens"]] == render_prompt(tok, r["messages"], None, thinking=True)
-        assert sum(r["loss_mask"]) == r["num_output_tokens"]
-
-
 def test_a_shard_for_other_layers_is_refused_with_the_reason_on_the_run(cpu_worker, e2e_storage, tiny_qwen3,
                                                                          tmp_path):
     from app.storage import RunStore, Storage

@@ -14,9 +14,16 @@ import numpy as np
 
 from app.hidden_file import encode_sample
 from app.ids import seed_for
-from app.records import loss_mask, rejected_record
+from app.records import conversation_id, loss_mask, rejected_record
 from workers.engine import GenRequest, GenResult
-from workers.quality import answer_token_count, is_stub, sample_flags, split_reasoning, states_problem
+from workers.quality import (
+    answer_token_count,
+    is_stub,
+    sample_flags,
+    split_reasoning,
+    states_problem,
+    think_closed,
+)
 
 
 def render_prompt(tokenizer, messages: list[dict], tools, thinking: bool) -> list[int]:
@@ -34,67 +41,73 @@ def _special_ids(tokenizer) -> tuple[int | None, set[int]]:
     return think_end, eos
 
 
-def generate_shard(ctx, manifest: dict, run_id: str, shard_id: str, samples: list[dict], hidden_out=None):
-    """Return (records, summary) for one shard; with inline capture each sample's states go into `hidden_out`
-    (a `workers.shard_output.HiddenFileStream`) as soon as they are encoded."""
-    settings = manifest["settings"]
-    sampling = dict(settings["sampling"])
-    run_seed = int(sampling.pop("seed", 0))
-    thinking = bool(settings["thinking"])
-    capture_inline = settings["capture_mode"] == "inline"
-    if capture_inline and hidden_out is None:
-        raise ValueError("inline capture needs a hidden-state file to write into")
-    layers = settings["layers"]["vllm_ids"] if settings.get("layers") else None
-    max_prompt = int(settings["max_prompt_tokens"])
-    max_len = ctx.engine.options.max_model_len
-    quality = _quality(settings)
-    level = int(settings.get("compression_level", 3))
-    think_end_id, eos_ids = _special_ids(ctx.tokenizer)
+class ShardGeneration:
+    """One shard's records as they are built: a record per training sample, in `records` order.
 
-    if settings.get("regenerate") == "all":
-        from workers.multiturn import fill_earlier_turns
+    `add` renders a sample's prompt (or rejects it with a reason) and returns its request; `finish` fills the
+    record from the engine's result on the delivery thread and hands its states to the encoder pool; `collect`
+    waits for the encodings and returns (records, summary). Single-turn runs add one sample per input sample
+    and run the engine once; multi-turn runs (workers/multiturn.py) add one per regenerated turn, round by round.
+    """
 
-        samples = fill_earlier_turns(ctx, settings, samples, render_prompt)
+    def __init__(self, ctx, manifest: dict, run_id: str, shard_id: str, hidden_out=None):
+        settings = manifest["settings"]
+        self.ctx, self.run_id, self.shard_id = ctx, run_id, shard_id
+        self.sampling = dict(settings["sampling"])
+        self.run_seed = int(self.sampling.pop("seed", 0))
+        self.thinking = bool(settings["thinking"])
+        self.capture_inline = settings["capture_mode"] == "inline"
+        if self.capture_inline and hidden_out is None:
+            raise ValueError("inline capture needs a hidden-state file to write into")
+        self.hidden_out = hidden_out
+        self.layers = settings["layers"]["vllm_ids"] if settings.get("layers") else None
+        self.max_prompt = int(settings["max_prompt_tokens"])
+        self.max_len = ctx.engine.options.max_model_len
+        self.quality = _quality(settings)
+        self.level = int(settings.get("compression_level", 3))
+        self.think_end_id, self.eos_ids = _special_ids(ctx.tokenizer)
+        self.records: list[dict] = []
+        self.encoded: dict[int, Future] = {}
+        self.spans: list[tuple[float, float]] = []
+        self.gen_seconds = 0.0
 
-    records: list[dict | None] = [None] * len(samples)
-    requests: list[GenRequest] = []
-    for i, sample in enumerate(samples):
-        base = {
-            "run_id": run_id, "shard_id": shard_id, "sample_id": sample["id"], "index": i,
-            "source": sample.get("source"), "messages": sample["messages"], "tools": sample.get("tools"),
-            "worker": ctx.worker_name, "device": ctx.config.device_class,
+    def base(self, sample: dict, index: int, messages: list[dict], **extra) -> dict:
+        return {
+            "run_id": self.run_id, "shard_id": self.shard_id, "sample_id": sample["id"], "index": index, **extra,
+            "source": sample.get("source"), "messages": messages, "tools": sample.get("tools"),
+            "worker": self.ctx.worker_name, "device": self.ctx.config.device_class,
         }
-        if "turns" in sample:
-            base["turns"] = sample["turns"]
+
+    def add(self, base: dict) -> GenRequest | None:
+        """Append the sample's record; its request, or None when the prompt is rejected (the record says why)."""
+        pos = len(self.records)
         try:
-            with ctx.tokenizer_lock:
-                prompt_ids = render_prompt(ctx.tokenizer, sample["messages"], sample.get("tools"), thinking)
+            with self.ctx.tokenizer_lock:
+                prompt_ids = render_prompt(self.ctx.tokenizer, base["messages"], base["tools"], self.thinking)
         except Exception as exc:  # a template that cannot render this conversation
-            records[i] = rejected_record(base, "template_error", f"{type(exc).__name__}: {exc}")
-            continue
-        if len(prompt_ids) > max_prompt or len(prompt_ids) + sampling["max_tokens"] > max_len:
-            records[i] = rejected_record(
+            self.records.append(rejected_record(base, "template_error", f"{type(exc).__name__}: {exc}"))
+            return None
+        if len(prompt_ids) > self.max_prompt or len(prompt_ids) + self.sampling["max_tokens"] > self.max_len:
+            self.records.append(rejected_record(
                 base, "prompt_too_long",
-                f"{len(prompt_ids)} prompt tokens (limit {max_prompt}; engine max_model_len {max_len} "
-                f"with max_tokens {sampling['max_tokens']})",
-            )
-            continue
-        seed = seed_for(run_seed, sample["id"])
-        records[i] = {**base, "seed": seed}
-        requests.append(GenRequest(str(i), prompt_ids, {**sampling, "seed": seed}, capture=capture_inline))
+                f"{len(prompt_ids)} prompt tokens (limit {self.max_prompt}; engine max_model_len {self.max_len} "
+                f"with max_tokens {self.sampling['max_tokens']})",
+            ))
+            return None
+        seed = seed_for(self.run_seed, base["sample_id"])
+        self.records.append({**base, "seed": seed})
+        return GenRequest(str(pos), prompt_ids, {**self.sampling, "seed": seed}, capture=self.capture_inline)
 
-    encoded: dict[int, Future] = {}
-    stubs = 0
-
-    def on_done(res: GenResult) -> None:
-        nonlocal stubs
+    def finish(self, res: GenResult) -> dict:
+        """The engine's result into its record (on the delivery thread); returns the record."""
         i = int(res.request_id)
-        rec = records[i]
+        rec = self.records[i]
         input_ids = res.prompt_token_ids + res.output_token_ids
-        reasoning, answer = split_reasoning(res.text, thinking)
-        n_answer = answer_token_count(res.output_token_ids, think_end_id, eos_ids, answer)
-        flags = sample_flags(thinking=thinking, reasoning=reasoning, answer=answer, answer_tokens=n_answer,
-                             finish_reason=res.finish_reason, output_ids=res.output_token_ids, quality=quality)
+        reasoning, answer = split_reasoning(res.text, self.thinking)
+        n_answer = answer_token_count(res.output_token_ids, self.think_end_id, self.eos_ids, answer)
+        flags = sample_flags(thinking=self.thinking, reasoning=reasoning, think_closed=think_closed(res.text),
+                             answer=answer, answer_tokens=n_answer, finish_reason=res.finish_reason,
+                             output_ids=res.output_token_ids, quality=self.quality)
         rec.update({
             "status": "ok",
             "input_ids": input_ids,
@@ -110,24 +123,51 @@ def generate_shard(ctx, manifest: dict, run_id: str, shard_id: str, samples: lis
             "hidden": None,
         })
         if res.captured_states is not None:
-            encoded[i] = ctx.encode_pool.submit(encode_into, hidden_out, rec["sample_id"], input_ids[:-1],
-                                                res.captured_token_ids, res.captured_states, layers, level)
-        if is_stub(flags):
-            stubs += 1
+            self.encoded[i] = self.ctx.encode_pool.submit(
+                encode_into, self.hidden_out, rec["sample_id"], input_ids[:-1], res.captured_token_ids,
+                res.captured_states, self.layers, self.level)
+        return rec
 
-    t0, wall0 = time.monotonic(), time.time()
-    engine_window = ctx.engine.run(requests, on_done) or (wall0, wall0)  # the engine's own span of this shard
-    gen_seconds = time.monotonic() - t0
+    def run(self, requests: list[GenRequest], on_done=None) -> None:
+        """One engine batch; `on_done(record, result)` runs after each result is in its record."""
 
-    for i in sorted(encoded):  # every sample's states are in the file once this loop is through
-        problems, position, n_tokens = encoded[i].result()
-        records[i]["flags"].extend(problems)
-        records[i]["hidden"] = {"index": position, "n_tokens": n_tokens, "layers": layers}
-    summary = summarise(records, gen_seconds, ctx)
-    # When the engine took this shard's requests and finished its last one (the engine's clock, not this
-    # thread's, which hears of the end later): the gaps between shards' spans are the engine's idle time.
-    summary["engine_started"], summary["engine_finished"] = (round(t, 4) for t in engine_window)
-    return records, summary
+        def done(res: GenResult) -> None:
+            rec = self.finish(res)
+            if on_done is not None:
+                on_done(rec, res)
+
+        t0, wall0 = time.monotonic(), time.time()
+        span = self.ctx.engine.run(requests, done)
+        self.gen_seconds += time.monotonic() - t0
+        self.spans.append(span or (wall0, wall0))
+
+    def collect(self, order: list[int] | None = None) -> tuple[list[dict], dict]:
+        """Wait for every encoding (all states are in the file then); (records in `order`, summary)."""
+        for i in sorted(self.encoded):
+            problems, position, n_tokens = self.encoded[i].result()
+            self.records[i]["flags"].extend(problems)
+            self.records[i]["hidden"] = {"index": position, "n_tokens": n_tokens, "layers": self.layers}
+        records = self.records if order is None else [self.records[i] for i in order]
+        summary = summarise(records, self.gen_seconds, self.ctx)
+        # When the engine took this shard's requests and finished its last one (the engine's clock, not this
+        # thread's, which hears of the end later): the gaps between shards' spans are the engine's idle time.
+        summary["engine_started"] = round(min(s[0] for s in self.spans), 4)
+        summary["engine_finished"] = round(max(s[1] for s in self.spans), 4)
+        return records, summary
+
+
+def generate_shard(ctx, manifest: dict, run_id: str, shard_id: str, samples: list[dict], hidden_out=None):
+    """Return (records, summary) for one shard; with inline capture each sample's states go into `hidden_out`
+    (a `workers.shard_output.HiddenFileStream`) as soon as they are encoded."""
+    gen = ShardGeneration(ctx, manifest, run_id, shard_id, hidden_out)
+    if manifest["settings"].get("regenerate") == "all":
+        from workers.multiturn import regenerate_turns
+
+        return regenerate_turns(gen, samples)
+    requests = [req for i, sample in enumerate(samples)
+                if (req := gen.add(gen.base(sample, i, sample["messages"]))) is not None]
+    gen.run(requests)
+    return gen.collect()
 
 
 def encode_into(hidden_out, sample_id: str, *args) -> tuple[list[str], int, int]:
@@ -160,6 +200,8 @@ def check_and_encode(sample_id: str, expected_ids: list[int], captured_ids: np.n
 
 
 def summarise(records: list[dict], gen_seconds: float, ctx) -> dict:
+    """A shard's counts. `samples` counts the producer's samples (conversations: a multi-turn conversation's
+    turns are several records of one sample), `records` the records written, `ok` the ok records."""
     flags: dict[str, int] = {}
     ok = [r for r in records if r.get("status") == "ok"]
     for r in ok:
@@ -170,7 +212,8 @@ def summarise(records: list[dict], gen_seconds: float, ctx) -> dict:
         if r.get("status") == "rejected":
             rejected[r["reject_reason"]] = rejected.get(r["reject_reason"], 0) + 1
     return {
-        "samples": len(records),
+        "samples": len({conversation_id(r) for r in records}),
+        "records": len(records),
         "ok": len(ok),
         "rejected": rejected,
         "flags": flags,

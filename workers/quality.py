@@ -7,7 +7,7 @@ its recent samples per run: when the stub-or-empty rate in it crosses the run's 
 
 Flags:
 - `empty_reasoning`  thinking mode, `</think>` present, nothing between the think tags
-- `missing_think_end` thinking mode, no `</think>` in the output
+- `missing_think_end` thinking mode, no `</think>` in the output: the whole output is reasoning, the answer empty
 - `empty_answer`     nothing after `</think>` (or no output at all) although generation stopped on its own
 - `stub_answer`      a handful of answer tokens (<= stub_max_answer_tokens), like `OK.`
 - `truncated`        finish_reason == "length"
@@ -28,14 +28,28 @@ THINK_START = "<think>"
 
 
 def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
-    """(reasoning, answer). Reasoning is None when the output has no `</think>`."""
+    """(reasoning, answer), split at the first `</think>`.
+
+    In thinking mode an output that never reached `</think>` is all reasoning and has an empty answer (and
+    is flagged `missing_think_end`): the text is the model still thinking, and calling it the answer would put
+    `<think>` and half a thought where a trainer expects the reply. Outside thinking mode an output without
+    `</think>` is all answer and reasoning is None.
+    """
     if THINK_END not in text:
-        return None, text.strip()
+        if not thinking:
+            return None, text.strip()
+        head = text.strip()
+        return (head[len(THINK_START):] if head.startswith(THINK_START) else head).strip(), ""
     head, _, answer = text.partition(THINK_END)
     head = head.strip()
     if head.startswith(THINK_START):
         head = head[len(THINK_START):]
     return head.strip(), answer.strip()
+
+
+def think_closed(text: str) -> bool:
+    """Whether the output reached `</think>`."""
+    return THINK_END in text
 
 
 def answer_token_count(output_ids: list[int], think_end_id: int | None, eos_ids: set[int], answer: str) -> int:
@@ -101,6 +115,7 @@ def sample_flags(
     *,
     thinking: bool,
     reasoning: str | None,
+    think_closed: bool,
     answer: str,
     answer_tokens: int,
     finish_reason: str | None,
@@ -112,7 +127,7 @@ def sample_flags(
     if truncated:
         flags.append("truncated")
     if thinking:
-        if reasoning is None:
+        if not think_closed:
             flags.append("missing_think_end")
         elif reasoning == "":
             flags.append("empty_reasoning")

@@ -30,13 +30,15 @@ def _progress_counts(store: RunStore, staged: bool) -> tuple[int, int]:
 
 
 def summarise(store: RunStore, console: Console, seconds: float) -> dict:
-    totals = {"shards": 0, "samples": 0, "ok": 0, "rejected": 0, "generated_tokens": 0, "stubs": 0}
+    # samples: the producer's (conversations); records: training samples (a multi-turn run has one per turn)
+    totals = {"shards": 0, "samples": 0, "records": 0, "ok": 0, "rejected": 0, "generated_tokens": 0, "stubs": 0}
     flags: dict[str, int] = {}
     for shard in sorted(store.done_shards()):
         m = store.done_marker(shard)
         totals["shards"] += 1
         for k in ("samples", "ok", "generated_tokens", "stubs"):
             totals[k] += m.get(k, 0)
+        totals["records"] += m.get("records", m.get("samples", 0))
         totals["rejected"] += sum(m.get("rejected", {}).values())
         for f, n in m.get("flags", {}).items():
             flags[f] = flags.get(f, 0) + n
@@ -78,8 +80,11 @@ def summarise(store: RunStore, console: Console, seconds: float) -> dict:
               help="The CPU engine in a process of its own (default: on with --cpu; see `regen worker --help`).")
 @click.option("--timeout", type=float, default=None, help="Give up after this many seconds.")
 def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_tokens, top_k, thinking, shard_size,
-        max_model_len, task_slots, encode_threads, engine_host, timeout):
-    """Produce INPUTS, run local workers until every shard is done, and print a summary."""
+        max_model_len, task_slots, encode_threads, engine_host, timeout, **settings):
+    """Produce INPUTS, run local workers until every shard is done, and print a summary.
+
+    Every `regen produce` option that decides the data (`--regenerate`, sampling, seed, prompt limits, the
+    pause threshold) is an option here too, with the same meaning and default."""
     from producer.produce import produce
     from producer.run_setup import ProduceOptions
     from workers.cli import settings_from_run, worker_configs
@@ -94,7 +99,7 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
         console.print(f"broker: {mask_url(broker_url)} ({how})")
         opts = ProduceOptions(inputs=list(inputs), run_id=run_id, storage=storage, model=model, broker=broker_url,
                               max_tokens=max_tokens, top_k=top_k, thinking=thinking, capture=capture,
-                              layers=layers, shard_size=shard_size)
+                              layers=layers, shard_size=shard_size, **settings)
         result = produce(opts)
         if result.status == "already_produced":  # a re-run: re-send whatever has no completion marker
             opts.resume, opts.run_id, opts.inputs = True, result.run_id, []
@@ -145,3 +150,17 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
         if paused:
             raise click.ClickException(f"run {result.run_id} paused: {paused.get('reason')} "
                                        f"(inspect it, then `regen resume-run {result.run_id}`)")
+
+
+def _take_produce_settings() -> None:
+    """Give `regen run` every option of `regen produce` that becomes a run setting and that it does not define
+    itself (by name or by flag), as the same click objects: one definition, so the two cannot drift apart."""
+    from producer.cli import _SETTING_FLAGS, produce_command
+
+    own = {p.name for p in run.params}
+    own_flags = {flag for p in run.params for flag in p.opts}
+    run.params.extend(p for p in produce_command.params
+                      if p.name in _SETTING_FLAGS and p.name not in own and not own_flags & set(p.opts))
+
+
+_take_produce_settings()
