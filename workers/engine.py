@@ -302,6 +302,12 @@ class Engine:
             os.makedirs(options.scratch_dir, exist_ok=True)
         self.llm = LLM(**llm_kwargs(options))
         self.engine = self.llm.llm_engine
+        if options.vllm_args:
+            from workers.vllm_args import effective_values, parse_vllm_args
+
+            held = effective_values(self.llm.llm_engine.vllm_config, parse_vllm_args(options.vllm_args))
+            log.info("vLLM settings from --vllm-arg, as the engine holds them: %s",
+                     ", ".join(f"{k}={v}" for k, v in held.items()))
         self.tokenizer = self.llm.get_tokenizer()
 
     @property

@@ -133,3 +133,17 @@ def worker_vllm_args(given: list[str] | tuple[str, ...], *, capture: bool, pinne
     if from_manifest:
         parse_vllm_args(from_manifest)
     return from_manifest + list(given)
+
+
+def effective_values(vllm_config, keys) -> dict:
+    """The values the built engine holds for `keys` (EngineArgs fields), read from its VllmConfig's sections:
+    proof that an operator's setting reached the engine rather than only the command line."""
+    sections = [getattr(vllm_config, name) for name in dir(vllm_config)
+                if name.endswith("_config") and not name.startswith("_")]
+    out = {}
+    for key in keys:
+        for section in sections:
+            if section is not None and hasattr(section, key):
+                out[key] = getattr(section, key)
+                break
+    return out
