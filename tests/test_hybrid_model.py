@@ -202,7 +202,7 @@ def test_a_layer_whose_rows_repeat_token_after_token_is_caught_in_linear_and_ful
         "vllm layer 4 (full_attention): NaN/Inf")
 
 
-def test_rows_left_over_from_an_earlier_sample_are_stale_but_a_shared_prefix_is_not():
+def test_rows_left_over_from_an_earlier_sample_are_stale_but_the_same_token_in_a_shared_prefix_is_not():
     seen = StaleRows()
     a_ids, a = np.arange(12), _states(seed=1)
     assert seen.check(a_ids, a) is None
@@ -210,8 +210,12 @@ def test_rows_left_over_from_an_earlier_sample_are_stale_but_a_shared_prefix_is_
     b = _states(seed=2)
     b[:6] = a[:6]
     assert seen.check(b_ids, b) is None
+    d_ids, d = np.arange(300, 312), _states(seed=4)
+    d_ids[-1] = a_ids[-1]
+    d[-1] = a[-1]  # the same token whose context rounded away (a random model's early layer): not stale
+    assert seen.check(d_ids, d) is None
     c_ids, c = np.arange(200, 212), _states(seed=3)
-    c[-1] = a[-1]  # an earlier request's last rows, never overwritten: another prefix entirely
+    c[-1] = a[-1]  # an earlier request's last rows, never overwritten, as the state of another token
     assert seen.check(c_ids, c) == "states_stale"
 
 

@@ -15,9 +15,10 @@ Flags:
 - `states_zero` / `states_nonfinite`  captured hidden states all-zero in some layer, or NaN/Inf (every layer is
   checked: on a hybrid the linear-attention layers and the full-attention ones alike)
 - `states_repeated`  in some layer most tokens' rows equal the previous token's: a buffer not written per token
-- `states_stale`     a row of this sample equals, bit for bit, a row an earlier sample had for a different token
-  prefix: values left over from another request (uncleared cache blocks, a wrong cache-group index: the failure
-  vLLM PR 45849 fixed for hybrids). Equal prefixes legitimately give equal rows and are not flagged.
+- `states_stale`     a row of this sample equals, bit for bit, a row an earlier sample had as the state of a
+  different token: values left over from another request (uncleared cache blocks, a wrong cache-group index:
+  the failure vLLM PR 45849 fixed for hybrids). The same token may get equal rows in two contexts (a shared
+  prefix) and is not flagged.
 - `capture_mismatch` captured token_ids differ from the record's input_ids[:-1]
 """
 
@@ -108,7 +109,7 @@ STATE_PROBLEMS = {
     "states_zero": "all-zero layer",
     "states_nonfinite": "NaN/Inf in states",
     "states_repeated": "most tokens' rows repeat the previous token's in a layer",
-    "states_stale": "rows equal to an earlier sample's for a different token prefix (stale values)",
+    "states_stale": "rows equal to an earlier sample's rows for other tokens (stale values)",
 }
 REPEAT_SHARE = 0.5  # a layer with more than this share of rows equal to the previous row is `states_repeated`
 _PROBE = 64  # channels compared first; only layers whose probes repeat are compared in full
@@ -134,12 +135,15 @@ def repeated_rows(states_u16: np.ndarray) -> str | None:
 
 
 class StaleRows:
-    """Content hashes of a few rows of recent samples, each with the hash of the token prefix it belongs to.
+    """Content hashes of a few rows of recent samples, each with the token it is the state of.
 
-    A row's state is a function of its token prefix, so two samples may share a row only where they share the
-    prefix (a common system prompt). A row seen before under a *different* prefix is a stale value. Each sample
-    contributes `positions` rows per layer (spread over its tokens), and the table keeps the newest `capacity`;
-    all-zero rows are skipped (`states_zero` covers them). Thread-safe: encoder threads share one per process.
+    A row is the state of one token in its context: the token's own embedding runs through the residual stream
+    of every layer, so two different tokens never get the same row. The same token in two contexts can (a
+    shared prefix, or a context whose contribution rounds away in bf16, as in a small random model's early
+    layers), so only a row seen before *for a different token* is flagged: a value left over from another
+    request. Each sample contributes `positions` rows per layer (spread over its tokens), and the table keeps the
+    newest `capacity`; all-zero rows are skipped (`states_zero` covers them). Thread-safe: encoder threads share
+    one per process.
     """
 
     def __init__(self, capacity: int = 1 << 16, positions: int = 16):
@@ -148,27 +152,25 @@ class StaleRows:
         self._lock = threading.Lock()
 
     def check(self, token_ids: np.ndarray, states_u16: np.ndarray) -> str | None:
-        """'states_stale' if a row of this sample was seen before under another prefix; records its rows."""
+        """'states_stale' if a row of this sample was seen before as another token's state; records its rows."""
         n_tokens = min(len(token_ids), states_u16.shape[0])
         if n_tokens == 0:
             return None
-        ids = np.ascontiguousarray(token_ids[:n_tokens], dtype=np.int64)
         picks = sorted({round(k * (n_tokens - 1) / max(1, self.positions - 1)) for k in range(self.positions)})
         entries = []
         for t in picks:
-            prefix = xxhash.xxh3_64_intdigest(ids[:t + 1].tobytes())
+            token = int(token_ids[t])
             for layer in range(states_u16.shape[1]):
                 row = np.ascontiguousarray(states_u16[t, layer])
-                if not row.any():
-                    continue
-                entries.append((xxhash.xxh3_64_intdigest(row.tobytes(), seed=layer), prefix))
+                if row.any():
+                    entries.append((xxhash.xxh3_64_intdigest(row.tobytes(), seed=layer), token))
         stale = False
         with self._lock:
-            for key, prefix in entries:
+            for key, token in entries:
                 seen = self._seen.get(key)
-                if seen is not None and seen != prefix:
+                if seen is not None and seen != token:
                     stale = True
-                self._seen[key] = prefix
+                self._seen[key] = token
                 self._seen.move_to_end(key)
             while len(self._seen) > self.capacity:
                 self._seen.popitem(last=False)
