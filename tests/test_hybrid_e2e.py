@@ -104,7 +104,7 @@ def test_a_hybrid_staged_capture_equals_transformers_too(hybrid_worker, hybrid_s
     verify_ok(hybrid_storage, "hybrid-staged")
 
 
-def test_the_operators_vllm_setting_reaches_the_engine_and_its_attempt_records(hybrid_inline, hybrid_worker,
+def test_the_operators_vllm_setting_reaches_the_engine_and_its_attempt_records(hybrid_inline, hybrid_worker,  # noqa: F811
                                                                                hybrid_storage):  # noqa: F811
     # the engine's own config holds the value (logged from its VllmConfig once built), not just the command line
     assert "vLLM settings from --vllm-arg, as the engine holds them: max_num_batched_tokens=6144" in hybrid_worker.text()
@@ -138,7 +138,7 @@ def test_a_hybrid_shard_survives_a_sigkill_of_its_worker(hybrid_worker, hybrid_s
 
 @pytest.mark.parametrize("shape,capture", [("text-only", "inline"), ("multimodal", "staged")])
 def test_regen_run_completes_on_both_hybrid_checkpoint_shapes(shape, capture, tiny_hybrid, tiny_hybrid_mm,  # noqa: F811
-                                                              hybrid_redis, tmp_path):
+                                                              hybrid_redis, tmp_path):  # noqa: F811
     model = tiny_hybrid if shape == "text-only" else tiny_hybrid_mm
     inputs = prompts_file(tmp_path, n_synthetic=8, with_formats=False)
     storage = tmp_path / "storage"
