@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from app.cli import main
 from app.hidden_file import bf16_to_float32
 from app.storage import RunStore, Storage
-from tests.conftest import wait_for, worker_env
+from tests.conftest import redis_or_fail, wait_for, worker_env
 from tests.e2e_helpers import engine_host_pid, process_gone, produce, prompts_file, run_states, wait_run_done
 from tests.hybrid_fixtures import (  # noqa: F401
     HYBRID_BROKER,
@@ -140,6 +140,7 @@ def test_a_hybrid_shard_survives_a_sigkill_of_its_worker(hybrid_worker, hybrid_s
 def test_regen_run_completes_on_both_hybrid_checkpoint_shapes(shape, capture, tiny_hybrid, tiny_hybrid_mm,  # noqa: F811
                                                               hybrid_redis, tmp_path):  # noqa: F811
     model = tiny_hybrid if shape == "text-only" else tiny_hybrid_mm
+    redis_or_fail(RUN_BROKER).flushdb()  # nothing left from an earlier session's runs
     inputs = prompts_file(tmp_path, n_synthetic=8, with_formats=False)
     storage = tmp_path / "storage"
     env = {**worker_env(RUN_BROKER), "REGEN_VISIBILITY_TIMEOUT": "60"}

@@ -237,3 +237,25 @@ def test_the_cpu_torchvision_stand_in_satisfies_imports_fails_on_use_and_yields_
     monkeypatch.setattr(standin, "real_torchvision_version", lambda: "0.28.0")
     with pytest.raises(ImportError, match="must never stand in beside a real torchvision"):
         standin.refuse_beside_real_torchvision()
+
+
+def test_data_changing_vllm_args_reach_workers_only_through_the_run_manifest(tiny_hybrid, tmp_path):  # noqa: F811
+    from app.manifest import RunSettings
+    from producer.run_setup import ProduceOptions, build_settings, run_engine_args
+    from workers.vllm_args import worker_vllm_args
+
+    assert run_engine_args(["kv_cache_dtype=fp8", "max_num_batched_tokens=8192"], capture=True) == {
+        "kv_cache_dtype": "fp8", "max_num_batched_tokens": "8192"}
+    with pytest.raises(ConfigError, match="capture engines run without prefix caching"):
+        run_engine_args(["enable_prefix_caching=true"], capture=True)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"question": "hi"}) + "\n")
+    plain = build_settings(ProduceOptions(inputs=[str(prompts)], model=str(tiny_hybrid)), [str(prompts)])
+    assert "engine_args" not in plain.to_dict()  # older runs' settings compare equal when reopened
+    pinned = build_settings(ProduceOptions(inputs=[str(prompts)], model=str(tiny_hybrid),
+                                           vllm_args=["kv_cache_dtype=fp8"]), [str(prompts)]).to_dict()
+    assert pinned["engine_args"] == {"kv_cache_dtype": "fp8"} and isinstance(plain, RunSettings)
+    # a worker of that run gets the manifest's setting, and may repeat it, but not change it
+    assert worker_vllm_args([], capture=True, pinned=pinned["engine_args"]) == ["kv_cache_dtype=fp8"]
+    with pytest.raises(ConfigError, match="kv_cache_dtype=auto would change the attention numerics"):
+        worker_vllm_args(["kv_cache_dtype=auto"], capture=True, pinned=pinned["engine_args"])
