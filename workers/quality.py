@@ -14,7 +14,8 @@ Flags:
 - `repetition_loop`  the output ends in an n-gram repeated many times
 - `states_zero` / `states_nonfinite`  captured hidden states all-zero in some layer, or NaN/Inf (every layer is
   checked: on a hybrid the linear-attention layers and the full-attention ones alike)
-- `states_repeated`  in some layer most tokens' rows equal the previous token's: a buffer not written per token
+- `states_repeated`  in some layer most tokens' rows equal the previous (different) token's: a buffer not written
+  per token
 - `states_stale`     a row of this sample equals, bit for bit, a row an earlier sample had as the state of a
   different token: values left over from another request (uncleared cache blocks, a wrong cache-group index:
   the failure vLLM PR 45849 fixed for hybrids). The same token may get equal rows in two contexts (a shared
@@ -115,20 +116,28 @@ REPEAT_SHARE = 0.5  # a layer with more than this share of rows equal to the pre
 _PROBE = 64  # channels compared first; only layers whose probes repeat are compared in full
 
 
-def repeated_rows(states_u16: np.ndarray) -> str | None:
+def repeated_rows(states_u16: np.ndarray, token_ids: np.ndarray | None = None) -> str | None:
     """'states_repeated' when, in some layer, more than REPEAT_SHARE of the tokens' rows equal the previous
-    token's bit for bit. A real forward pass gives every position its own row (its context differs); a capture
-    that broadcast one row, or kept writing the same slot, does not. Compares a 64-channel probe of every row,
-    and whole rows only where the probes repeat, so it costs a small fraction of `states_problem`."""
+    token's bit for bit although the two tokens differ. A token's own embedding runs through every layer, so a
+    real forward pass gives different tokens different rows; a capture that broadcast one row, or kept writing
+    the same slot, does not. (The same token twice in a row may legitimately round to one row in a small model's
+    early layers, so such pairs do not count.) Compares a 64-channel probe of every row, and whole rows only
+    where the probes repeat, so it costs a small fraction of `states_problem`."""
     n_tokens = states_u16.shape[0]
     if n_tokens < 4:
         return None
     rows = states_u16.reshape(n_tokens, states_u16.shape[1], -1)
+    differ = np.ones(n_tokens - 1, dtype=bool)
+    if token_ids is not None and len(token_ids) >= n_tokens:
+        ids = np.asarray(token_ids[:n_tokens])
+        differ = ids[1:] != ids[:-1]
+    limit = REPEAT_SHARE * max(1, int(differ.sum()))
+    if differ.sum() < 3:
+        return None
     probe = rows[:, :, :_PROBE]
-    same = (probe[1:] == probe[:-1]).all(axis=2).sum(axis=0)  # per layer
-    limit = REPEAT_SHARE * (n_tokens - 1)
+    same = ((probe[1:] == probe[:-1]).all(axis=2) & differ[:, None]).sum(axis=0)  # per layer
     for layer in np.flatnonzero(same > limit):
-        full = (rows[1:, layer] == rows[:-1, layer]).all(axis=1).sum()
+        full = ((rows[1:, layer] == rows[:-1, layer]).all(axis=1) & differ).sum()
         if full > limit:
             return "states_repeated"
     return None
@@ -185,7 +194,8 @@ def process_stale_rows() -> StaleRows:
 
 def implausible_states(token_ids: np.ndarray, states_u16: np.ndarray, stale: StaleRows | None) -> str | None:
     """The plausibility checks after `states_problem`: repeated rows within the sample, stale rows across samples."""
-    return repeated_rows(states_u16) or (stale.check(token_ids, states_u16) if stale is not None else None)
+    return repeated_rows(states_u16, token_ids) or (stale.check(token_ids, states_u16) if stale is not None
+                                                     else None)
 
 
 def layer_detail(states_u16: np.ndarray, layers: list[int], kinds: list[str] | None = None) -> str:
