@@ -16,8 +16,10 @@ stage of a staged run) keep vLLM's default, except where vLLM cannot have it:
   scripts/cpu-torchvision-standin).
 
 Hybrid targets returned NaN or garbage hidden states until vLLM PR 45849 (issue 45734: the hidden-state KV
-group index was hard-coded to 0 and its new cache blocks were not zeroed), merged on 2026-06-16; 0.25.0 is the
-first release cut after it. A hybrid capture engine refuses an older vLLM.
+group index was hard-coded to 0 and its new cache blocks were not zeroed), merged on 2026-06-16. The floor is
+0.25.0 (released 2026-07-11), the first release known to come after that merge; whether 0.24 carries it was not
+checked. The installed 0.32 has the fix (its connector finds the hidden-state group by its spec type). A hybrid
+capture engine refuses anything older than the floor.
 """
 
 from __future__ import annotations
