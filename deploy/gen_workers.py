@@ -34,6 +34,8 @@ x-regen: &regen
     REGEN_STORAGE_OPTIONS: ${{REGEN_STORAGE_OPTIONS:-}}
     AWS_ACCESS_KEY_ID: ${{AWS_ACCESS_KEY_ID:-}}
     AWS_SECRET_ACCESS_KEY: ${{AWS_SECRET_ACCESS_KEY:-}}
+    # the operator's vLLM engine arguments for every worker (`regen worker --vllm-arg`), space-separated KEY=VALUEs
+    REGEN_VLLM_ARGS: ${{REGEN_VLLM_ARGS:-}}
     HF_HUB_OFFLINE: "1"
   volumes:
     - ${{REGEN_STORAGE_DIR:-./storage}}:/data/runs

@@ -35,7 +35,7 @@ from producer.run_setup import (
 # Flags that become run settings; with --resume the stored values win, so giving one is refused.
 _SETTING_FLAGS = ("shard_size", "max_tokens", "thinking", "temperature", "top_p", "top_k", "min_p", "seed",
                   "capture", "layers", "max_prompt_tokens", "max_prompt_chars", "regenerate", "model",
-                  "pause_stub_rate", "pause_window", "pause_min_samples")
+                  "pause_stub_rate", "pause_window", "pause_min_samples", "vllm_args")
 
 
 def _broker_options(f):
@@ -82,6 +82,9 @@ def _broker_options(f):
               help="How many recent samples per worker the stub rate is measured over.")
 @click.option("--pause-min-samples", type=click.IntRange(min=1), default=32, show_default=True,
               help="Samples a worker must have seen before it may pause the run.")
+@click.option("--vllm-arg", "vllm_args", multiple=True, metavar="KEY=VALUE",
+              help="A vLLM engine argument every worker of the run applies, recorded in the manifest; the only way "
+                   "to give one that changes the data (dtype, quantization, kv_cache_dtype). Repeatable.")
 @click.option("--dry-run", is_flag=True, help="Count, estimate tokens and disk, enqueue nothing.")
 @click.option("--estimate-sample", type=click.IntRange(min=1), default=2000, show_default=True,
               help="Prompts tokenised for the --dry-run estimate.")
@@ -104,6 +107,7 @@ def produce_command(ctx: click.Context, inputs, run_id, resume_run, **options) -
         run_id = resume_run
     elif not inputs:
         raise ConfigError("give INPUTS to produce, or --resume RUN")
+    options["vllm_args"] = list(options.get("vllm_args") or ())
     opts = ProduceOptions(inputs=list(inputs), run_id=run_id, resume=bool(resume_run), **options)
     _run(opts)
 

@@ -59,6 +59,7 @@ class ProduceOptions:
     pause_stub_rate: float = 0.20
     pause_window: int = 256
     pause_min_samples: int = 32
+    vllm_args: list[str] = field(default_factory=list)  # KEY=VALUE, recorded in the manifest for every worker
 
     @property
     def prompt_char_cap(self) -> int:
@@ -108,6 +109,9 @@ def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
         temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
     )
     layers = None if opts.capture == "off" else parse_layers(opts.layers, info.num_layers).to_manifest()
+    if layers and info.architecture is not None and info.architecture.hybrid:
+        # which captured layers are linear and which full attention: the hybrid checks of `regen verify`
+        layers["kinds"] = [info.architecture.layer_kind(v) for v in layers["vllm_ids"]]
     return RunSettings(
         model=info.to_manifest(),
         sampling=sampling,
@@ -120,7 +124,25 @@ def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
         inputs=[describe_input(p) for p in inputs],
         quality=QualitySettings(pause_stub_rate=opts.pause_stub_rate, pause_window=opts.pause_window,
                                 pause_min_samples=opts.pause_min_samples),
+        engine_args=run_engine_args(opts.vllm_args, capture=opts.capture != "off"),
     )
+
+
+def run_engine_args(items: list[str], capture: bool) -> dict:
+    """`--vllm-arg KEY=VALUE`s as the manifest records them ({key: value text}); checked with vLLM's parser
+    where vLLM is installed (a producer host may have none: the workers check them at start-up)."""
+    if not items:
+        return {}
+    from workers.vllm_args import check_data_args, parse_vllm_args, split_item
+
+    check_data_args(items, capture=capture, pinned=dict(split_item(i) for i in items))
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        parse_vllm_args(items)
+    return dict(split_item(i) for i in items)
 
 
 def producer_settings(opts: ProduceOptions) -> dict:
@@ -152,6 +174,7 @@ def options_from_manifest(manifest: dict, stored_producer: dict | None, opts: Pr
     resumed.capture = s["capture_mode"]
     resumed.max_tokens = sampling["max_tokens"]
     resumed.model = s["model"]["path"]
+    resumed.vllm_args = [f"{k}={v}" for k, v in (s.get("engine_args") or {}).items()]
     if stored_producer and "max_prompt_chars" in stored_producer:
         resumed.max_prompt_chars = stored_producer["max_prompt_chars"]
     return resumed

@@ -10,4 +10,13 @@ $PY -m pip install --quiet -e ".[cpu,dev,s3,monitor,data]"
 # PyPI's torchvision/torchaudio/torchcodec break `import transformers` / `import vllm` beside the CPU torch
 # ("operator torchvision::nms does not exist", NOTES.md); regen needs none of them.
 $PY -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+# vLLM's Qwen3.5 module (the hybrid targets) imports torchvision at module level, through transformers' Qwen2-VL
+# image processor, and no CPU build of torchvision is on PyPI: CPU installs get regen's import stand-in
+# (scripts/cpu-torchvision-standin: every torchvision function in it raises; never installed beside a real one).
+if $PY -c "import importlib.metadata as m; m.version('torchvision')" 2>/dev/null; then
+  echo "a real torchvision is installed: regen's CPU stand-in for it is not" >&2
+else
+  $PY -m pip install --quiet ./scripts/cpu-torchvision-standin
+  rm -rf scripts/cpu-torchvision-standin/build scripts/cpu-torchvision-standin/*.egg-info
+fi
 $PY -c "import vllm, transformers, celery; print('regen set up: vllm', vllm.__version__)"

@@ -98,6 +98,14 @@ def settings_from_run(storage: str, run_id: str, queues: str) -> tuple[str, list
     return m["model"]["path"], layers, max_len, int(m["shard_size"])
 
 
+def manifest_engine_args(storage: str, run_id: str) -> dict:
+    """The vLLM arguments a run's manifest gives every worker (`regen produce --vllm-arg`)."""
+    from app import manifest as manifest_mod
+    from app.storage import RunStore, Storage
+
+    return dict(manifest_mod.load(RunStore(Storage(storage), run_id))["settings"].get("engine_args") or {})
+
+
 def _model_max_len(path: str) -> int | None:
     """The model's own context limit (vLLM refuses a larger max_model_len)."""
     from app.model_info import read_text_config
@@ -137,10 +145,15 @@ def _model_max_len(path: str) -> int | None:
               help="Run a CPU worker's in-process engine in a child process of its own, so the worker's side work "
                    "never holds the engine's GIL (default: on for --cpu; GPU engines already run in vLLM's "
                    "engine-core process) [env REGEN_ENGINE_HOST].")
+@click.option("--vllm-arg", "vllm_arg", multiple=True, metavar="KEY=VALUE", envvar="REGEN_VLLM_ARGS",
+              help="A vLLM engine argument (an EngineArgs field, e.g. max_num_batched_tokens=8192; flags take "
+                   "true/false, dicts JSON), checked by vLLM's parser at start-up; repeatable. Ones that change "
+                   "the data (dtype, quantization, ...) only through the run's manifest [env REGEN_VLLM_ARGS, "
+                   "space-separated].")
 @click.option("--log-dir", default=None, help="Write each child's log to DIR/NAME.log.")
 def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_attempts, max_num_seqs,
            max_model_len, gpu_memory_utilization, kv_cache_gib, tensor_parallel_size, task_slots, encode_threads,
-           engine_host, log_dir):
+           engine_host, vllm_arg, log_dir):
     """Start one Celery worker process per GPU (or one on the CPU) and supervise them."""
     from app.layers import parse_layers
     from app.model_info import read_model_info
@@ -160,10 +173,14 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
         raise ConfigError("give --model PATH or --run RUN")
     if layers:
         layer_ids = list(parse_layers(layers, read_model_info(model).num_layers).vllm)
+    from workers.vllm_args import worker_vllm_args
+
+    vllm_args = worker_vllm_args(vllm_arg, capture=bool(layer_ids), run_id=run_id,
+                                 pinned=manifest_engine_args(storage, run_id) if run_id else None)
     overrides = {"max_num_seqs": max_num_seqs, "gpu_memory_utilization": gpu_memory_utilization,
                  "max_model_len": max_model_len or derived_len,
                  "kv_cache_memory_bytes": int(kv_cache_gib * (1 << 30)) if kv_cache_gib else None,
-                 "host_process": engine_host}
+                 "host_process": engine_host, "vllm_args": vllm_args or None}
     configs = worker_configs(cpu=cpu, gpus=gpus, model=os.path.abspath(model), layers=layer_ids, storage=storage,
                              name=name, max_attempts=max_attempts, engine_overrides=overrides,
                              tensor_parallel_size=tensor_parallel_size, shard_size=shard_size,
@@ -176,11 +193,21 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
 @click.command("tiny-model")
 @click.argument("out_dir")
 @click.option("--layers", "num_layers", default=4, show_default=True)
-def tiny_model(out_dir, num_layers):
-    """Build a tiny random Qwen3 (real tokenizer and thinking chat template) for demos and tests."""
-    from workers.tiny_model import build_tiny_qwen3
+@click.option("--arch", type=click.Choice(["qwen3", "qwen3_5"]), default="qwen3", show_default=True,
+              help="qwen3: dense; qwen3_5: the hybrid (Gated DeltaNet + full attention every 4th layer).")
+@click.option("--multimodal", is_flag=True,
+              help="With --arch qwen3_5: the released checkpoint shape, Qwen3_5ForConditionalGeneration (language "
+                   "model under text_config, a one-block vision tower).")
+def tiny_model(out_dir, num_layers, arch, multimodal):
+    """Build a tiny random Qwen3 or Qwen3.5 (real tokenizer and thinking chat template) for demos and tests."""
+    from workers.tiny_model import build_tiny_qwen3, build_tiny_qwen3_5
 
-    click.echo(build_tiny_qwen3(out_dir, num_layers=num_layers))
+    if arch == "qwen3_5":
+        click.echo(build_tiny_qwen3_5(out_dir, num_layers=num_layers, multimodal=multimodal))
+    elif multimodal:
+        raise click.UsageError("--multimodal needs --arch qwen3_5")
+    else:
+        click.echo(build_tiny_qwen3(out_dir, num_layers=num_layers))
 
 
 @click.command("resume-run")

@@ -6,6 +6,7 @@ supervisor (`regen worker`) puts in the child's environment together with `CUDA_
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -165,6 +166,13 @@ class WorkerContext:
     @property
     def worker_name(self) -> str:
         return self.config.hostname
+
+    @functools.cached_property
+    def engine_record(self) -> dict:
+        """What attempt records say about this worker's engine (workers/shard_output.py)."""
+        from app.manifest import software_versions
+
+        return {"vllm": software_versions()["vllm"], "vllm_args": list(self.config.engine.get("vllm_args") or [])}
 
     def close(self) -> None:
         if self.closed:

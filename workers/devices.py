@@ -142,6 +142,15 @@ def attention_heads(model_path: str) -> int | None:
     return int(heads) if heads else None
 
 
+def head_counts(model_path: str) -> dict[str, int]:
+    """Every head count tensor parallelism splits, from the language model's config (`text_config` in a
+    multimodal wrapper): attention heads and, on a hybrid, the Gated DeltaNet layers' key and value heads."""
+    text = read_text_config(model_path)
+    names = {"num_attention_heads": "attention heads", "linear_num_key_heads": "linear-attention key heads",
+             "linear_num_value_heads": "linear-attention value heads"}
+    return {words: int(text[n]) for n, words in names.items() if text.get(n)}
+
+
 @dataclass(frozen=True)
 class TensorParallelChoice:
     size: int
@@ -165,9 +174,9 @@ def choose_tensor_parallel(model_path: str, devices: list[Device], memory_utiliz
     budget = int(memory * memory_utilization)
     if not weights or not budget:
         return TensorParallelChoice(1, weights, budget)
-    heads = attention_heads(model_path)
+    heads = head_counts(model_path)
     for tp in TP_SIZES:
-        if tp > len(devices) or len(devices) % tp or (heads and heads % tp):
+        if tp > len(devices) or len(devices) % tp or any(n % tp for n in heads.values()):
             continue
         if weights / tp <= WEIGHT_SHARE * budget:
             return TensorParallelChoice(tp, weights, budget)
@@ -176,5 +185,6 @@ def choose_tensor_parallel(model_path: str, devices: list[Device], memory_utiliz
         f"{model_path}: weights {weights / gib:.1f} GiB do not fit {len(devices)} GPU(s) of "
         f"{memory / gib:.0f} GiB at gpu_memory_utilization {memory_utilization} (weights may take "
         f"{WEIGHT_SHARE:.0%} of each GPU's budget, with a tensor-parallel size dividing the GPU count"
-        f"{f' and the {heads} attention heads' if heads else ''}); give --tensor-parallel-size to override"
+        f"{' and the ' + ', '.join(f'{v} {k}' for k, v in heads.items()) if heads else ''}); give "
+        "--tensor-parallel-size to override"
     )

@@ -6,6 +6,9 @@ not idle on I/O between shards. Prompts go in as token ids (the chat template is
 the manifest's `enable_thinking`), so `prompt_token_ids + output token_ids` are exactly what the engine saw
 and produced; nothing is ever re-tokenised.
 
+Settings chosen from the model's config (prefix caching, hybrids, multimodal wrappers) are in
+workers/engine_settings.py; the operator's own (`--vllm-arg`) in workers/vllm_args.py, applied last.
+
 CPU specifics (NOTES.md): chunked prefill off (per-request seeds crash it), `gpu_memory_utilization` is a
 fraction of RAM (~0.1), and the engine core runs in-process (start-up 5-7 s instead of ~40 s of spawning), in a
 process of the worker's that does nothing else (workers/engine_host.py), so no side work holds its GIL.
@@ -58,6 +61,8 @@ class EngineOptions:
     scratch_dir: str = "/tmp/regen-capture"
     dtype: str = "bfloat16"
     extra: dict = field(default_factory=dict)
+    # The operator's `--vllm-arg KEY=VALUE`s, as given (workers/vllm_args.py parses them with vLLM's parser).
+    vllm_args: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
@@ -201,7 +206,12 @@ def llm_kwargs(options: EngineOptions) -> dict:
             "kv_role": "kv_producer",
             "kv_connector_extra_config": {"shared_storage_path": options.scratch_dir},
         }
+    from workers.engine_settings import model_engine_settings
+    from workers.vllm_args import parse_vllm_args
+
+    kwargs.update(model_engine_settings(options.model, options.device, bool(options.capture_layers)))
     kwargs.update(options.extra)
+    kwargs.update(parse_vllm_args(options.vllm_args))  # the operator's, last (checked at start-up)
     return kwargs
 
 
@@ -285,11 +295,19 @@ class Engine:
         options = self.options
         if options.capture_layers:
             from workers.capture_connector import check_vllm_version
+            from workers.engine_settings import check_hybrid_capture_vllm
 
             check_vllm_version()
+            check_hybrid_capture_vllm(options.model)
             os.makedirs(options.scratch_dir, exist_ok=True)
         self.llm = LLM(**llm_kwargs(options))
         self.engine = self.llm.llm_engine
+        if options.vllm_args:
+            from workers.vllm_args import effective_values, parse_vllm_args
+
+            held = effective_values(self.llm.llm_engine.vllm_config, parse_vllm_args(options.vllm_args))
+            log.info("vLLM settings from --vllm-arg, as the engine holds them: %s",
+                     ", ".join(f"{k}={v}" for k, v in held.items()))
         self.tokenizer = self.llm.get_tokenizer()
 
     @property

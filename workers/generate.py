@@ -18,7 +18,9 @@ from app.records import conversation_id, loss_mask, rejected_record
 from workers.engine import GenRequest, GenResult
 from workers.quality import (
     answer_token_count,
+    implausible_states,
     is_stub,
+    process_stale_rows,
     sample_flags,
     split_reasoning,
     states_problem,
@@ -193,7 +195,7 @@ def check_and_encode(sample_id: str, expected_ids: list[int], captured_ids: np.n
     problems = []
     if captured_ids.shape != want.shape or not np.array_equal(captured_ids, want):
         problems.append("capture_mismatch")
-    problem = states_problem(states)
+    problem = states_problem(states) or implausible_states(captured_ids, states, process_stale_rows())
     if problem:
         problems.append(problem)
     return problems, encode_sample(sample_id, captured_ids, np.ascontiguousarray(states), layers, level)

@@ -12,15 +12,25 @@ Flags:
 - `stub_answer`      a handful of answer tokens (<= stub_max_answer_tokens), like `OK.`
 - `truncated`        finish_reason == "length"
 - `repetition_loop`  the output ends in an n-gram repeated many times
-- `states_zero` / `states_nonfinite`  captured hidden states all-zero in some layer, or NaN/Inf
+- `states_zero` / `states_nonfinite`  captured hidden states all-zero in some layer, or NaN/Inf (every layer is
+  checked: on a hybrid the linear-attention layers and the full-attention ones alike)
+- `states_repeated`  in some layer most tokens' rows equal the previous (different) token's: a buffer not written
+  per token
+- `states_stale`     a row of this sample equals, bit for bit, a row an earlier sample had as the state of a
+  different token: values left over from another request (uncleared cache blocks, a wrong cache-group index:
+  the failure vLLM PR 45849 fixed for hybrids). The same token may get equal rows in two contexts (a shared
+  prefix) and is not flagged.
 - `capture_mismatch` captured token_ids differ from the record's input_ids[:-1]
 """
 
 from __future__ import annotations
 
-from collections import deque
+import functools
+import threading
+from collections import OrderedDict, deque
 
 import numpy as np
+import xxhash
 
 STUB_FLAGS = frozenset({"empty_reasoning", "empty_answer", "stub_answer"})
 THINK_END = "</think>"
@@ -109,6 +119,108 @@ def states_problem(states_u16: np.ndarray) -> str | None:
 
 
 _STATES_BLOCK_ELEMENTS = 1 << 16  # 128 KiB of uint16 per block: stays in L2
+
+STATE_PROBLEMS = {
+    "states_zero": "all-zero layer",
+    "states_nonfinite": "NaN/Inf in states",
+    "states_repeated": "most tokens' rows repeat the previous token's in a layer",
+    "states_stale": "rows equal to an earlier sample's rows for other tokens (stale values)",
+}
+REPEAT_SHARE = 0.5  # a layer with more than this share of rows equal to the previous row is `states_repeated`
+_PROBE = 64  # channels compared first; only layers whose probes repeat are compared in full
+
+
+def repeated_rows(states_u16: np.ndarray, token_ids: np.ndarray | None = None) -> str | None:
+    """'states_repeated' when, in some layer, more than REPEAT_SHARE of the tokens' rows equal the previous
+    token's bit for bit although the two tokens differ. A token's own embedding runs through every layer, so a
+    real forward pass gives different tokens different rows; a capture that broadcast one row, or kept writing
+    the same slot, does not. (The same token twice in a row may legitimately round to one row in a small model's
+    early layers, so such pairs do not count.) Compares a 64-channel probe of every row, and whole rows only
+    where the probes repeat, so it costs a small fraction of `states_problem`."""
+    n_tokens = states_u16.shape[0]
+    if n_tokens < 4:
+        return None
+    rows = states_u16.reshape(n_tokens, states_u16.shape[1], -1)
+    differ = np.ones(n_tokens - 1, dtype=bool)
+    if token_ids is not None and len(token_ids) >= n_tokens:
+        ids = np.asarray(token_ids[:n_tokens])
+        differ = ids[1:] != ids[:-1]
+    limit = REPEAT_SHARE * max(1, int(differ.sum()))
+    if differ.sum() < 3:
+        return None
+    probe = rows[:, :, :_PROBE]
+    same = ((probe[1:] == probe[:-1]).all(axis=2) & differ[:, None]).sum(axis=0)  # per layer
+    for layer in np.flatnonzero(same > limit):
+        full = ((rows[1:, layer] == rows[:-1, layer]).all(axis=1) & differ).sum()
+        if full > limit:
+            return "states_repeated"
+    return None
+
+
+class StaleRows:
+    """Content hashes of a few rows of recent samples, each with the token it is the state of.
+
+    A row is the state of one token in its context: the token's own embedding runs through the residual stream
+    of every layer, so two different tokens never get the same row. The same token in two contexts can (a
+    shared prefix, or a context whose contribution rounds away in bf16, as in a small random model's early
+    layers), so only a row seen before *for a different token* is flagged: a value left over from another
+    request. Each sample contributes `positions` rows per layer (spread over its tokens), and the table keeps the
+    newest `capacity`; all-zero rows are skipped (`states_zero` covers them). Thread-safe: encoder threads share
+    one per process.
+    """
+
+    def __init__(self, capacity: int = 1 << 16, positions: int = 16):
+        self.capacity, self.positions = capacity, positions
+        self._seen: OrderedDict[int, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, token_ids: np.ndarray, states_u16: np.ndarray) -> str | None:
+        """'states_stale' if a row of this sample was seen before as another token's state; records its rows."""
+        n_tokens = min(len(token_ids), states_u16.shape[0])
+        if n_tokens == 0:
+            return None
+        picks = sorted({round(k * (n_tokens - 1) / max(1, self.positions - 1)) for k in range(self.positions)})
+        entries = []
+        for t in picks:
+            token = int(token_ids[t])
+            for layer in range(states_u16.shape[1]):
+                row = np.ascontiguousarray(states_u16[t, layer])
+                if row.any():
+                    entries.append((xxhash.xxh3_64_intdigest(row.tobytes(), seed=layer), token))
+        stale = False
+        with self._lock:
+            for key, token in entries:
+                seen = self._seen.get(key)
+                if seen is not None and seen != token:
+                    stale = True
+                self._seen[key] = token
+                self._seen.move_to_end(key)
+            while len(self._seen) > self.capacity:
+                self._seen.popitem(last=False)
+        return "states_stale" if stale else None
+
+
+@functools.lru_cache(maxsize=1)
+def process_stale_rows() -> StaleRows:
+    """The worker process's StaleRows (built on first use, shared by its encoder threads)."""
+    return StaleRows()
+
+
+def implausible_states(token_ids: np.ndarray, states_u16: np.ndarray, stale: StaleRows | None) -> str | None:
+    """The plausibility checks after `states_problem`: repeated rows within the sample, stale rows across samples."""
+    return repeated_rows(states_u16, token_ids) or (stale.check(token_ids, states_u16) if stale is not None
+                                                     else None)
+
+
+def layer_detail(states_u16: np.ndarray, layers: list[int], kinds: list[str] | None = None) -> str:
+    """Which captured layers are all-zero or non-finite, named with their kind on a hybrid: for messages."""
+    out = []
+    for k, layer in enumerate(layers):
+        problem = states_problem(states_u16[:, k:k + 1])
+        if problem:
+            kind = f" ({kinds[k]})" if kinds and k < len(kinds) else ""
+            out.append(f"vllm layer {layer}{kind}: {STATE_PROBLEMS[problem]}")
+    return "; ".join(out)
 
 
 def sample_flags(

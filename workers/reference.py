@@ -64,6 +64,8 @@ class ReferenceCapture:
         model.eval()
         self.model = model
         self.base = model.model if hasattr(model, "model") else model  # the decoder stack, without lm_head
+        # a multimodal wrapper (Qwen3_5ForConditionalGeneration) holds the language model beside its vision tower
+        self.base = getattr(self.base, "language_model", self.base)
         self.device = torch.device(device) if model_path is not None else next(model.parameters()).device
         decoder_layers = self.base.layers
         self.num_layers = len(decoder_layers)

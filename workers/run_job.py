@@ -78,19 +78,28 @@ def summarise(store: RunStore, console: Console, seconds: float) -> dict:
               help="Threads per local worker checking and compressing hidden states (default: from the device).")
 @click.option("--engine-host/--no-engine-host", envvar="REGEN_ENGINE_HOST", default=None,
               help="The CPU engine in a process of its own (default: on with --cpu; see `regen worker --help`).")
+@click.option("--vllm-arg", "vllm_arg", multiple=True, metavar="KEY=VALUE", envvar="REGEN_VLLM_ARGS",
+              help="A vLLM engine argument for the local workers (see `regen worker --help`); repeatable.")
 @click.option("--timeout", type=float, default=None, help="Give up after this many seconds.")
 def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_tokens, top_k, thinking, shard_size,
-        max_model_len, task_slots, encode_threads, engine_host, timeout, **settings):
+        max_model_len, task_slots, encode_threads, engine_host, vllm_arg, timeout, **settings):
     """Produce INPUTS, run local workers until every shard is done, and print a summary.
 
     Every `regen produce` option that decides the data (`--regenerate`, sampling, seed, prompt limits, the
     pause threshold) is an option here too, with the same meaning and default."""
     from producer.produce import produce
     from producer.run_setup import ProduceOptions
-    from workers.cli import settings_from_run, worker_configs
+    from workers.cli import manifest_engine_args, settings_from_run, worker_configs
     from workers.supervisor import Supervisor
+    from workers.vllm_args import worker_vllm_args
 
     console = Console(stderr=True)
+    from workers.vllm_args import data_changing, parse_vllm_args, split_item
+
+    parse_vllm_args(vllm_arg)  # a typo fails here, before anything is produced
+    # `regen run` writes the run's manifest itself: the data-changing settings go there, the others to its workers
+    pinned_args = [a for a in vllm_arg if data_changing(split_item(a)[0])]
+    worker_args = [a for a in vllm_arg if a not in pinned_args]
     if cpu and top_k is None and capture != "off":
         top_k = 0
     workdir = os.path.abspath(".regen")
@@ -99,7 +108,7 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
         console.print(f"broker: {mask_url(broker_url)} ({how})")
         opts = ProduceOptions(inputs=list(inputs), run_id=run_id, storage=storage, model=model, broker=broker_url,
                               max_tokens=max_tokens, top_k=top_k, thinking=thinking, capture=capture,
-                              layers=layers, shard_size=shard_size, **settings)
+                              layers=layers, shard_size=shard_size, vllm_args=pinned_args, **settings)
         result = produce(opts)
         if result.status == "already_produced":  # a re-run: re-send whatever has no completion marker
             opts.resume, opts.run_id, opts.inputs = True, result.run_id, []
@@ -109,10 +118,13 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
         shards = int(state["counts"]["shards"])
         queues = DEFAULT_QUEUE + ("," + DEFAULT_CAPTURE_QUEUE if capture == "staged" else "")
         model_path, layer_ids, derived_len, run_shard_size = settings_from_run(storage, result.run_id, queues)
+        # staged: the capture stage's engine is the one the data-changing checks concern
+        vllm_args = worker_vllm_args(worker_args, capture=capture != "off", run_id=result.run_id,
+                                     pinned=manifest_engine_args(storage, result.run_id))
         configs = worker_configs(cpu=cpu, gpus=gpus, model=os.path.abspath(model_path), layers=layer_ids,
                                  storage=None, name=None, max_attempts=5,
                                  engine_overrides={"max_model_len": max_model_len or derived_len,
-                                                   "host_process": engine_host},
+                                                   "host_process": engine_host, "vllm_args": vllm_args or None},
                                  shard_size=run_shard_size, task_slots=task_slots,
                                  encode_threads=encode_threads)
         sup = Supervisor(configs, broker_url, queues, log_dir=os.path.join(workdir, "logs", result.run_id))

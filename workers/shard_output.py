@@ -42,7 +42,7 @@ def record_attempt(store: RunStore, shard: str, attempt: str, worker: str, stale
     that had failed only where its workers were killed, while another copy of it went on to complete.
     """
     body = {"attempt": attempt, "worker": worker, "host": socket.gethostname(), "pid": os.getpid(),
-            "started": _now(), **extra}
+            "started": _now(), **_engine_fields(), **extra}
     store.storage.write_json(f"{store.attempts_dir(shard)}/{attempt}.json", body)
     if stale_after is None:
         return len(_attempt_names(store, shard))
@@ -58,6 +58,14 @@ def record_attempt(store: RunStore, shard: str, attempt: str, worker: str, stale
         if other.get("error") or age >= stale_after:
             counted += 1
     return counted
+
+
+def _engine_fields() -> dict:
+    """The engine this attempt runs on (vLLM's version, the operator's `--vllm-arg`s), in a worker process."""
+    from workers.context import WorkerContext
+
+    ctx = WorkerContext.current
+    return {"engine": ctx.engine_record} if ctx is not None else {}
 
 
 def _attempt_names(store: RunStore, shard: str) -> list[str]:

@@ -1,11 +1,19 @@
-"""Build a tiny random Qwen3 with a real byte-level BPE tokenizer and a ChatML thinking template, offline.
+"""Build a tiny random Qwen3 (dense) or Qwen3.5 (hybrid) with a real byte-level BPE tokenizer and a ChatML
+thinking template, offline.
 
 No model hub is reachable from CI or most dev boxes, yet the whole pipeline (vLLM generation, hidden-state
 capture, the transformers reference) must run on a real model. This builds one in ~2 s: hidden 128, 4 layers,
 2 heads of head_dim 64 (vLLM's CPU attention rejects smaller heads, NOTES.md), bf16 weights. Its outputs are
 random text, which is what a throughput test of the fleet around the engine wants.
 
-`regen tiny-model DIR` exposes it for demos; tests build it once per session.
+The hybrid (`build_tiny_qwen3_5`) has the layer mix the Qwen3.5/3.6 family ships: Gated DeltaNet linear
+attention in three of every four decoder layers, full attention in every fourth (`layer_types`), in both
+checkpoint shapes the family is released in: the text-only `Qwen3_5ForCausalLM` and the multimodal wrapper
+`Qwen3_5ForConditionalGeneration`, whose language model sits under `text_config` (with a one-block vision tower,
+never used: regen feeds text only). Its chat template follows Qwen3.5's thinking conventions: the generation
+prompt opens the think block (`<think>\n`), so the model writes its reasoning and then `</think>`.
+
+`regen tiny-model DIR [--arch qwen3_5 [--multimodal]]` exposes them for demos; tests build them once per session.
 """
 
 from __future__ import annotations
@@ -77,31 +85,10 @@ def build_tiny_qwen3(out_dir: str, vocab_size: int = 1024, num_layers: int = 4, 
     `<|im_end|>`): the empty-stub failure the quality gate exists to catch, made on purpose for its tests.
     """
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     os.makedirs(out_dir, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS),
-        special_tokens=[],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS * 50, trainer=trainer)
-    tok.add_special_tokens(SPECIAL_TOKENS[:3])
-    tok.add_tokens(SPECIAL_TOKENS[3:])  # think / tool markers are ordinary added tokens in Qwen3
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        bos_token=None,
-        unk_token=None,
-    )
-    hf_tok.chat_template = CHAT_TEMPLATE
-    hf_tok.save_pretrained(out_dir)
+    hf_tok = _tokenizer(out_dir, vocab_size, CHAT_TEMPLATE)
 
     torch.manual_seed(seed)
     config = Qwen3Config(
@@ -128,3 +115,99 @@ def build_tiny_qwen3(out_dir: str, vocab_size: int = 1024, num_layers: int = 4, 
     with open(os.path.join(out_dir, "generation_config.json"), "w") as fh:
         json.dump(gen, fh, indent=2)
     return out_dir
+
+
+# Qwen3.5's conventions on top of CHAT_TEMPLATE: thinking on opens the think block in the generation prompt
+# (`<think>\n`), thinking off pre-fills an empty one; earlier assistant turns carry their reasoning.
+QWEN3_5_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{ '<think>\\n' }}{%- endif %}",
+)
+# The wrapper's vision placeholders (Qwen3-VL numbering is the tokenizer's; regen never sends images).
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def _tokenizer(out_dir: str, vocab_size: int, chat_template: str, extra_special: tuple[str, ...] = ()):
+    """Train the small byte-level BPE on `_CORPUS`, add Qwen's special tokens, save it with `chat_template`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS) - len(extra_special),
+        special_tokens=[],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 50, trainer=trainer)
+    tok.add_special_tokens(SPECIAL_TOKENS[:3] + list(extra_special))
+    tok.add_tokens(SPECIAL_TOKENS[3:])  # think / tool markers are ordinary added tokens in Qwen3
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                     bos_token=None, unk_token=None)
+    hf_tok.chat_template = chat_template
+    hf_tok.save_pretrained(out_dir)
+    return hf_tok
+
+
+def hybrid_layer_types(num_layers: int) -> list[str]:
+    """Qwen3.5's mix: every fourth decoder layer full attention, the others Gated DeltaNet linear attention."""
+    return ["full_attention" if (k + 1) % 4 == 0 else "linear_attention" for k in range(num_layers)]
+
+
+def build_tiny_qwen3_5(out_dir: str, vocab_size: int = 1024, num_layers: int = 4, seed: int = 0,
+                       multimodal: bool = False) -> str:
+    """Write a tiny random hybrid Qwen3.5 to `out_dir`; return the path.
+
+    hidden 128; layers as `hybrid_layer_types` (4 layers: 3 linear + 1 full attention); full attention with 2
+    heads of head_dim 64 (vLLM's CPU attention rejects smaller heads), linear attention with 2 key and 2 value
+    heads of 64. `multimodal=True` writes the released shape: `Qwen3_5ForConditionalGeneration` with the language
+    model under `text_config` and a one-block vision tower.
+    """
+    import torch
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForCausalLM,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5TextConfig,
+    )
+
+    os.makedirs(out_dir, exist_ok=True)
+    hf_tok = _tokenizer(out_dir, vocab_size, QWEN3_5_CHAT_TEMPLATE, tuple(VISION_TOKENS) if multimodal else ())
+    eos, pad = hf_tok.convert_tokens_to_ids("<|im_end|>"), hf_tok.convert_tokens_to_ids("<|endoftext|>")
+    text = dict(
+        vocab_size=len(hf_tok), hidden_size=128, intermediate_size=256, num_hidden_layers=num_layers,
+        layer_types=hybrid_layer_types(num_layers), num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4, max_position_embeddings=4096, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=eos, pad_token_id=pad,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.25,
+                         **({"mrope_section": [2, 3, 3], "mrope_interleaved": True} if multimodal else {})},
+    )
+    torch.manual_seed(seed)
+    if multimodal:
+        ids = {t: hf_tok.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+        config = Qwen3_5Config(
+            text_config=text,
+            vision_config=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=1, out_hidden_size=128,
+                               patch_size=16, num_position_embeddings=64, spatial_merge_size=2,
+                               temporal_patch_size=2),
+            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+            tie_word_embeddings=True,
+        )
+        model = Qwen3_5ForConditionalGeneration(config)
+    else:
+        config = Qwen3_5TextConfig(**text)
+        model = Qwen3_5ForCausalLM(config)
+    model = model.to(torch.bfloat16)
+    model.config.dtype = "bfloat16"
+    model.save_pretrained(out_dir, safe_serialization=True)
+    gen = {"eos_token_id": [eos], "pad_token_id": pad, "do_sample": True}
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as fh:
+        json.dump(gen, fh, indent=2)
+    return out_dir
+
+
