@@ -78,11 +78,11 @@ def summarise(store: RunStore, console: Console, seconds: float) -> dict:
               help="Threads per local worker checking and compressing hidden states (default: from the device).")
 @click.option("--engine-host/--no-engine-host", envvar="REGEN_ENGINE_HOST", default=None,
               help="The CPU engine in a process of its own (default: on with --cpu; see `regen worker --help`).")
-@click.option("--vllm-arg", "vllm_arg", multiple=True, metavar="KEY=VALUE", envvar="REGEN_VLLM_ARGS",
+@click.option("--vllm-arg", "vllm_args", multiple=True, metavar="KEY=VALUE", envvar="REGEN_VLLM_ARGS",
               help="A vLLM engine argument for the local workers (see `regen worker --help`); repeatable.")
 @click.option("--timeout", type=float, default=None, help="Give up after this many seconds.")
 def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_tokens, top_k, thinking, shard_size,
-        max_model_len, task_slots, encode_threads, engine_host, vllm_arg, timeout, **settings):
+        max_model_len, task_slots, encode_threads, engine_host, vllm_args, timeout, **settings):
     """Produce INPUTS, run local workers until every shard is done, and print a summary.
 
     Every `regen produce` option that decides the data (`--regenerate`, sampling, seed, prompt limits, the
@@ -96,10 +96,10 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
     console = Console(stderr=True)
     from workers.vllm_args import data_changing, parse_vllm_args, split_item
 
-    parse_vllm_args(vllm_arg)  # a typo fails here, before anything is produced
+    parse_vllm_args(vllm_args)  # a typo fails here, before anything is produced
     # `regen run` writes the run's manifest itself: the data-changing settings go there, the others to its workers
-    pinned_args = [a for a in vllm_arg if data_changing(split_item(a)[0])]
-    worker_args = [a for a in vllm_arg if a not in pinned_args]
+    pinned_args = [a for a in vllm_args if data_changing(split_item(a)[0])]
+    worker_args = [a for a in vllm_args if a not in pinned_args]
     if cpu and top_k is None and capture != "off":
         top_k = 0
     workdir = os.path.abspath(".regen")
