@@ -28,6 +28,7 @@ from app.hidden_file import CorruptHiddenFile, HiddenFileReader, bf16_to_float32
 from app.ids import shard_id as shard_name
 from app.jsonl_zst import iter_jsonl_zst
 from app.run_reader import RunReader, ShardInfo
+from app.states_bound import promise, reference_excess, sample_problem
 
 REFERENCE_MAX_ABS = 0.05  # bf16 noise between vLLM's kernels and transformers' eager forward (NOTES.md: ~0.002)
 
@@ -209,6 +210,10 @@ def _check_states(res: ShardResult, rec: dict, hreader: HiddenFileReader, pos: i
     problem = states_problem(states)
     if problem:
         res.add(problem, "all-zero layer" if problem == "states_zero" else "NaN/Inf in states", sid)
+        good = False
+    broken = sample_problem(entry, promise(reader.settings))  # a lossy sample's recorded error vs the bound
+    if broken:
+        res.add(*broken, sample=sid)
         good = False
     return good
 
@@ -401,15 +406,24 @@ def _reference_check(reader: RunReader, pool: list[tuple[str, str]], n: int, pro
     except Exception as exc:  # a model folder that is gone or unloadable here
         problems.append(Problem("reference_unavailable", None, None, f"{type(exc).__name__}: {exc}"[:300]))
         return {"checked": 0}
-    worst = 0.0
+    worst, lossy, worst_excess = 0.0, promise(reader.settings), 0.0
     for shard, sid in chosen:
         info = reader.shard(shard)
         tokens, states = reader.states(info, {"sample_id": sid})
         got = ref.capture(tokens.tolist())
         diff = float(np.abs(bf16_to_float32(got) - bf16_to_float32(states)).max())
         worst = max(worst, diff)
-        if diff > REFERENCE_MAX_ABS:
+        if lossy.lossy:  # per token and layer: the capture tolerance plus the run's promised error
+            excess = reference_excess(bf16_to_float32(got), bf16_to_float32(states), lossy.max_rel_error,
+                                      REFERENCE_MAX_ABS)
+            worst_excess = max(worst_excess, excess)
+            if excess > 1:
+                problems.append(Problem("reference_mismatch", shard, sid,
+                                        f"a token's states differ from transformers by {excess:.2f}x what "
+                                        f"{REFERENCE_MAX_ABS} per value and the run's {lossy.dtype} bound allow"))
+        elif diff > REFERENCE_MAX_ABS:
             problems.append(Problem("reference_mismatch", shard, sid,
                                     f"max abs diff {diff:.4f} > {REFERENCE_MAX_ABS} vs transformers"))
     reader.close()
-    return {"checked": len(chosen), "max_abs": worst, "tolerance": REFERENCE_MAX_ABS}
+    out = {"checked": len(chosen), "max_abs": worst, "tolerance": REFERENCE_MAX_ABS}
+    return {**out, "states_dtype": lossy.dtype, "excess": worst_excess} if lossy.lossy else out

