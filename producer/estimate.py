@@ -137,12 +137,12 @@ class Estimate:
         """The disk for each `--states-dtype`, this run's marked."""
         from app.states_codec import promised_bound
 
-        out = ["disk by --states-dtype (ratios measured by bench/bench_hidden_codec.py):"]
+        out = ["disk by --states-dtype (* this run; ratios measured by bench/bench_hidden_codec.py):"]
         for dtype, ratio in STORED_RATIOS.items():
-            what = "lossless" if dtype == "bf16" else f"error <= {promised_bound(dtype, self.hidden_size)} of a token's norm"
-            mark = "  <- this run" if dtype == self.states_dtype else ""
-            out.append(f"  {dtype:<9} {human_bytes(compressed_bytes(self.raw_bytes, ratio)):>9} "
-                       f"(at most {human_bytes(compressed_bytes(self.raw_bytes_max, ratio))}; {ratio}x, {what}){mark}")
+            what = "lossless" if dtype == "bf16" else f"error <= {promised_bound(dtype, self.hidden_size)} x token norm"
+            name = dtype + (" *" if dtype == self.states_dtype else "")
+            out.append(f"  {name:<11} {human_bytes(compressed_bytes(self.raw_bytes, ratio)):>9} "
+                       f"(at most {human_bytes(compressed_bytes(self.raw_bytes_max, ratio))}; {ratio}x, {what})")
         return out
 
 
