@@ -4,7 +4,9 @@ Why: the failures that hurt drafter training are silent (all-zero states from a 
 copy, a shard that never ran). Every check here needs only the run itself: markers name files with sizes and
 sha256, hidden files carry per-part CRCs, records carry the ids the states must belong to, and the producer's
 counts must add up with what the workers wrote. `--reference N` additionally recomputes N samples' states
-with plain transformers (workers/reference.py), independent of vLLM's capture path.
+with plain transformers (workers/reference.py), independent of vLLM's capture path. A run with a lossy
+`--states-dtype` promises a bound on each token's relative error: every lossy sample's recorded error is held
+to it (app/states_bound.py), and the reference comparison allows it on top of the capture tolerance.
 
 Problems are `error` (exit 1) or `warning` (dead-lettered shards: accounted for, but their data is absent;
 `--strict` makes them fail too).
