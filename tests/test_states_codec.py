@@ -18,6 +18,7 @@ from app.states_codec import (
     NonFiniteStates,
     bound,
     dequantise,
+    fp8_codes,
     fp8_round,
     promised_bound,
     quantise,
@@ -58,6 +59,7 @@ def test_fp8_rounding_is_torchs_bit_for_bit_across_the_range():
     ]).astype(np.float32)
     expected = torch.from_numpy(values).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
     assert np.array_equal(fp8_round(values), expected)
+    assert np.array_equal(fp8_codes(values), expected)  # the table the encoder looks codes up in
 
 
 def test_fp8_sample_round_trip_is_torchs_own_conversion_with_the_stored_scales():
