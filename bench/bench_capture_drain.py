@@ -61,9 +61,9 @@ def torch_read(path: str) -> tuple[np.ndarray, np.ndarray]:
     return data["token_ids"].numpy(), data["hidden_states"].view(torch.int16).numpy().view(np.uint16)
 
 
-def timed(fn, *args) -> float:
+def timed(fn, *args, **kwargs) -> float:
     started = time.perf_counter()
-    fn(*args)
+    fn(*args, **kwargs)
     return time.perf_counter() - started
 
 
