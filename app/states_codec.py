@@ -13,40 +13,39 @@ Codecs (the names a run's manifest records):
 
 - `fp8-e4m3`: each (token, layer) row is divided by its scale, its largest magnitude / 448 (the largest e4m3
   value), and rounded to nearest-even in FP8 e4m3 (torch's `float8_e4m3fn`: 4 exponent bits, 3 mantissa bits,
-  subnormals). Stored: the e4m3 bytes `[T, L, H]` and the scales as float32 `[T, L]`; a reader computes
-  `bf16(value * scale)`. The exact absmax scale puts a row's largest value on 448 itself, so it comes back
-  exactly: on outlier-dominated rows (a channel 20-60x the rest, whose norm is nearly that one value) that
-  cuts the worst error of a power-of-two scale by a third (0.036 against 0.052 in a 4-sample bench run), for the reader's bf16
-  rounding on top (2**-8 relative at most). Bound: a normal e4m3 value is within 2**-4 of its input relative
-  to it, the bf16 product within 2**-8 more (with float32's rounding of the division and product, under 2**-11
-  all together beside those two); a subnormal one (|y| < 2**-6) within 2**-10 * scale absolute, and scale <=
-  ||x|| / 446. So `||e|| / ||x|| <= 2**-4 + 2**-8 + 2**-11 + sqrt(H) * 2**-10 / 446`: 0.0671 at H = 5120.
-  Per-token scaling is what keeps outlier tokens (an attention sink's states at 100x the others) from crushing
-  every other token into FP8's subnormals.
+  subnormals). Stored: the e4m3 bytes `[T, L, H]` and the scales as float32 `[T, L]`; a reader returns
+  `bf16(e4m3 * scale)`. Per-token scaling keeps an outlier token (an attention sink at 100x the others) from
+  pushing every other token into FP8's subnormals. The exact absmax scale puts a row's largest value on 448, so
+  it comes back exactly: on rows whose norm is nearly one outlier channel that cut the worst error by a third
+  against a power-of-two scale (0.036 against 0.052 in a 4-sample bench run), at the price of the reader's
+  bf16 rounding. Bound, per value: e4m3 rounding is within 2**-4 relative (normal range) or 2**-10 * scale
+  absolute (subnormals, |x / scale| < 2**-6); the bf16 product adds at most 2**-8 relative, float32's division
+  and product less than 2**-11 with the cross terms; and scale <= ||x|| / 446. So per row
+  `||e|| / ||x|| <= 2**-4 + 2**-8 + 2**-11 + sqrt(H) * 2**-10 / 446`: 0.0671 at H = 5120.
 - `bf16-m3`, `bf16-m4`: the bf16 value rounded to nearest-even at 3 (or 4) mantissa bits, stored as bf16 bit
   patterns split into high and low bytes, both zstd-compressed (the dropped bits are zeros). Bound: 2**-4 (2**-5)
   relative per value, so per row, for normal bf16 values; no scale is stored.
 
 Every codec refuses NaN/Inf (the worker stores a sample its quality gate flagged losslessly, as captured), and
-`encode_lossy` stores nothing it measured above its bound (the caller keeps such a sample lossless): the
-manifest's bound is a promise kept at write time, and `regen verify` checks the recorded figures against it.
+`app.hidden_file.encode_sample` stores losslessly any sample measured above its codec's bound: the manifest's
+bound is a promise kept at write time, and `regen verify` checks the recorded figures against it.
 The work runs in blocks of rows that stay in cache, as the lossless split does.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
 E4M3_MAX = 448.0
+_BLOCK_VALUES = 1 << 18  # float32 temporaries of 1 MiB per block: in L2
 
 
 class NonFiniteStates(ValueError):
     """The states hold NaN/Inf: no lossy codec stores them (the sample is kept as captured)."""
-
-_BLOCK_VALUES = 1 << 18  # float32 temporaries of 1 MiB per block: in L2
 
 
 @dataclass
@@ -170,6 +169,7 @@ def fp8_round(scaled: np.ndarray) -> np.ndarray:
     return code
 
 
+@functools.cache
 def _code_table() -> np.ndarray:
     """e4m3 code of every float32 by its top 16 bits and whether any lower bit is set: 2**17 entries.
 
@@ -185,16 +185,13 @@ def _code_table() -> np.ndarray:
     return table
 
 
-_CODE_OF = _code_table()
-
-
 def fp8_codes(scaled: np.ndarray) -> np.ndarray:
-    """`fp8_round(scaled)` through `_CODE_OF` (|scaled| <= 448, finite)."""
+    """`fp8_round(scaled)` through the code table (|scaled| <= 448, finite)."""
     bits = np.ascontiguousarray(scaled, dtype=np.float32).view(np.uint32)
     index = bits >> 16
     index <<= 1
     index |= (bits & 0xFFFF) != 0
-    return _CODE_OF.take(index)
+    return _code_table().take(index)
 
 
 def _row_tables(scales: np.ndarray) -> np.ndarray:
