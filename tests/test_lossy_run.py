@@ -127,8 +127,13 @@ def test_stats_reports_the_recorded_error_per_layer(tmp_path):
         tokens = sum(e["n_tokens"] for e in entries)
         rms = np.sqrt(sum(e["rms_rel_error"][k] ** 2 * e["n_tokens"] for e in entries) / tokens)
         assert row["rms"] == pytest.approx(rms) and 0 < row["rms"] <= row["max"]
-    text = CliRunner().invoke(main, ["stats", "synth", "--storage", str(tmp_path)], terminal_width=200).output
+    report = tmp_path / "report.html"
+    text = CliRunner().invoke(main, ["stats", "synth", "--storage", str(tmp_path), "--html", str(report)],
+                              terminal_width=200).output
     assert f"stored states: {FP8}" in text and "8 samples stored fp8-e4m3, 0 lossless" in text
+    page = report.read_text()
+    first = states["layers"][0]
+    assert f"<h2>stored states: {FP8}" in page and f"<td>{LAYERS[0]}</td><td>{first['max']:.5f}</td>" in page
     plain = tmp_path / "plain"
     build_run(plain)
     lossless = json.loads(CliRunner().invoke(main, ["stats", "synth", "--storage", str(plain), "--json"]).stdout)
