@@ -177,7 +177,8 @@ def test_empty_and_all_zero_samples(codec):
 
 def test_real_captured_states_of_the_tiny_model_stay_within_the_bound(tiny_qwen3):
     """States captured from the tiny dense model (transformers, the fleet's reference capture), as they are and
-    with the first token made an attention sink (100x) and a row made all-negative."""
+    with the first token made an attention sink (100x) and a row made all-negative. (The tiny hybrid model, when
+    the project has one, belongs here too.)"""
     from transformers import AutoTokenizer
 
     from workers.reference import ReferenceCapture
