@@ -140,7 +140,7 @@ def stats_cmd(run_id: str, storage: str, html_path: str | None, as_json: bool) -
     from pathlib import Path
 
     from app.run_reader import RunReader
-    from app.stats import collect, plots, print_terminal, render_html
+    from app.stats import collect, plots, print_terminal, render_html, states_summary
 
     st = collect(RunReader(storage, run_id))
     if as_json:
@@ -150,6 +150,7 @@ def stats_cmd(run_id: str, storage: str, html_path: str | None, as_json: bool) -
             "stub_rate": st.stub_rate, "stub_alarm": st.stub_alarm, "flags": dict(t.flags),
             "finish_reasons": {str(k): v for k, v in t.finish.items()}, "rejected": dict(st.rejected),
             "sources": {s: {"ok": g.ok, "stubs": g.stubs, "flags": dict(g.flags)} for s, g in st.sources.items()},
+            "states": states_summary(st),
         }, option=orjson.OPT_INDENT_2).decode())
     else:
         print_terminal(st, _console())

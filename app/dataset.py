@@ -20,7 +20,8 @@ class RegenDataset(Dataset):
     """`ds[i]` -> {input_ids int64 [T], loss_mask int64 [T], hidden_states bf16 [T-1, L, H], sample_id}.
 
     Samples are the run's `status: ok` records in shard order; only done shards are included (the index is
-    built at construction time, so a run still generating shows the shards done by then).
+    built at construction time, so a run still generating shows the shards done by then). `hidden_states` are
+    bf16 whatever the run stores (`--states-dtype`): lossy samples are decoded by the hidden-file reader.
     """
 
     def __init__(self, storage: Storage | str, run_id: str, with_hidden: bool = True, max_open_files: int = 8,

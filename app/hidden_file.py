@@ -19,6 +19,14 @@ File layout (all integers little-endian):
 States are `[n_tokens, n_layers, hidden]` in bf16, row-major. The stored `token_ids` are the ids the states
 belong to: a sample's `input_ids[:-1]` (the last generated token is never fed back through the model).
 Every part carries a CRC32 of its stored bytes, so a flipped byte is found without a reference.
+
+Lossy samples (a run's `--states-dtype`, app/states_codec.py): an entry with a `codec` (`fp8-e4m3`, `bf16-m3`,
+`bf16-m4`) holds `sizes`/`crc32` for [tok, a, b] (fp8: float32 scales [T, L], e4m3 bytes [T, L, H]; bf16-m*:
+high and low bytes), both zstd, and the error measured when it was encoded: `max_rel_error` and
+`rms_rel_error`, one per layer. A file holding any such entry says `"format": "regen.hidden/2"` in its index, so
+a reader that predates lossy samples refuses it instead of misreading FP8 bytes as bf16; a file of bf16 samples
+only is written exactly as before (`regen.hidden/1`), and both read here. Readers return bf16 whatever the entry
+holds (`read`); `read_stored` gives a lossy entry's stored arrays as they are.
 """
 
 from __future__ import annotations
@@ -33,10 +41,13 @@ import numpy as np
 import orjson
 import zstandard
 
+from app import states_codec
+
 MAGIC = b"RGHS\x00\x01\x00\x00"
 FOOTER_MAGIC = b"RGHSIDX1"
 FOOTER = struct.Struct("<QQ8s")
 FORMAT = "regen.hidden/1"
+FORMAT_LOSSY = "regen.hidden/2"  # an index with lossy entries (see the module docstring)
 
 
 class CorruptHiddenFile(ValueError):
@@ -97,6 +108,9 @@ class EncodedSample:
     # Each part's crc32, computed where the sample is encoded: the writer appends under its file's lock, and a
     # real model's sample (~140 MB of parts) took ~70 ms of crc32 there, serialising every encoder thread.
     crc32: tuple[int, int, int]
+    codec: str = "bf16"
+    max_rel_error: list[float] | None = None  # lossy codecs: the measured error per layer (app/states_codec.py)
+    rms_rel_error: list[float] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -110,14 +124,25 @@ def encode_sample(
     layers: list[int],
     level: int = 3,
     compress_low: bool = False,
+    stored: str = "bf16",
 ) -> EncodedSample:
-    """Compress one sample's states `[n_tokens, n_layers, hidden]` (bf16 bit patterns as uint16)."""
+    """Compress one sample's states `[n_tokens, n_layers, hidden]` (bf16 bit patterns as uint16).
+
+    `stored` is the run's states dtype: `bf16` (lossless) or a lossy codec of app/states_codec.py. A lossy
+    run still stores a sample losslessly when it holds NaN/Inf (the quality gate flagged it: whoever looks
+    into it sees what the engine produced) or when its measured error is above the codec's bound, so no
+    sample ever breaks the bound its run's manifest promises.
+    """
     if states_u16.dtype != np.uint16 or states_u16.ndim != 3:
         raise ValueError(f"states must be uint16 [tokens, layers, hidden], got {states_u16.dtype} {states_u16.shape}")
     n_tokens, n_layers, hidden = states_u16.shape
     if n_layers != len(layers) or len(token_ids) != n_tokens:
         raise ValueError(f"shape {states_u16.shape} does not match {len(token_ids)} tokens and layers {layers}")
     cctx = _compressor(level)
+    if stored != "bf16":
+        lossy = _encode_lossy(sample_id, token_ids, states_u16, layers, cctx, stored)
+        if lossy is not None:
+            return lossy
     high, low = split_bytes(states_u16)
     tok = cctx.compress(np.asarray(token_ids, dtype="<i4").tobytes())
     hi = cctx.compress(high.tobytes())
@@ -125,6 +150,21 @@ def encode_sample(
     parts = (tok, hi, lo)
     return EncodedSample(sample_id, n_tokens, list(layers), hidden, parts, "zstd" if compress_low else "raw",
                          tuple(zlib.crc32(p) for p in parts))
+
+
+def _encode_lossy(sample_id, token_ids, states_u16, layers, cctx, codec: str) -> EncodedSample | None:
+    """The sample in `codec`, or None where it must be stored losslessly (non-finite, or above the bound)."""
+    n_tokens, _, hidden = states_u16.shape
+    try:
+        q = states_codec.quantise(codec, states_u16)
+    except states_codec.NonFiniteStates:
+        return None
+    if q.max_rel_error and max(q.max_rel_error) > states_codec.bound(codec, hidden):
+        return None
+    tok = cctx.compress(np.asarray(token_ids, dtype="<i4").tobytes())
+    parts = (tok, *(cctx.compress(np.ascontiguousarray(a).tobytes()) for a in q.arrays))
+    return EncodedSample(sample_id, n_tokens, list(layers), hidden, parts, "zstd", tuple(zlib.crc32(p) for p in parts),
+                         codec, q.max_rel_error, q.rms_rel_error)
 
 
 _compressors = threading.local()
@@ -163,6 +203,9 @@ class HiddenFileWriter:
             "lo_codec": sample.lo_codec,
             "crc32": list(sample.crc32),
         }
+        if sample.codec != "bf16":
+            entry.pop("lo_codec")
+            entry.update(codec=sample.codec, max_rel_error=sample.max_rel_error, rms_rel_error=sample.rms_rel_error)
         for part in sample.parts:
             self._write(part)
         self.entries.append(entry)
@@ -170,7 +213,8 @@ class HiddenFileWriter:
     def close(self) -> int:
         # The index carries zstd's content checksum: its entries hold the per-part CRCs, so it needs its own.
         index = zstandard.ZstdCompressor(level=3, write_checksum=True).compress(
-            orjson.dumps({"format": FORMAT, "samples": self.entries})
+            orjson.dumps({"format": FORMAT_LOSSY if any("codec" in e for e in self.entries) else FORMAT,
+                          "samples": self.entries})
         )
         index_offset = self.offset
         self._write(index)
@@ -202,9 +246,14 @@ class HiddenFileReader:
             if not dobj.eof:
                 raise CorruptHiddenFile("truncated index")
             index = orjson.loads(raw_index)
-            if index.get("format") != FORMAT:
+            if index.get("format") not in (FORMAT, FORMAT_LOSSY):
                 raise CorruptHiddenFile(f"unknown format {index.get('format')!r}")
             self.entries: list[dict] = index["samples"]
+            for e in self.entries:
+                codec = e.get("codec", "bf16")
+                if codec != "bf16" and (index["format"] == FORMAT or codec not in states_codec.LOSSY_CODECS):
+                    raise CorruptHiddenFile(f"sample {e.get('sample_id')}: states codec {codec!r} in a "
+                                            f"{index['format']} file")
             self.by_id = {e["sample_id"]: i for i, e in enumerate(self.entries)}
         except (zstandard.ZstdError, orjson.JSONDecodeError, AttributeError, KeyError, TypeError) as exc:
             raise CorruptHiddenFile(f"unreadable index: {exc}") from exc
@@ -213,13 +262,16 @@ class HiddenFileReader:
         return len(self.entries)
 
     def read(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """Sample i as (token_ids int32 [T], states uint16 bf16 bit patterns [T, L, H]); checksums verified."""
+        """Sample i as (token_ids int32 [T], states uint16 bf16 bit patterns [T, L, H]); checksums verified.
+
+        bf16 whatever the sample is stored as: a lossy entry is decoded (app/states_codec.py)."""
         e = self.entries[i]
-        self.fh.seek(e["offset"])
-        parts = [self.fh.read(n) for n in e["sizes"]]
-        for k, (part, crc) in enumerate(zip(parts, e["crc32"], strict=True)):
-            if len(part) != e["sizes"][k] or zlib.crc32(part) != crc:
-                raise CorruptHiddenFile(f"sample {e['sample_id']}: checksum mismatch in part {k}")
+        codec = e.get("codec", "bf16")
+        if codec != "bf16":
+            tokens, arrays = self._read_lossy(e)
+            shape = (e["n_tokens"], len(e["layers"]), e["hidden"])
+            return tokens, states_codec.dequantise(codec, arrays, shape)
+        parts = self._parts(e)
         dctx = zstandard.ZstdDecompressor()
         n = e["n_tokens"] * len(e["layers"]) * e["hidden"]
         tokens = np.frombuffer(dctx.decompress(parts[0]), dtype="<i4")
@@ -230,6 +282,50 @@ class HiddenFileReader:
             raise CorruptHiddenFile(f"sample {e['sample_id']}: decoded sizes do not match the index")
         states = join_bytes(high, low).reshape(e["n_tokens"], len(e["layers"]), e["hidden"])
         return tokens, states
+
+    def _parts(self, e: dict) -> list[bytes]:
+        self.fh.seek(e["offset"])
+        parts = [self.fh.read(n) for n in e["sizes"]]
+        for k, (part, crc) in enumerate(zip(parts, e["crc32"], strict=True)):
+            if len(part) != e["sizes"][k] or zlib.crc32(part) != crc:
+                raise CorruptHiddenFile(f"sample {e['sample_id']}: checksum mismatch in part {k}")
+        return parts
+
+    def _read_lossy(self, e: dict) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        parts = self._parts(e)
+        dctx = zstandard.ZstdDecompressor()
+        rows, n = e["n_tokens"] * len(e["layers"]), e["n_tokens"] * len(e["layers"]) * e["hidden"]
+        fp8 = e["codec"] == "fp8-e4m3"
+        first_size = rows * 4 if fp8 else n  # fp8: float32 scales; bf16-m*: high bytes
+        try:
+            tokens = np.frombuffer(dctx.decompress(parts[0]), dtype="<i4")
+            first = dctx.decompress(parts[1], max_output_size=first_size)
+            second = dctx.decompress(parts[2], max_output_size=n)
+        except zstandard.ZstdError as exc:
+            raise CorruptHiddenFile(f"sample {e['sample_id']}: {exc}") from exc
+        if tokens.size != e["n_tokens"] or len(first) != first_size or len(second) != n:
+            raise CorruptHiddenFile(f"sample {e['sample_id']}: decoded sizes do not match the index")
+        shape = (e["n_tokens"], len(e["layers"]), e["hidden"])
+        if fp8:
+            return tokens, (np.frombuffer(first, dtype="<f4").reshape(shape[:2]),
+                            np.frombuffer(second, dtype=np.uint8).reshape(shape))
+        return tokens, (np.frombuffer(first, dtype=np.uint8).reshape(shape),
+                        np.frombuffer(second, dtype=np.uint8).reshape(shape))
+
+    def read_stored(self, i: int) -> tuple[str, np.ndarray, object]:
+        """Sample i as stored: (codec, token_ids, arrays); checksums verified, nothing decoded.
+
+        For an export to a trainer that reads the stored form itself. `fp8-e4m3`: (scales float32 [T, L],
+        e4m3fn bytes uint8 [T, L, H]; value = e4m3 * scale, e.g. `torch.from_numpy(b).view(torch.float8_e4m3fn)`);
+        `bf16-m*`: (high bytes, low bytes); `bf16`: the states as `read` returns them.
+        """
+        e = self.entries[i]
+        codec = e.get("codec", "bf16")
+        if codec == "bf16":
+            tokens, states = self.read(i)
+            return codec, tokens, states
+        tokens, arrays = self._read_lossy(e)
+        return codec, tokens, arrays
 
     def read_torch(self, i: int):
         """Sample i as torch tensors: (token_ids int64 [T], hidden_states bfloat16 [T, L, H])."""

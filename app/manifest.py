@@ -51,6 +51,20 @@ class QualitySettings:
 
 
 @dataclass
+class StatesStorage:
+    """How the run stores hidden states (app/states_codec.py): `bf16` (lossless) or a lossy codec, and the largest
+    per-(token, layer) relative error `||stored - captured|| / ||captured||` any of its samples may have."""
+
+    dtype: str = "bf16"
+    max_rel_error: float = 0.0
+
+
+# Settings added after runs were made: a manifest without one was made with its default, so reopening such a
+# run with the default is not a change of settings.
+_ADDED_LATER = {"states": asdict(StatesStorage())}
+
+
+@dataclass
 class RunSettings:
     """Everything that decides what a sample's output is; two runs with equal settings are interchangeable."""
 
@@ -68,6 +82,7 @@ class RunSettings:
     # vLLM engine arguments every worker of the run applies (`regen produce --vllm-arg`), the data-changing
     # ones included (workers/vllm_args.py); left out of the manifest when empty, so older runs compare equal.
     engine_args: dict = field(default_factory=dict)
+    states: StatesStorage = field(default_factory=StatesStorage)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -90,6 +105,8 @@ def settings_diff(stored: dict, wanted: dict) -> list[str]:
     fields = [f for f in wanted if f not in ("counts",)]
     out: list[str] = []
     for f in fields:
+        if f not in stored and f in _ADDED_LATER and wanted.get(f) == _ADDED_LATER[f]:
+            continue
         if f == "inputs":
             if stored.get(f) != wanted.get(f):
                 out.append("inputs")

@@ -142,7 +142,8 @@ class RunReader:
         return reader.by_id.get(rec["sample_id"])
 
     def states(self, info: ShardInfo, rec: dict) -> tuple[np.ndarray, np.ndarray] | None:
-        """(token_ids int32 [T-1], states uint16 bf16 [T-1, L, H]) for one record; CRCs checked."""
+        """(token_ids int32 [T-1], states uint16 bf16 [T-1, L, H]) for one record; CRCs checked. bf16 whatever
+        the run stores: a lossy sample is decoded (`HiddenFileReader.read_stored` gives its stored form)."""
         reader = self.hidden_reader(info)
         if reader is None:
             return None

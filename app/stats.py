@@ -17,6 +17,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from app.run_reader import RunReader
+from app.states_bound import LayerErrors, promise
 
 
 @dataclass
@@ -48,6 +49,9 @@ class RunStats:
     answer: list[int] = field(default_factory=list)
     mask_sum: list[int] = field(default_factory=list)
     speed: list[tuple[str, str, float]] = field(default_factory=list)  # (worker, finished ISO time, tokens/s)
+    states_dtype: str = "bf16"
+    states_bound: float = 0.0
+    states_errors: LayerErrors | None = None  # lossy runs: the recorded error per layer (app/states_bound.py)
 
     @property
     def stub_rate(self) -> float:
@@ -64,8 +68,15 @@ def collect(reader: RunReader) -> RunStats:
     quality = reader.settings.get("quality") or {}
     st = RunStats(reader.run_id, float(quality.get("pause_stub_rate", 0.2)))
     st.shards_total = len(reader.expected_shards())
+    run_states = promise(reader.settings)
+    st.states_dtype, st.states_bound = run_states.dtype, run_states.max_rel_error
+    if run_states.lossy and reader.layers:
+        st.states_errors = LayerErrors(list(reader.layers))
     for info in reader.shards():
         st.shards_done += 1
+        hidden = reader.hidden_reader(info) if st.states_errors is not None else None
+        for entry in hidden.entries if hidden is not None else ():  # the index only: no states are read
+            st.states_errors.add(entry)
         m = info.marker
         if m.get("generation_seconds") and m.get("generated_tokens") is not None:
             st.speed.append((str(m.get("worker")), str(m.get("finished")),
@@ -113,6 +124,26 @@ def _source_rows(st: RunStats, flags: list[str]) -> list[list[str]]:
              f"{g.output_tokens / g.ok:.0f}" if g.ok else "-"] for src, g in sorted(st.sources.items())]
 
 
+def _states_rows(st: RunStats) -> list[list[str]]:
+    return [[str(layer), f"{worst:.5f}", f"{rms:.5f}"] for layer, worst, rms in st.states_errors.rows()]
+
+
+def _states_line(st: RunStats) -> str:
+    e = st.states_errors
+    return (f"{e.lossy_samples} samples stored {st.states_dtype}, {e.lossless_samples} lossless "
+            "(flagged by the quality gate, or above the bound)")
+
+
+def states_summary(st: RunStats) -> dict:
+    """The stored-states part of `regen stats --json`."""
+    out = {"dtype": st.states_dtype, "max_rel_error_bound": st.states_bound}
+    if st.states_errors is not None:
+        e = st.states_errors
+        out.update(lossy_samples=e.lossy_samples, lossless_samples=e.lossless_samples,
+                   layers=[{"layer": layer, "max": worst, "rms": rms} for layer, worst, rms in e.rows()])
+    return out
+
+
 def print_terminal(st: RunStats, console) -> None:
     from rich.table import Table
 
@@ -139,6 +170,14 @@ def print_terminal(st: RunStats, console) -> None:
     for row in _source_rows(st, flags):
         per.add_row(*row)
     console.print(per)
+    if st.states_errors is not None:
+        errors = Table(title=f"stored states: {st.states_dtype}, relative error per token (bound {st.states_bound})")
+        for col in ("layer (vLLM id)", "max", "RMS"):
+            errors.add_column(col, justify="right")
+        for row in _states_rows(st):
+            errors.add_row(*row)
+        console.print(errors)
+        console.print(_states_line(st))
     for name, values in (("prompt", st.prompt), ("reasoning", st.reasoning), ("answer", st.answer)):
         if values:
             s = sorted(values)
@@ -222,6 +261,10 @@ def render_html(st: RunStats, images: dict[str, bytes]) -> str:
         "<h2>per input source</h2>",
         _table(["source", "ok", "stub-or-empty", *flags, "mean output tokens"], _source_rows(st, flags)),
     ]
+    if st.states_errors is not None:
+        parts += [f"<h2>stored states: {html.escape(st.states_dtype)} (bound {st.states_bound})</h2>",
+                  _table(["layer (vLLM id)", "max relative error", "RMS relative error"], _states_rows(st)),
+                  f"<p>{html.escape(_states_line(st))}</p>"]
     for name, png in images.items():
         b64 = base64.b64encode(png).decode()
         parts.append(f'<h2>{html.escape(name.replace("_", " "))}</h2><img alt="{name}" '

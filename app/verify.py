@@ -4,7 +4,9 @@ Why: the failures that hurt drafter training are silent (all-zero states from a 
 copy, a shard that never ran). Every check here needs only the run itself: markers name files with sizes and
 sha256, hidden files carry per-part CRCs, records carry the ids the states must belong to, and the producer's
 counts must add up with what the workers wrote. `--reference N` additionally recomputes N samples' states
-with plain transformers (workers/reference.py), independent of vLLM's capture path.
+with plain transformers (workers/reference.py), independent of vLLM's capture path. A run with a lossy
+`--states-dtype` promises a bound on each token's relative error: every lossy sample's recorded error is held
+to it (app/states_bound.py), and the reference comparison allows it on top of the capture tolerance.
 
 Problems are `error` (exit 1) or `warning` (dead-lettered shards: accounted for, but their data is absent;
 `--strict` makes them fail too).
@@ -28,6 +30,7 @@ from app.hidden_file import CorruptHiddenFile, HiddenFileReader, bf16_to_float32
 from app.ids import shard_id as shard_name
 from app.jsonl_zst import iter_jsonl_zst
 from app.run_reader import RunReader, ShardInfo
+from app.states_bound import promise, reference_excess, sample_problem
 
 REFERENCE_MAX_ABS = 0.05  # bf16 noise between vLLM's kernels and transformers' eager forward (NOTES.md: ~0.002)
 
@@ -219,6 +222,10 @@ def _check_states(res: ShardResult, rec: dict, hreader: HiddenFileReader, pos: i
         if problem:
             res.add(problem, STATE_PROBLEMS[problem], sid)
             good = False
+    broken = sample_problem(entry, promise(reader.settings))  # a lossy sample's recorded error vs the bound
+    if broken:
+        res.add(*broken, sample=sid)
+        good = False
     return good
 
 
@@ -431,15 +438,24 @@ def _reference_check(reader: RunReader, pool: list[tuple[str, str]], n: int, pro
     except Exception as exc:  # a model folder that is gone or unloadable here
         problems.append(Problem("reference_unavailable", None, None, f"{type(exc).__name__}: {exc}"[:300]))
         return {"checked": 0}
-    worst = 0.0
+    worst, lossy, worst_excess = 0.0, promise(reader.settings), 0.0
     for shard, sid in chosen:
         info = reader.shard(shard)
         tokens, states = reader.states(info, {"sample_id": sid})
         got = ref.capture(tokens.tolist())
         diff = float(np.abs(bf16_to_float32(got) - bf16_to_float32(states)).max())
         worst = max(worst, diff)
-        if diff > REFERENCE_MAX_ABS:
+        if lossy.lossy:  # per token and layer: the capture tolerance plus the run's promised error
+            excess = reference_excess(bf16_to_float32(got), bf16_to_float32(states), lossy.max_rel_error,
+                                      REFERENCE_MAX_ABS)
+            worst_excess = max(worst_excess, excess)
+            if excess > 1:
+                problems.append(Problem("reference_mismatch", shard, sid,
+                                        f"a token's states differ from transformers by {excess:.2f}x what "
+                                        f"{REFERENCE_MAX_ABS} per value and the run's {lossy.dtype} bound allow"))
+        elif diff > REFERENCE_MAX_ABS:
             problems.append(Problem("reference_mismatch", shard, sid,
                                     f"max abs diff {diff:.4f} > {REFERENCE_MAX_ABS} vs transformers"))
     reader.close()
-    return {"checked": len(chosen), "max_abs": worst, "tolerance": REFERENCE_MAX_ABS}
+    out = {"checked": len(chosen), "max_abs": worst, "tolerance": REFERENCE_MAX_ABS}
+    return {**out, "states_dtype": lossy.dtype, "excess": worst_excess} if lossy.lossy else out

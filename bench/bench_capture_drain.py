@@ -9,7 +9,8 @@ per sample) it decides whether a worker keeps up with a B200. This bench times e
 written the way the connector writes them, and prints the tokens/s one worker can absorb:
 - read: the worker's reader (a memory map above 1 MiB) against the copying reader it replaced (`read` +
   `safetensors.deserialize`) and against vLLM's loader (`safetensors.torch.load_file`);
-- check + encode per sample, then the whole drain through the worker's encoder pool with 1 and 2 threads
+- check + encode per sample, as bf16 and as a lossy `--states-dtype` (default fp8-e4m3), then the whole drain
+  through the worker's encoder pool with 1 and 2 threads, both ways
   (`check_and_encode`, the function the worker runs; reading on one thread in front of it, as the delivery
   thread does);
 - the ceiling before (copying read and check on the single delivery thread) and now (mapped read there, check and
@@ -33,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from app.states_codec import DEFAULT_LOSSY, LOSSY_CODECS  # noqa: E402
 from workers.context import scratch_root  # noqa: E402
 from workers.engine import _read_capture_file  # noqa: E402
 from workers.generate import check_and_encode  # noqa: E402
@@ -59,9 +61,9 @@ def torch_read(path: str) -> tuple[np.ndarray, np.ndarray]:
     return data["token_ids"].numpy(), data["hidden_states"].view(torch.int16).numpy().view(np.uint16)
 
 
-def timed(fn, *args) -> float:
+def timed(fn, *args, **kwargs) -> float:
     started = time.perf_counter()
-    fn(*args)
+    fn(*args, **kwargs)
     return time.perf_counter() - started
 
 
@@ -79,14 +81,15 @@ def write_samples(folder: str, n: int, tokens: int, layers: int, hidden: int) ->
     return paths
 
 
-def drain(paths: list[str], threads: int, layer_ids: list[int]) -> float:
+def drain(paths: list[str], threads: int, layer_ids: list[int], stored: str = "bf16") -> float:
     """Seconds to read every file on this thread and check + encode them on a pool of `threads`."""
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=threads) as pool:
         futures = []
         for i, path in enumerate(paths):
             token_ids, states = _read_capture_file(path)
-            futures.append(pool.submit(check_and_encode, f"s{i}", token_ids.tolist(), token_ids, states, layer_ids, 3))
+            futures.append(pool.submit(check_and_encode, f"s{i}", token_ids.tolist(), token_ids, states, layer_ids, 3,
+                                       stored=stored))
         for f in futures:
             problems, _ = f.result()
             assert not problems, problems
@@ -99,7 +102,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=5120)
     ap.add_argument("--samples", type=int, default=6)
+    ap.add_argument("--states-dtype", choices=LOSSY_CODECS, default=DEFAULT_LOSSY,
+                    help="the lossy stored dtype timed beside bf16 (encode per sample, and the drain)")
     args = ap.parse_args()
+    lossy = args.states_dtype
     folder = os.path.join(scratch_root(), f"regen-bench-drain-{os.getpid()}")
     os.makedirs(folder, exist_ok=True)
     layer_ids = list(range(1, args.layers + 1))
@@ -108,7 +114,7 @@ def main() -> None:
         paths = write_samples(folder, args.samples, args.tokens, args.layers, args.hidden)
         print(f"{args.samples} samples of [{args.tokens}, {args.layers}, {args.hidden}] bf16 ({mb:.0f} MB each) "
               f"in {folder}")
-        per = {name: [] for name in ("map", "copy", "torch", "check", "encode")}
+        per = {name: [] for name in ("map", "copy", "torch", "check", "encode", "lossy")}
         for path in paths:
             for name, reader in (("map", _read_capture_file), ("copy", copying_read), ("torch", torch_read)):
                 per[name].append(timed(reader, path))
@@ -116,17 +122,22 @@ def main() -> None:
             per["check"].append(timed(states_problem, states))
             per["encode"].append(timed(check_and_encode, "s", token_ids.tolist(), token_ids, states, layer_ids, 3)
                                  - per["check"][-1])
+            per["lossy"].append(timed(check_and_encode, "s", token_ids.tolist(), token_ids, states, layer_ids, 3,
+                                      stored=lossy) - per["check"][-1])
         ms = {k: statistics.median(v) * 1000 for k, v in per.items()}
         print(f"read, ms per sample:   worker's reader {ms['map']:.2f} | copying reader {ms['copy']:.0f} "
               f"({ms['copy'] / ms['map']:.0f}x) | vLLM's load_file {ms['torch']:.2f} ({ms['torch'] / ms['map']:.1f}x)")
         print(f"check {ms['check']:.0f} ms ({mb / ms['check'] * 1000:.0f} MB/s), encode (level 3) {ms['encode']:.0f} ms "
-              f"({mb / ms['encode'] * 1000:.0f} MB/s) per sample")
+              f"({mb / ms['encode'] * 1000:.0f} MB/s) per sample; stored as {lossy}: {ms['lossy']:.0f} ms "
+              f"({mb / ms['lossy'] * 1000:.0f} MB/s, {ms['lossy'] / ms['encode']:.2f}x bf16's time)")
         rates = {}
         for threads in (1, 2):
             seconds = statistics.median(drain(paths, threads, layer_ids) for _ in range(2))
             rates[threads] = args.samples * args.tokens / seconds
+            lossy_s = statistics.median(drain(paths, threads, layer_ids, lossy) for _ in range(2))
             print(f"drain through {threads} encoder thread(s): {rates[threads]:,.0f} tokens/s "
-                  f"({args.samples / seconds:.1f} samples/s)")
+                  f"({args.samples / seconds:.1f} samples/s); stored as {lossy}: "
+                  f"{args.samples * args.tokens / lossy_s:,.0f} tokens/s ({seconds / lossy_s:.2f}x bf16's)")
         print(f"2 threads / 1 thread = {rates[2] / rates[1]:.2f} (this box has {os.cpu_count()} cores)")
         old_delivery = args.tokens / ((ms["copy"] + ms["check"]) / 1000)
         new_delivery = args.tokens / (ms["map"] / 1000)

@@ -23,6 +23,7 @@ from rich.table import Table
 from app.config import DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
 from app.errors import ConfigError
 from app.manifest import CAPTURE_MODES
+from app.states_codec import STATES_DTYPES
 from producer.enqueue import COMPRESS_MODES
 from producer.normalise import REGENERATE_MODES
 from producer.produce import ProduceResult, produce
@@ -32,10 +33,15 @@ from producer.run_setup import (
     ProduceOptions,
 )
 
+STATES_DTYPE_HELP = ("How hidden states are stored: bf16 (lossless, ~1.45x smaller than raw) or lossy: lossy = "
+                     "fp8-e4m3 (~2.3x; a scale per token and layer; error at most 0.067 of each token's norm), "
+                     "bf16-m3 (~2.2x) or bf16-m4 (~2.0x, half the error) keep 3 or 4 mantissa bits. Each sample's "
+                     "measured error is recorded; readers return bf16 either way.")
+
 # Flags that become run settings; with --resume the stored values win, so giving one is refused.
 _SETTING_FLAGS = ("shard_size", "max_tokens", "thinking", "temperature", "top_p", "top_k", "min_p", "seed",
                   "capture", "layers", "max_prompt_tokens", "max_prompt_chars", "regenerate", "model",
-                  "pause_stub_rate", "pause_window", "pause_min_samples", "vllm_args")
+                  "pause_stub_rate", "pause_window", "pause_min_samples", "vllm_args", "states_dtype")
 
 
 def _broker_options(f):
@@ -72,6 +78,8 @@ def _broker_options(f):
 @click.option("--layers", default="dflash", show_default=True,
               help="Layers to capture: dflash, dflash-K, eagle3, or CONVENTION:IDS (dflash:1,2 / vllm:2,3 / hf:2).")
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_PROMPT_TOKENS, show_default=True)
+@click.option("--states-dtype", type=click.Choice(STATES_DTYPES), default="bf16", show_default=True,
+              help=STATES_DTYPE_HELP)
 @click.option("--max-prompt-chars", type=click.IntRange(min=0), default=None,
               help="Reject prompts longer than this many characters [default: 8 x --max-prompt-tokens].")
 @click.option("--regenerate", type=click.Choice(REGENERATE_MODES), default="last", show_default=True,

@@ -8,8 +8,9 @@ Prompt tokens are counted with the target model's own tokenizer and chat templat
 Response tokens are an assumption (default max_tokens / 2) with the hard maximum beside it. In multi-turn mode
 (`--regenerate all`) every regenerated turn is a sample of its own with its own states, so each turn's prompt
 (the conversation before it, the dataset's old answers standing in for the new ones) and each turn's response
-count. Compressed size
-uses the byte-shuffled zstd ratio measured on bf16 activations (1.45, NOTES.md), stated as an assumption.
+count. Compressed size uses the byte-shuffled zstd ratio measured on bf16 activations (1.45), stated as an
+assumption, and each lossy `--states-dtype`'s ratio from the codec bench beside it, so the choice is made with
+the figures in view.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from dataclasses import dataclass
 
 COMPRESSION_RATIO = 1.45
 BYTES_PER_VALUE = 2  # bf16
+# Raw bf16 bytes / stored bytes for each `--states-dtype`, measured by bench/bench_hidden_codec.py: the lower of
+# its two data sets (states captured from a random-init model, and synthetic ones with outliers), rounded down
+# (the lossy ones; bf16 keeps the figure above).
+STORED_RATIOS = {"bf16": COMPRESSION_RATIO, "fp8-e4m3": 2.30, "bf16-m3": 2.23, "bf16-m4": 1.96}
 
 
 def hidden_state_bytes(tokens: int, layers: int, hidden_size: int) -> int:
@@ -106,6 +111,7 @@ class Estimate:
     layers: int
     hidden_size: int
     responses: int | None = None  # training samples (multi-turn: one per regenerated turn); None: one per sample
+    states_dtype: str = "bf16"  # resolved (app/states_codec.resolve)
 
     @property
     def context_tokens(self) -> int:
@@ -138,11 +144,24 @@ class Estimate:
             f"disk, compressed: {human_bytes(compressed_bytes(self.raw_bytes))} "
             f"(assumes the {COMPRESSION_RATIO} zstd ratio measured on bf16 activations)",
         ]
+        return out + self.stored_lines()
+
+    def stored_lines(self) -> list[str]:
+        """The disk for each `--states-dtype`, this run's marked."""
+        from app.states_codec import promised_bound
+
+        out = ["disk by --states-dtype (* this run; ratios measured by bench/bench_hidden_codec.py):"]
+        for dtype, ratio in STORED_RATIOS.items():
+            what = "lossless" if dtype == "bf16" else f"error <= {promised_bound(dtype, self.hidden_size)} x token norm"
+            name = dtype + (" *" if dtype == self.states_dtype else "")
+            out.append(f"  {name:<11} {human_bytes(compressed_bytes(self.raw_bytes, ratio)):>9} "
+                       f"(at most {human_bytes(compressed_bytes(self.raw_bytes_max, ratio))}; {ratio}x, {what})")
         return out
 
 
 def build_estimate(*, samples: int, token_counts: list[int], max_tokens: int, assumed_response_tokens: int | None,
-                   layers: int, hidden_size: int, response_counts: list[int] | None = None) -> Estimate:
+                   layers: int, hidden_size: int, response_counts: list[int] | None = None,
+                   states_dtype: str = "bf16") -> Estimate:
     """`token_counts` and `response_counts` are per sampled sample (all its turns' prompts; its responses)."""
     sampled = len(token_counts)
     prompt_tokens = round(sum(token_counts) * samples / sampled) if sampled else 0
@@ -157,4 +176,5 @@ def build_estimate(*, samples: int, token_counts: list[int], max_tokens: int, as
         layers=layers,
         hidden_size=hidden_size,
         responses=responses,
+        states_dtype=states_dtype,
     )

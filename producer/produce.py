@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from app.errors import ConfigError
 from app.ids import validate_id
 from app.manifest import load, open_or_create
+from app.states_codec import resolve as resolve_states_dtype
 from app.storage import RunStore, Storage
 from producer.accounting import (
     Accounting,
@@ -137,6 +138,7 @@ def _dry_run(opts: ProduceOptions, run_id: str, paths: list[str], model: dict, l
         layers=len(layers["vllm_ids"]) if layers else 0,
         hidden_size=model["hidden_size"],
         response_counts=count_responses(reservoir.items),
+        states_dtype=resolve_states_dtype(opts.states_dtype),
     )
     return ProduceResult(run_id, "dry_run", acc, paths, estimate=estimate)
 

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from app.config import DEFAULT_SHARD_SIZE
 from app.errors import ConfigError, InputError, ManifestMismatch
 from app.layers import parse_layers
-from app.manifest import CAPTURE_MODES, QualitySettings, RunSettings, Sampling
+from app.manifest import CAPTURE_MODES, QualitySettings, RunSettings, Sampling, StatesStorage
 from app.model_info import read_model_info
+from app.states_codec import STATES_DTYPES, promised_bound, resolve
 from producer.enqueue import COMPRESS_MODES
 from producer.normalise import REGENERATE_MODES
 from producer.readers import describe_input, expand_inputs, file_sha256
@@ -60,6 +61,7 @@ class ProduceOptions:
     pause_window: int = 256
     pause_min_samples: int = 32
     vllm_args: list[str] = field(default_factory=list)  # KEY=VALUE, recorded in the manifest for every worker
+    states_dtype: str = "bf16"
 
     @property
     def prompt_char_cap(self) -> int:
@@ -94,6 +96,10 @@ def validate_options(opts: ProduceOptions) -> None:
         raise ConfigError(f"--capture must be one of {', '.join(CAPTURE_MODES)}, not {opts.capture!r}")
     if opts.regenerate not in REGENERATE_MODES:
         raise ConfigError(f"--regenerate must be one of {', '.join(REGENERATE_MODES)}, not {opts.regenerate!r}")
+    if opts.states_dtype not in STATES_DTYPES:
+        raise ConfigError(f"--states-dtype must be one of {', '.join(STATES_DTYPES)}, not {opts.states_dtype!r}")
+    if opts.capture == "off" and opts.states_dtype != "bf16":
+        raise ConfigError(f"--states-dtype {opts.states_dtype} with --capture off: no hidden states are stored")
     if opts.thinking and opts.temperature == 0:
         raise ConfigError("--temperature 0 (greedy) with thinking: Qwen3 thinking mode must not be greedy")
 
@@ -112,6 +118,7 @@ def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
     if layers and info.architecture is not None and info.architecture.hybrid:
         # which captured layers are linear and which full attention: the hybrid checks of `regen verify`
         layers["kinds"] = [info.architecture.layer_kind(v) for v in layers["vllm_ids"]]
+    stored = resolve(opts.states_dtype)
     return RunSettings(
         model=info.to_manifest(),
         sampling=sampling,
@@ -125,6 +132,7 @@ def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
         quality=QualitySettings(pause_stub_rate=opts.pause_stub_rate, pause_window=opts.pause_window,
                                 pause_min_samples=opts.pause_min_samples),
         engine_args=run_engine_args(opts.vllm_args, capture=opts.capture != "off"),
+        states=StatesStorage(stored, promised_bound(stored, info.hidden_size)),
     )
 
 
@@ -175,6 +183,7 @@ def options_from_manifest(manifest: dict, stored_producer: dict | None, opts: Pr
     resumed.max_tokens = sampling["max_tokens"]
     resumed.model = s["model"]["path"]
     resumed.vllm_args = [f"{k}={v}" for k, v in (s.get("engine_args") or {}).items()]
+    resumed.states_dtype = (s.get("states") or {}).get("dtype", "bf16")
     if stored_producer and "max_prompt_chars" in stored_producer:
         resumed.max_prompt_chars = stored_producer["max_prompt_chars"]
     return resumed

@@ -15,8 +15,9 @@ import numpy as np
 
 from app.hidden_file import encode_sample, float32_to_bf16
 from app.ids import shard_id
-from app.manifest import QualitySettings, RunSettings, Sampling, open_or_create
+from app.manifest import QualitySettings, RunSettings, Sampling, StatesStorage, open_or_create
 from app.records import loss_mask, rejected_record
+from app.states_codec import promised_bound
 from app.storage import RunStore, Storage
 from producer.accounting import Accounting, write_produce_state
 from workers.generate import summarise
@@ -41,6 +42,7 @@ class Spec:
     producer_rejects: int = 1
     sources: tuple = ("a.jsonl", "b.jsonl")
     seed: int = 0
+    states_dtype: str = "bf16"  # a lossy codec (app/states_codec.py) stores and records states as that
 
 
 @dataclass
@@ -99,6 +101,7 @@ def build_run(root: Path, spec: Spec | None = None) -> Built:
         layers=None if spec.capture == "off" else {"spec": "vllm:1,2,4", "num_layers": 4, "vllm_ids": LAYERS,
                                                    "dflash_ids": [v - 1 for v in LAYERS]},
         shard_size=spec.shard_size, max_prompt_tokens=4096, regenerate="last", inputs=[],
+        states=StatesStorage(spec.states_dtype, promised_bound(spec.states_dtype, HIDDEN)),
     )
     open_or_create(store, settings)
     rng = np.random.default_rng(spec.seed)
@@ -119,7 +122,7 @@ def build_run(root: Path, spec: Spec | None = None) -> Built:
                 tokens = np.asarray(rec["input_ids"][:-1], dtype=np.int64)
                 if spec.capture == "inline":
                     rec["hidden"] = {"index": len(encoded), "n_tokens": len(tokens), "layers": LAYERS}
-                encoded.append(encode_sample(rec["sample_id"], tokens, states, LAYERS))
+                encoded.append(encode_sample(rec["sample_id"], tokens, states, LAYERS, stored=spec.states_dtype))
                 all_states[rec["sample_id"]] = states
             records.append(rec)
         summary = summarise(records, 1.0 + s, ctx)

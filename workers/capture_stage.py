@@ -15,7 +15,7 @@ import orjson
 from app.jsonl_zst import loads_jsonl_zst
 from app.storage import RunStore
 from workers.engine import GenRequest
-from workers.generate import encode_into
+from workers.generate import encode_into, states_dtype
 from workers.shard_output import hidden_file_stream
 
 
@@ -24,6 +24,7 @@ def capture_shard(ctx, store: RunStore, manifest: dict, shard_id: str, attempt: 
     records = loads_jsonl_zst(store.storage.read_bytes(marker["files"]["records"]["path"]))
     layers = manifest["settings"]["layers"]["vllm_ids"]
     level = int(manifest["settings"].get("compression_level", 3))
+    stored = states_dtype(manifest["settings"])
     requests = [
         GenRequest(str(i), r["input_ids"], {"temperature": 1.0, "max_tokens": 1, "seed": 0},
                    capture=True, include_output_tokens=False)
@@ -39,7 +40,8 @@ def capture_shard(ctx, store: RunStore, manifest: dict, shard_id: str, attempt: 
             i = int(res.request_id)
             rec = records[i]
             futures[i] = ctx.encode_pool.submit(encode_into, stream, rec["sample_id"], rec["input_ids"][:-1],
-                                                res.captured_token_ids, res.captured_states, layers, level, True)
+                                                res.captured_token_ids, res.captured_states, layers, level, True,
+                                                stored=stored)
 
         ctx.engine.run(requests, on_done)
         for i in sorted(futures):

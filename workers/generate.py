@@ -67,6 +67,7 @@ class ShardGeneration:
         self.max_len = ctx.engine.options.max_model_len
         self.quality = _quality(settings)
         self.level = int(settings.get("compression_level", 3))
+        self.stored = states_dtype(settings)  # how the states are stored (app/states_codec.py)
         self.think_end_id, self.eos_ids = _special_ids(ctx.tokenizer)
         self.records: list[dict] = []
         self.encoded: dict[int, Future] = {}
@@ -127,7 +128,7 @@ class ShardGeneration:
         if res.captured_states is not None:
             self.encoded[i] = self.ctx.encode_pool.submit(
                 encode_into, self.hidden_out, rec["sample_id"], input_ids[:-1], res.captured_token_ids,
-                res.captured_states, self.layers, self.level)
+                res.captured_states, self.layers, self.level, stored=self.stored)
         return rec
 
     def run(self, requests: list[GenRequest], on_done=None) -> None:
@@ -172,15 +173,23 @@ def generate_shard(ctx, manifest: dict, run_id: str, shard_id: str, samples: lis
     return gen.collect()
 
 
-def encode_into(hidden_out, sample_id: str, *args) -> tuple[list[str], int, int]:
+def states_dtype(settings: dict) -> str:
+    """The run's stored states dtype (app/states_codec.py); runs made before the setting existed store bf16."""
+    return (settings.get("states") or {}).get("dtype", "bf16")
+
+
+def encode_into(hidden_out, sample_id: str, *args, **kwargs) -> tuple[list[str], int, int]:
     """check_and_encode, then append to the attempt's file (a HiddenFileStream): (flags, position, tokens)."""
-    problems, sample = check_and_encode(sample_id, *args)
+    problems, sample = check_and_encode(sample_id, *args, **kwargs)
     return problems, hidden_out.append(sample), sample.n_tokens
 
 
 def check_and_encode(sample_id: str, expected_ids: list[int], captured_ids: np.ndarray, states: np.ndarray,
-                     layers: list[int], level: int, trim: bool = False):
+                     layers: list[int], level: int, trim: bool = False, stored: str = "bf16"):
     """(capture flags, encoded sample) for one finished sample, on an encoder thread.
+
+    The quality gate's checks (all-zero layer, NaN/Inf) read the states as captured, before a lossy `stored`
+    dtype quantises them; a sample they flag is stored losslessly (app/hidden_file.encode_sample).
 
     The check reads every state once (~50 ms for a real model's [4000, 5, 5120] sample) and encoding ~0.4 s: both
     run here, several samples at a time, rather than on the engine's single delivery thread, which would otherwise
@@ -198,7 +207,8 @@ def check_and_encode(sample_id: str, expected_ids: list[int], captured_ids: np.n
     problem = states_problem(states) or implausible_states(captured_ids, states, process_stale_rows())
     if problem:
         problems.append(problem)
-    return problems, encode_sample(sample_id, captured_ids, np.ascontiguousarray(states), layers, level)
+    return problems, encode_sample(sample_id, captured_ids, np.ascontiguousarray(states), layers, level,
+                                   stored=stored)
 
 
 def summarise(records: list[dict], gen_seconds: float, ctx) -> dict:
