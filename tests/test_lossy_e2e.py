@@ -1,7 +1,8 @@
 """End to end on the CPU: a `--states-dtype lossy` run through the real worker stores FP8, records each sample's
 error, passes `regen verify --reference`, and reads back as bf16 within the bound of what transformers computes.
 
-Both capture paths are run: inline (states encoded as each request finishes) and staged (the capture task).
+Both capture paths are run: inline (states encoded as each request finishes) and staged (the capture task), and
+the tiny hybrid (Gated DeltaNet + full attention) is checked per layer.
 """
 
 from __future__ import annotations
@@ -17,6 +18,14 @@ from app.hidden_file import bf16_to_float32
 from app.states_bound import reference_excess
 from app.verify import REFERENCE_MAX_ABS
 from tests.e2e_helpers import produce, prompts_file, run_states, wait_run_done
+from tests.hybrid_fixtures import (  # noqa: F401
+    HYBRID_BROKER,
+    HYBRID_KINDS,
+    HYBRID_LAYERS,
+    hybrid_redis,
+    hybrid_worker,
+    tiny_hybrid,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 FP8 = "fp8-e4m3"
@@ -59,3 +68,31 @@ def test_a_lossy_run_stores_fp8_within_its_bound_and_passes_verify_with_the_refe
         assert stored.dtype == np.uint16  # bf16 bit patterns, whatever the file holds
         want = bf16_to_float32(reference.capture(token_ids.tolist()))
         assert reference_excess(want, bf16_to_float32(stored), bound, REFERENCE_MAX_ABS) <= 1
+
+
+def test_a_lossy_hybrid_run_stays_within_its_bound_at_linear_and_full_attention_layers(
+        hybrid_worker, tiny_hybrid, tmp_path_factory):  # noqa: F811
+    from workers.reference import ReferenceCapture
+
+    storage = tmp_path_factory.mktemp("lossy-hybrid-storage")
+    inputs = prompts_file(tmp_path_factory.mktemp("lossy-hybrid-inputs"), n_synthetic=4, with_formats=False)
+    produce(storage, "lossy-hybrid", [inputs], tiny_hybrid, "--layers", HYBRID_LAYERS, "--states-dtype", "lossy",
+            broker=HYBRID_BROKER)
+    wait_run_done(storage, "lossy-hybrid")
+    settings = json.loads((storage / "lossy-hybrid" / "run.json").read_text())["settings"]
+    bound = settings["states"]["max_rel_error"]
+    assert settings["layers"]["kinds"] == HYBRID_KINDS  # linear, linear, full attention
+
+    result = CliRunner().invoke(main, ["verify", "lossy-hybrid", "--storage", str(storage), "--json",
+                                       "--reference", "2"])
+    report = json.loads(result.stdout)
+    assert result.exit_code == 0, report["problems"]
+    reference = ReferenceCapture(str(tiny_hybrid), settings["layers"]["vllm_ids"])
+    states = run_states(storage, "lossy-hybrid")
+    assert len(states) == 4
+    for token_ids, stored in states.values():
+        want = bf16_to_float32(reference.capture(token_ids.tolist()))
+        for layer in range(want.shape[1]):  # each layer, linear and full attention alike, within the bound
+            assert reference_excess(want[:, layer:layer + 1], bf16_to_float32(stored)[:, layer:layer + 1], bound,
+                                    REFERENCE_MAX_ABS) <= 1, layer
+    reference.close()
