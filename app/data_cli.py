@@ -89,13 +89,20 @@ def _print_verify(report, strict: bool) -> None:
 @click.command("export")
 @click.argument("run_id", metavar="RUN")
 @_storage
-@click.option("--format", "fmt", type=click.Choice(["sharegpt", "speculators", "parquet"]), required=True)
+@click.option("--format", "fmt", required=True, type=click.Choice(
+    ["sharegpt", "parquet", "specforge-dflash", "specforge-eagle3", "speculators"]))
 @click.option("--out", required=True, help="Output folder (path or URL); a rerun resumes it.")
 @click.option("--exclude-flags", default="", help="Comma-separated quality flags to leave out, e.g. stub_answer,truncated.")
 @click.option("--min-response-tokens", type=click.IntRange(min=0), default=0, show_default=True,
               help="Leave out samples with fewer generated tokens.")
-def export_cmd(run_id: str, storage: str, fmt: str, out: str, exclude_flags: str, min_response_tokens: int) -> None:
-    """Export RUN's ok records (done shards) as ShareGPT JSONL, speculators rows + safetensors, or Parquet."""
+@click.option("--layers", "layers", default=None,
+              help="Hidden-state formats: the captured layers to write (e.g. dflash:1,16,31); default: all the run "
+              "captured (the final layer goes where the format wants it).")
+@click.option("--model", "model", default=None,
+              help="specforge-eagle3: the target checkpoint folder for the final norm (default: the run's model).")
+def export_cmd(run_id: str, storage: str, fmt: str, out: str, exclude_flags: str, min_response_tokens: int,
+               layers: str | None, model: str | None) -> None:
+    """Export RUN's ok records (done shards): ShareGPT JSONL, Parquet, or trainer-ready hidden states."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.table import Table
 
@@ -103,7 +110,7 @@ def export_cmd(run_id: str, storage: str, fmt: str, out: str, exclude_flags: str
     from app.run_reader import RunReader
 
     flags = tuple(f.strip() for f in exclude_flags.split(",") if f.strip())
-    exporter = Exporter(RunReader(storage, run_id), out, ExportOptions(fmt, flags, min_response_tokens))
+    exporter = Exporter(RunReader(storage, run_id), out, ExportOptions(fmt, flags, min_response_tokens, layers, model))
     todo, skipped = exporter.pending()
     columns = (TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeRemainingColumn())
