@@ -10,4 +10,8 @@ $PY -m pip install --quiet -e ".[cpu,dev,s3,monitor,data]"
 # PyPI's torchvision/torchaudio/torchcodec break `import transformers` / `import vllm` beside the CPU torch
 # ("operator torchvision::nms does not exist", NOTES.md); regen needs none of them.
 $PY -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+# The trainers' own code, for the export tests (their readers load the exports; SpecForge's trainer runs on
+# the CPU): their metadata pins CUDA torch and sglang, which neither the data modules nor the CPU trainer use.
+$PY -m pip install --quiet --no-deps "specforge==0.2.0" "speculators==0.9.0" "hs-connectors==0.9.0" \
+    "accelerate==1.15.0" "yunchang==0.6.4"
 $PY -c "import vllm, transformers, celery; print('regen set up: vllm', vllm.__version__)"
