@@ -37,8 +37,7 @@ class _SpecForge(StateExport):
         g = index // GROUP * GROUP
         return f"rows_{g}-{g + GROUP}/data_{index}.ckpt"
 
-    def begin(self) -> None:
-        end = self.next_index()
+    def remove_from(self, end: int) -> None:
         for folder in self.out.listdir(""):
             if not folder.startswith("rows_"):
                 continue

@@ -46,8 +46,7 @@ class Speculators(StateExport):
         return {**super().meta(), "speculators": {"target_layer_ids": list(self.layers.aux),
                                                   "hidden_states_slots": [*self.layers.aux, self.layers.final]}}
 
-    def begin(self) -> None:
-        end = self.next_index()
+    def remove_from(self, end: int) -> None:
         for name in self.out.listdir("hidden_states"):
             if name.startswith("hs_") and name.endswith(".safetensors") and int(name[3:-12]) >= end:
                 self.out.delete(f"hidden_states/{name}")

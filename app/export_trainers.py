@@ -48,6 +48,7 @@ class StateExport:
         self.layers: ExportLayers = choose_layers(self.name, reader.run_id, reader.layers,
                                                   int(model.get("num_layers") or 0), layers_spec,
                                                   self.needs_final, self.aux_count)
+        self._next: int | None = None  # the next sample's number, set by begin()
 
     def meta(self) -> dict:
         """What goes into export.json: the layers and where they are in each sample's tensors."""
@@ -64,12 +65,19 @@ class StateExport:
         return end
 
     def begin(self) -> None:
-        """Remove sample files a killed attempt wrote past the exported count (subclasses know their names)."""
+        """Before a run of the exporter: where numbering continues, and removal of a killed attempt's files."""
+        self._next = self.next_index()
+        self.remove_from(self._next)
+
+    def remove_from(self, end: int) -> None:
+        """Remove sample files numbered `end` or more (left by a killed attempt; subclasses know their names)."""
 
     # -- per shard ----------------------------------------------------------------------------------------
     def export_shard(self, info: ShardInfo, kept, filtered: Counter) -> dict:
         """Write the shard's kept records (`kept` yields them); return the done-marker body."""
-        first = index = self.next_index()
+        if self._next is None:
+            self.begin()
+        first = index = self._next
         freq: Counter = Counter()
         for rec in kept:
             got = self.reader.states(info, rec)
@@ -84,6 +92,7 @@ class StateExport:
             freq.update(supervised_counts(sample))
             index += 1
         self.shard_done(info, first, index)
+        self._next = index
         self.out.write_json(f"freq/{info.shard_id}.json", {str(k): v for k, v in sorted(freq.items())})
         return {"shard_id": info.shard_id, "exported": index - first, "first_index": first,
                 "filtered": dict(filtered), "file": None}
