@@ -61,11 +61,22 @@ def target(tiny_qwen3, tmp_path_factory) -> Path:
     return folder
 
 
-def export(storage, out: Path, fmt: str, *extra: str) -> str:
+def export(storage, out: Path, fmt: str, *extra: str) -> Path:
     result = CliRunner().invoke(main, ["export", RUN, "--storage", str(storage), "--format", fmt, "--out", str(out),
                                        *extra], catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    return result.output
+    return out
+
+
+@pytest.fixture(scope="module")
+def dflash_export(run, e2e_storage, tmp_path_factory) -> Path:
+    return export(e2e_storage, tmp_path_factory.mktemp("export") / "dflash", "specforge-dflash")
+
+
+@pytest.fixture(scope="module")
+def eagle3_export(run, e2e_storage, target, tmp_path_factory) -> Path:
+    return export(e2e_storage, tmp_path_factory.mktemp("export") / "eagle3", "specforge-eagle3", "--model",
+                  str(target))
 
 
 def _bits(t) -> np.ndarray:
@@ -98,16 +109,16 @@ def test_speculators_arrow_dataset_loads_every_sample_with_the_run_states(run, e
     assert freq == dict(want) and sum(freq.values()) > 0
 
 
-def test_specforge_dflash_reader_and_normaliser_take_every_file(run, e2e_storage, tmp_path):
+def test_specforge_dflash_reader_and_normaliser_take_every_file(run, dflash_export):
     import torch
     from specforge.algorithms.common.dflash_family_data import build_offline_reader, normalize_offline_sample
     from specforge.runtime.data_plane.feature_store import load_feature_file
+    from specforge.training.vocab_mapping import count_effective_feature_tokens
 
     records, states = run
-    export(e2e_storage, tmp_path / "dflash", "specforge-dflash")
-    meta = json.loads((tmp_path / "dflash" / "export.json").read_text())["trainer"]
+    meta = json.loads((dflash_export / "export.json").read_text())["trainer"]
     assert meta["specforge"]["dflash_config.target_layer_ids"] == [0, 1, 2, 3]
-    refs = build_offline_reader("dflash", str(tmp_path / "dflash"), run_id="t", ttt_length=1, max_len=4096).read()
+    refs = build_offline_reader("dflash", str(dflash_export), run_id="t", ttt_length=1, max_len=4096).read()
     assert len(refs) == len(records)
     by_index = {int(Path(r.feature_store_uri).stem.split("_")[1]): r.feature_store_uri[len("file://"):] for r in refs}
     for i, rec in enumerate(records):
@@ -120,25 +131,27 @@ def test_specforge_dflash_reader_and_normaliser_take_every_file(run, e2e_storage
         # layers side by side in ascending id order: [layer 1 | layer 2 | layer 3 | layer 4] per token
         assert np.array_equal(_bits(raw["hidden_states"][0]), stored.reshape(len(tokens), -1))
         normalize_offline_sample(raw, max_len=4096)  # SpecForge's own checks: lengths, consecutive supervision
+    # token_freq.pt is what SpecForge counts itself to build its reduced draft vocabulary (vocab_mapping)
+    freq = torch.load(dflash_export / "token_freq.pt", weights_only=True)
+    assert freq == dict(count_effective_feature_tokens(str(dflash_export)))
 
 
-def test_specforge_eagle3_final_state_is_normed_with_the_checkpoint_weight(run, e2e_storage, target, tmp_path):
+def test_specforge_eagle3_final_state_is_normed_with_the_checkpoint_weight(run, eagle3_export, target):
     import torch
     from specforge.algorithms.eagle3.data import build_offline_reader, normalize_offline_sample
     from specforge.runtime.data_plane.feature_store import load_feature_file
     from transformers import AutoModelForCausalLM
 
     records, states = run
-    export(e2e_storage, tmp_path / "eagle3", "specforge-eagle3", "--model", str(target))
-    meta = json.loads((tmp_path / "eagle3" / "export.json").read_text())["trainer"]
+    meta = json.loads((eagle3_export / "export.json").read_text())["trainer"]
     assert meta["specforge"]["aux_hidden_state_layer_ids"] == [0, 1, 2]
     assert meta["layers"]["final_vllm_id"] == N and meta["final_norm"]["weight"] == "model.norm.weight"
-    refs = build_offline_reader(str(tmp_path / "eagle3"), run_id="t", ttt_length=1, max_len=4096).read()
+    refs = build_offline_reader(str(eagle3_export), run_id="t", ttt_length=1, max_len=4096).read()
     assert len(refs) == len(records)
     hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.bfloat16)
     worst = 0.0
     for i, rec in enumerate(records):
-        raw = load_feature_file(str(tmp_path / "eagle3" / "rows_0-2000" / f"data_{i}.ckpt"))
+        raw = load_feature_file(str(eagle3_export / "rows_0-2000" / f"data_{i}.ckpt"))
         tokens, stored = states[rec["sample_id"]]
         assert raw["input_ids"].tolist() == tokens.tolist() == rec["input_ids"][:-1]
         assert raw["aux_hidden_state"].shape == (1, len(tokens), 3 * H) and raw["hidden_state"].shape == (1, len(tokens), H)
@@ -156,18 +169,21 @@ def test_specforge_eagle3_final_state_is_normed_with_the_checkpoint_weight(run, 
     print(f"max |exported normed state - transformers hidden_states[-1]|: {worst:.4f}")
 
 
-def _specforge_train(tmp_path: Path, strategy: str, data: Path, target: Path, extra_model: dict,
+def _specforge_train(tmp_path: Path, strategy: str, data: Path, target: Path, draft: dict, extra_model: dict,
                      extra_training: dict) -> list[float]:
-    """Run `python -m specforge.cli train` on the CPU for 2 steps; the losses it logs."""
+    """Run `python -m specforge.cli train` on the CPU for 2 steps with `draft` as the draft config; its losses."""
     import yaml
 
+    (tmp_path / "draft.json").write_text(json.dumps(draft))
     config = {
-        "model": {"target_model_path": str(target), "torch_dtype": "bfloat16", **extra_model},
-        "data": {"hidden_states_path": str(data), "max_length": 512, "dataloader_num_workers": 0},
+        "model": {"target_model_path": str(target), "torch_dtype": "bfloat16",
+                  "draft_model_config": str(tmp_path / "draft.json"), **extra_model},
+        "data": {"hidden_states_path": str(data), "max_length": 512, "dataloader_num_workers": 0,
+                 "cache_dir": str(tmp_path / "cache")},
         "training": {"strategy": strategy, "max_steps": 2, "batch_size": 1, "learning_rate": 1e-4,
                      "attention_backend": "sdpa", "fsdp_sharding": "NO_SHARD", "log_interval": 1,
                      "save_interval": 100000, "seed": 0, **extra_training},
-        "run_id": f"regen-{strategy}", "output_dir": str(tmp_path / f"out-{strategy}"),
+        "run_id": f"regen-{strategy}", "output_dir": str(tmp_path / "out"),
         "deployment": {"mode": "local_colocated", "trainer": {"nnodes": 1, "nproc_per_node": 1}},
     }
     path = tmp_path / f"{strategy}.yaml"
@@ -181,23 +197,31 @@ def _specforge_train(tmp_path: Path, strategy: str, data: Path, target: Path, ex
     return [float(x) for x in re.findall(r"step \d+: \{.*?'loss': ([^,}]+)", proc.stdout + proc.stderr)]
 
 
-def test_specforge_trains_dflash_and_eagle3_on_the_exports(run, e2e_storage, target, tmp_path):
-    # DFlash: SpecForge's target-derived draft (1 layer) reads DFlash id N//2 = 2, i.e. vLLM id 3.
-    export(e2e_storage, tmp_path / "dflash", "specforge-dflash", "--layers", "dflash:2")
-    losses = _specforge_train(tmp_path, "dflash", tmp_path / "dflash", target, {}, {})
-    assert len(losses) == 2 and all(math.isfinite(v) for v in losses), losses
-    # EAGLE-3: a draft config for the tiny target (full vocabulary, as SpecForge's generator defaults to 32000).
+def _draft_base(target: Path) -> dict:
+    """A one-layer draft config with the tiny target's shapes (SpecForge's shipped ones are for real targets)."""
     cfg = json.loads((target / "config.json").read_text())
-    draft = {k: cfg[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                                 "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps", "vocab_size",
-                                 "eos_token_id", "pad_token_id")}
-    draft.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
-                 draft_vocab_size=cfg["vocab_size"], tie_word_embeddings=False, rope_theta=1e6,
-                 torch_dtype="bfloat16")
-    (tmp_path / "eagle3-draft.json").write_text(json.dumps(draft))
-    export(e2e_storage, tmp_path / "eagle3", "specforge-eagle3", "--model", str(target))
-    losses = _specforge_train(tmp_path, "eagle3", tmp_path / "eagle3", target,
-                              {"draft_model_config": str(tmp_path / "eagle3-draft.json"),
-                               "lm_head_key": "model.embed_tokens.weight"},  # the tiny model ties its head
+    keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "hidden_act", "max_position_embeddings", "rms_norm_eps", "vocab_size", "eos_token_id", "pad_token_id")
+    return {**{k: cfg[k] for k in keep}, "num_hidden_layers": 1, "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16"}
+
+
+def test_specforge_trains_dflash_on_the_export(dflash_export, target, tmp_path):
+    meta = json.loads((dflash_export / "export.json").read_text())["trainer"]
+    draft = {**_draft_base(target), "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+             "num_target_layers": N, "block_size": 16, "layer_types": ["full_attention"],
+             "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"},
+             # the export's own record of its layers, as a user copies it into the draft config
+             "dflash_config": {"target_layer_ids": meta["specforge"]["dflash_config.target_layer_ids"]}}
+    losses = _specforge_train(tmp_path, "dflash", dflash_export, target, draft, {}, {})
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses), losses
+
+
+def test_specforge_trains_eagle3_on_the_export(eagle3_export, target, tmp_path):
+    # A reduced draft vocabulary: SpecForge builds its d2t/t2d mapping from the export's ids and loss masks.
+    draft = {**_draft_base(target), "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+             "draft_vocab_size": 256, "rope_theta": 1e6}
+    losses = _specforge_train(tmp_path, "eagle3", eagle3_export, target, draft,
+                              {"lm_head_key": "model.embed_tokens.weight"},  # the tiny model ties its head
                               {"ttt_length": 2})
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses), losses
