@@ -99,6 +99,9 @@ class Speculators(StateExport):
             else:  # nothing exported (yet): an empty dataset, as from_generator cannot build one
                 ds = datasets.Dataset.from_dict({k: [] for k in features}, features=features)
             ds.set_format(type="torch", columns=["input_ids", "loss_mask", "seq_len"], output_all_columns=True)
-            ds.save_to_disk(self.out.path("") if self.out.is_local else self.out.url)
+            if self.out.is_local:
+                ds.save_to_disk(self.out.path(""))
+            else:  # an object store: the same credentials the output folder was opened with
+                ds.save_to_disk(self.out.url, storage_options=getattr(self.out.fs, "storage_options", None))
         finally:
             shutil.rmtree(cache, ignore_errors=True)
