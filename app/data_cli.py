@@ -89,17 +89,23 @@ def _print_verify(report, strict: bool) -> None:
 @click.command("export")
 @click.argument("run_id", metavar="RUN")
 @_storage
-@click.option("--format", "fmt", type=click.Choice(["sharegpt", "speculators", "parquet", "specforge-jsonl"]),
-              required=True)
+@click.option("--format", "fmt", required=True, type=click.Choice(
+    ["sharegpt", "parquet", "specforge-jsonl", "specforge-dflash", "specforge-eagle3", "speculators"]))
 @click.option("--out", required=True, help="Output folder (path or URL); a rerun resumes it.")
 @click.option("--exclude-flags", default="", help="Comma-separated quality flags to leave out, e.g. stub_answer,truncated.")
 @click.option("--min-response-tokens", type=click.IntRange(min=0), default=0, show_default=True,
               help="Leave out samples with fewer generated tokens.")
 @click.option("--include-unterminated", is_flag=True,
               help="Text formats: keep samples whose thinking never reached </think> (reasoning, empty answer).")
+@click.option("--layers", "layers", default=None,
+              help="Hidden-state formats: the captured layers to write (e.g. dflash:1,16,31); default: all the run "
+              "captured (the final layer goes where the format wants it).")
+@click.option("--model", "model", default=None,
+              help="specforge-eagle3: the target checkpoint folder for the final norm (default: the run's model).")
 def export_cmd(run_id: str, storage: str, fmt: str, out: str, exclude_flags: str, min_response_tokens: int,
-               include_unterminated: bool) -> None:
-    """Export RUN's ok records (done shards) as ShareGPT JSONL, speculators rows + safetensors, or Parquet."""
+               include_unterminated: bool, layers: str | None, model: str | None) -> None:
+    """Export RUN's ok records (done shards): text rows (ShareGPT, SpecForge JSONL), Parquet, or trainer-ready
+    hidden states (SpecForge DFlash / EAGLE-3, speculators)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.table import Table
 
@@ -108,7 +114,7 @@ def export_cmd(run_id: str, storage: str, fmt: str, out: str, exclude_flags: str
 
     flags = tuple(f.strip() for f in exclude_flags.split(",") if f.strip())
     exporter = Exporter(RunReader(storage, run_id), out,
-                        ExportOptions(fmt, flags, min_response_tokens, include_unterminated))
+                        ExportOptions(fmt, flags, min_response_tokens, include_unterminated, layers, model))
     todo, skipped = exporter.pending()
     columns = (TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeRemainingColumn())

@@ -7,10 +7,9 @@ with other settings is refused instead of mixing two selections in one folder.
 
 Formats:
 - `sharegpt`, `specforge-jsonl`  one row per conversation with every turn the model saw (app/export_text.py).
-- `speculators`  `data/{shard}.jsonl` rows `{id, input_ids, loss_mask, hidden_states_path}` plus
-                 `hidden/{shard}/{id}.safetensors` with `hidden_states [T-1, L, H]` bf16 and `token_ids` int64:
-                 the layout vLLM's hidden-state extraction writes.
 - `parquet`      `data/{shard}.parquet`, one row per record, one fixed schema for every shard.
+- `specforge-dflash`, `specforge-eagle3`, `speculators`: hidden states laid out as each trainer's own reader
+                 loads them (app/export_trainers.py and the modules it names).
 
 Text formats (`sharegpt`, `specforge-jsonl`, `parquet`) leave out samples whose thinking never ended unless
 `include_unterminated` (app/export_text.py says why); every left-out sample is counted by reason.
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import io
 import json
-import struct
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,10 +27,11 @@ import orjson
 
 from app import export_text
 from app.errors import RegenError
+from app.export_trainers import TRAINER_FORMATS
 from app.run_reader import RunReader, ShardInfo
 from app.storage import Storage
 
-FORMATS = ("sharegpt", "speculators", "parquet", "specforge-jsonl")
+FORMATS = ("sharegpt", "parquet", "specforge-jsonl", *TRAINER_FORMATS)
 TEXT_FORMATS = ("sharegpt", "parquet", "specforge-jsonl")
 EXPORT_FORMAT = "regen.export/1"
 
@@ -43,10 +42,13 @@ class ExportOptions:
     exclude_flags: tuple[str, ...] = ()
     min_response_tokens: int = 0
     include_unterminated: bool = False
+    layers: str | None = None  # hidden-state formats: which captured layers (default: what the format takes)
+    model: str | None = None  # specforge-eagle3: the target checkpoint (default: the run's model path)
 
     def to_dict(self) -> dict:
         return {"format": self.fmt, "exclude_flags": list(self.exclude_flags),
-                "min_response_tokens": self.min_response_tokens, "include_unterminated": self.include_unterminated}
+                "min_response_tokens": self.min_response_tokens, "include_unterminated": self.include_unterminated,
+                "layers": self.layers}
 
 
 def filter_reason(rec: dict, opts: ExportOptions) -> str | None:
@@ -65,15 +67,6 @@ def filter_reason(rec: dict, opts: ExportOptions) -> str | None:
 
 
 # -- row builders -------------------------------------------------------------------------------------------
-def safetensors_bytes(tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> bytes:
-    """A safetensors file from raw little-endian buffers (numpy has no bf16; this avoids importing torch)."""
-    header, offset = {}, 0
-    for name, (dtype, shape, data) in tensors.items():
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-    raw = orjson.dumps(header)
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw + b"".join(t[2] for t in tensors.values())
 
 
 def _parquet_schema():
@@ -113,17 +106,24 @@ class Exporter:
     def __init__(self, reader: RunReader, out: str, opts: ExportOptions):
         if opts.fmt not in FORMATS:
             raise RegenError(f"unknown export format {opts.fmt!r} (one of {', '.join(FORMATS)})")
-        if opts.fmt == "speculators" and reader.capture_mode == "off":
-            raise RegenError(f"run {reader.run_id!r} captured no hidden states: the speculators format needs them")
+        if opts.fmt in TRAINER_FORMATS and reader.capture_mode == "off":
+            raise RegenError(f"run {reader.run_id!r} captured no hidden states: the {opts.fmt} format needs them")
         if opts.fmt == "specforge-jsonl" and opts.include_unterminated:
             raise RegenError("--include-unterminated: SpecForge's rows need a non-empty answer on every assistant "
                              "turn; use --format sharegpt or parquet to keep unterminated samples")
         self.reader, self.opts, self.out = reader, opts, Storage(out)
+        self.trainer = None
+        if opts.fmt in TRAINER_FORMATS:
+            from app.export_trainers import formats
+
+            cls = formats()[opts.fmt]
+            extra = {"model_path": opts.model} if opts.fmt == "specforge-eagle3" else {}
+            self.trainer = cls(reader, self.out, opts.layers, **extra)
         self._pin()
 
     def _pin(self) -> None:
         want = {"format": EXPORT_FORMAT, "run_id": self.reader.run_id, "storage": self.reader.storage.url,
-                **self.opts.to_dict()}
+                **self.opts.to_dict(), **({"trainer": self.trainer.meta()} if self.trainer else {})}
         if self.out.exists("export.json"):
             have = self.out.read_json("export.json")
             differ = [k for k in want if k != "storage" and have.get(k) != want[k]]
@@ -136,11 +136,16 @@ class Exporter:
         """(done shards still to export, shards already exported)."""
         exported = {n[: -len(".json")] for n in self.out.listdir("done") if n.endswith(".json")}
         infos = list(self.reader.shards())
-        if self.reader.capture_mode == "staged" and self.opts.fmt == "speculators":
+        if self.reader.capture_mode == "staged" and self.trainer:
             infos = [i for i in infos if i.captured is not None]  # capture not finished: a later rerun does it
         return [i for i in infos if i.shard_id not in exported], sorted(exported)
 
     def export_shard(self, info: ShardInfo) -> dict:
+        if self.trainer:
+            counts: Counter = Counter()
+            done = self.trainer.export_shard(info, self._kept(info, counts), counts)
+            self.out.write_json(f"done/{info.shard_id}.json", done)
+            return done
         if self.opts.fmt in export_text.FORMATS:  # one row per conversation
             rows, counts = export_text.conversation_rows(self.opts.fmt, self.reader.records(info),
                                                          lambda rec: filter_reason(rec, self.opts),
@@ -161,6 +166,14 @@ class Exporter:
         self.out.write_json(f"done/{info.shard_id}.json", done)
         return done
 
+    def _kept(self, info: ShardInfo, counts: Counter):
+        for rec in self.reader.records(info):
+            reason = filter_reason(rec, self.opts)
+            if reason:
+                counts[reason] += 1
+            else:
+                yield rec
+
     def _write_data(self, data_rel: str, rows: list[dict]) -> None:
         with self.out.atomic_writer(data_rel) as fh:
             if self.opts.fmt == "parquet":
@@ -175,26 +188,18 @@ class Exporter:
                     fh.write(orjson.dumps(row) + b"\n")
 
     def _row(self, info: ShardInfo, rec: dict) -> dict:
-        if self.opts.fmt == "parquet":
-            return _parquet_row(rec)
-        got = self.reader.states(info, rec)
-        if got is None:
-            raise RegenError(f"shard {info.shard_id} sample {rec['sample_id']}: no hidden states")
-        tokens, states = got
-        rel = f"hidden/{info.shard_id}/{rec['sample_id']}.safetensors"
-        self.out.write_bytes(rel, safetensors_bytes({
-            "hidden_states": ("BF16", states.shape, states.astype("<u2", copy=False).tobytes()),
-            "token_ids": ("I64", tokens.shape, tokens.astype("<i8").tobytes()),
-        }))
-        return {"id": rec["sample_id"], "input_ids": rec["input_ids"], "loss_mask": rec["loss_mask"],
-                "hidden_states_path": rel}
+        return _parquet_row(rec)
 
     def run(self, on_shard: Callable[[str], None] | None = None) -> dict:
         todo, skipped = self.pending()
+        if self.trainer:
+            self.trainer.begin()
         for info in todo:
             self.export_shard(info)
             if on_shard:
                 on_shard(info.shard_id)
+        if self.trainer:
+            self.trainer.finish()
         self.reader.close()
         totals = {**self.totals(), "shards_exported_now": len(todo), "shards_skipped": len(skipped)}
         if self.opts.fmt == "specforge-jsonl":

@@ -8,7 +8,9 @@ Conventions (NOTES.md; N = number of decoder layers):
   i+1 (i = 0..N-1).
 
 Presets: `dflash` (5 layers evenly over DFlash ids [1, N-3]; Qwen3-8B -> 1,9,17,25,33), `dflash-K` for K
-layers, and `eagle3` (vLLM ids 2, N//2, N-3, vLLM's own default).
+layers, and `eagle3`: the three auxiliary layers of vLLM's and speculators' default (vLLM ids 2, N//2, N-3) plus
+vLLM id N, the final layer that speculators' verifier slot and SpecForge's EAGLE-3 target need. Where the
+default's three ids are not distinct (N < 7), three distinct ids spread over 1..N-1 stand in.
 """
 
 from __future__ import annotations
@@ -54,8 +56,12 @@ def dflash_preset(num_layers: int, count: int = 5) -> list[int]:
 
 
 def eagle3_preset(num_layers: int) -> list[int]:
-    """EAGLE-3's default (vLLM ids)."""
-    return sorted({2, num_layers // 2, num_layers - 3})
+    """EAGLE-3's three auxiliary layers and the final one (vLLM ids), for both trainers."""
+    n = num_layers
+    aux = {2, n // 2, n - 3}
+    if len(aux) < 3 or min(aux) < 1:
+        aux = {round(1 + (n - 2) * k / 2) for k in range(3)} if n >= 4 else set(range(1, n))
+    return sorted(aux | {n})
 
 
 def parse_layers(spec: str, num_layers: int) -> LayerSelection:

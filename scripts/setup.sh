@@ -19,4 +19,8 @@ else
   $PY -m pip install --quiet ./scripts/cpu-torchvision-standin
   rm -rf scripts/cpu-torchvision-standin/build scripts/cpu-torchvision-standin/*.egg-info
 fi
+# The trainers' own code, for the export tests (their readers load the exports; SpecForge's trainer runs on
+# the CPU): their metadata pins CUDA torch and sglang, which neither the data modules nor the CPU trainer use.
+$PY -m pip install --quiet --no-deps "specforge==0.2.0" "speculators==0.9.0" "hs-connectors==0.9.0" \
+    "accelerate==1.15.0" "yunchang==0.6.4"
 $PY -c "import vllm, transformers, celery; print('regen set up: vllm', vllm.__version__)"

@@ -2,7 +2,8 @@
 
 vLLM takes seconds to start even on the tiny model, so one `regen worker --cpu` process (a real supervisor
 with a real solo-pool Celery child) serves every end-to-end test of the session. Its engine captures vLLM
-layers 1, 2 and 4 (the last one, before the final norm), so every run the tests produce uses those layers.
+layers 1 to 4 (the `eagle3` preset on the 4-layer model: three auxiliary layers and the last one, before the
+final norm, which every trainer format can be exported from), so every run the tests produce uses those layers.
 
 Redis: the local server, db 3 for these tests. Missing Redis *fails* under CI (env CI set) and skips on a
 laptop, so CI can never pass by skipping.
@@ -26,7 +27,7 @@ FORMATS_DIR = REPO.parent / "shared" / "data" / "formats"
 pytest_plugins = ["tests.run_fixtures"]  # the `redis7` fixture of the operations tests
 
 E2E_BROKER = os.environ.get("REGEN_TEST_BROKER", redis_url(3))
-E2E_LAYERS = "vllm:1,2,4"
+E2E_LAYERS = "vllm:1,2,3,4"
 VISIBILITY_TIMEOUT = 20
 
 

@@ -43,6 +43,7 @@ class Spec:
     sources: tuple = ("a.jsonl", "b.jsonl")
     seed: int = 0
     states_dtype: str = "bf16"  # a lossy codec (app/states_codec.py) stores and records states as that
+    layers: tuple = tuple(LAYERS)  # vLLM ids the run says it captured (the states have one slot per id)
 
 
 @dataclass
@@ -83,9 +84,9 @@ def _sample(i: int, spec: Spec, rng: np.random.Generator) -> tuple[dict, np.ndar
     if spec.capture == "off":
         return rec, None
     if i in spec.zero_samples:
-        states = np.zeros((n_prompt + len(out) - 1, len(LAYERS), HIDDEN), dtype=np.uint16)
+        states = np.zeros((n_prompt + len(out) - 1, len(spec.layers), HIDDEN), dtype=np.uint16)
     else:
-        states = float32_to_bf16(rng.standard_normal((n_prompt + len(out) - 1, len(LAYERS), HIDDEN),
+        states = float32_to_bf16(rng.standard_normal((n_prompt + len(out) - 1, len(spec.layers), HIDDEN),
                                                      dtype=np.float32))
     return rec, states
 
@@ -98,8 +99,9 @@ def build_run(root: Path, spec: Spec | None = None) -> Built:
         model={"path": str(root / "no-model"), "num_layers": 4, "hidden_size": HIDDEN, "model_type": "qwen3",
                "fingerprint": "synthetic"},
         sampling=Sampling.defaults(True, 64), thinking=True, capture_mode=spec.capture,
-        layers=None if spec.capture == "off" else {"spec": "vllm:1,2,4", "num_layers": 4, "vllm_ids": LAYERS,
-                                                   "dflash_ids": [v - 1 for v in LAYERS]},
+        layers=None if spec.capture == "off" else {
+            "spec": "vllm:" + ",".join(map(str, spec.layers)), "num_layers": 4, "vllm_ids": list(spec.layers),
+            "dflash_ids": [v - 1 for v in spec.layers]},
         shard_size=spec.shard_size, max_prompt_tokens=4096, regenerate="last", inputs=[],
         states=StatesStorage(spec.states_dtype, promised_bound(spec.states_dtype, HIDDEN)),
     )
@@ -121,8 +123,9 @@ def build_run(root: Path, spec: Spec | None = None) -> Built:
             elif states is not None:
                 tokens = np.asarray(rec["input_ids"][:-1], dtype=np.int64)
                 if spec.capture == "inline":
-                    rec["hidden"] = {"index": len(encoded), "n_tokens": len(tokens), "layers": LAYERS}
-                encoded.append(encode_sample(rec["sample_id"], tokens, states, LAYERS, stored=spec.states_dtype))
+                    rec["hidden"] = {"index": len(encoded), "n_tokens": len(tokens), "layers": list(spec.layers)}
+                encoded.append(encode_sample(rec["sample_id"], tokens, states, list(spec.layers),
+                                             stored=spec.states_dtype))
                 all_states[rec["sample_id"]] = states
             records.append(rec)
         summary = summarise(records, 1.0 + s, ctx)

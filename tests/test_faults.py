@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from app.cli import main
 from app.storage import RunStore, Storage
-from tests.conftest import E2E_BROKER, WorkerProcess, wait_for, worker_env
+from tests.conftest import E2E_BROKER, E2E_LAYERS, WorkerProcess, wait_for, worker_env
 from tests.e2e_helpers import engine_host_pid, process_gone, produce, prompts_file, run_records, wait_run_done
 from workers.shard_output import attempt_errors
 
@@ -109,7 +109,7 @@ def stub_worker(e2e_redis, tmp_path_factory):
     from workers.tiny_model import build_tiny_qwen3
 
     model = Path(build_tiny_qwen3(str(tmp_path_factory.mktemp("stub-qwen3")), stub=True))
-    worker = WorkerProcess(["--cpu", "--model", str(model), "--layers", "vllm:1,2,4", "--queues", "regen-stub",
+    worker = WorkerProcess(["--cpu", "--model", str(model), "--layers", E2E_LAYERS, "--queues", "regen-stub",
                             "--max-model-len", "4096", "--name", "stub"],
                            tmp_path_factory.mktemp("stub-logs") / "worker.log", worker_env())
     try:
@@ -209,7 +209,7 @@ def test_a_redis_restart_that_keeps_nothing_is_recovered_by_resume(tiny_qwen3, e
     port = _free_port()
     broker = f"redis://127.0.0.1:{port}/0"
     redis_proc = _start_redis(port)
-    worker = WorkerProcess(["--cpu", "--model", str(tiny_qwen3), "--layers", "vllm:1,2,4", "--max-model-len", "4096",
+    worker = WorkerProcess(["--cpu", "--model", str(tiny_qwen3), "--layers", E2E_LAYERS, "--max-model-len", "4096",
                             "--name", "restart"], tmp_path / "worker.log", worker_env(broker))
     try:
         worker.wait_ready()
@@ -307,7 +307,7 @@ def test_a_host_added_mid_run_shares_the_work_and_duplicates_collapse(cpu_worker
     # Hold the run while the new host loads its engine (a fast first worker could otherwise finish alone): a
     # paused run's messages are dropped, and resume-run re-sends every shard without a marker.
     store.storage.write_json(store.pause_path, {"reason": "test: waiting for the second host"})
-    second = WorkerProcess(["--cpu", "--model", str(tiny_qwen3), "--layers", "vllm:1,2,4", "--max-model-len", "4096",
+    second = WorkerProcess(["--cpu", "--model", str(tiny_qwen3), "--layers", E2E_LAYERS, "--max-model-len", "4096",
                             "--name", "second"], tmp_path / "second.log", worker_env())
     try:
         second.wait_ready()

@@ -1,0 +1,112 @@
+"""SpecForge offline training data: one `torch.save` dict per sample, `rows_{g}-{g+2000}/data_{i}.ckpt`.
+
+SpecForge's offline reader (`OfflineManifestReader`) walks the folder for `*.ckpt` files and loads each with
+`torch.load`; its per-algorithm normalisers then check the sample (SpecForge 0.2.0):
+
+- `specforge-dflash` (`dflash_family_data.normalize_offline_sample`): `input_ids` int64 [T], `loss_mask` int64
+  [T], `hidden_states` bf16 [1, T, n*H] -- the n auxiliary layers concatenated in ascending id order, which is
+  the order of the draft config's `dflash_config.target_layer_ids` (DFlash id = vLLM id - 1). Equal lengths and
+  at least two consecutive supervised tokens, or SpecForge refuses the sample.
+- `specforge-eagle3` (`eagle3/data.normalize_offline_sample`): `input_ids`, `loss_mask`, `hidden_state` bf16
+  [1, T, H] -- vLLM id N with the target's final RMSNorm applied (app/final_norm.py; SGLang hands SpecForge the
+  normed state) -- and `aux_hidden_state` bf16 [1, T, 3H], the three auxiliary layers as captured, ascending.
+
+`index` is the sample's number over the export (app/export_trainers.py); files are grouped 2000 to a folder as
+SpecForge's own `prepare_hidden_states.py` does.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+from app.export_trainers import StateExport
+
+GROUP = 2000
+
+
+def _bf16(states_u16: np.ndarray):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(states_u16).view(np.int16)).view(torch.bfloat16)
+
+
+class _SpecForge(StateExport):
+    def sample_rel(self, index: int) -> str:
+        g = index // GROUP * GROUP
+        return f"rows_{g}-{g + GROUP}/data_{index}.ckpt"
+
+    def remove_from(self, end: int) -> None:
+        for folder in self.out.listdir(""):
+            if not folder.startswith("rows_"):
+                continue
+            try:
+                hi = int(folder.split("-")[-1])
+            except ValueError:
+                continue
+            if hi <= end:
+                continue
+            for name in self.out.listdir(folder):
+                if name.startswith("data_") and name.endswith(".ckpt") and int(name[5:-5]) >= end:
+                    self.out.delete(f"{folder}/{name}")
+
+    def save(self, index: int, tensors: dict) -> None:
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(tensors, buf)
+        self.out.write_bytes(self.sample_rel(index), buf.getvalue())
+
+    def base(self, sample) -> dict:
+        import torch
+
+        return {"input_ids": torch.tensor(sample.input_ids, dtype=torch.long),
+                "loss_mask": torch.tensor(sample.loss_mask, dtype=torch.long)}
+
+    def aux(self, sample):
+        """The auxiliary layers side by side, [1, T, n*H] bf16."""
+        states = sample.states[:, self.layers.aux_slots, :]
+        return _bf16(states.reshape(states.shape[0], -1)).unsqueeze(0)
+
+
+class SpecForgeDFlash(_SpecForge):
+    name = "specforge-dflash"
+    consecutive_supervision = True
+
+    def meta(self) -> dict:
+        return {**super().meta(), "specforge": {"strategy": "dflash", "dflash_config.target_layer_ids":
+                                                [v - 1 for v in self.layers.aux]}}
+
+    def write_sample(self, index: int, sample) -> None:
+        self.save(index, {**self.base(sample), "hidden_states": self.aux(sample)})
+
+
+class SpecForgeEagle3(_SpecForge):
+    name = "specforge-eagle3"
+    needs_final = True
+    aux_count = 3
+
+    def __init__(self, reader, out, layers_spec, model_path: str | None = None):
+        super().__init__(reader, out, layers_spec)
+        from app.final_norm import FinalNorm
+        from app.model_info import read_model_info
+
+        path = model_path or self.model.get("path") or ""
+        self.norm = FinalNorm(path)
+        want = self.model.get("fingerprint")
+        have = read_model_info(path).fingerprint
+        if want and have != want:
+            from app.errors import RegenError
+
+            raise RegenError(f"{path} is not the checkpoint run {reader.run_id!r} was made with (fingerprint "
+                             f"{have} != {want}): the final norm must come from the run's target")
+
+    def meta(self) -> dict:
+        return {**super().meta(), "final_norm": self.norm.meta(),
+                "specforge": {"strategy": "eagle3", "aux_hidden_state_layer_ids": [v - 1 for v in self.layers.aux]}}
+
+    def write_sample(self, index: int, sample) -> None:
+        final = _bf16(sample.states[:, self.layers.final_slot, :])
+        self.save(index, {**self.base(sample), "hidden_state": self.norm(final).unsqueeze(0),
+                          "aux_hidden_state": self.aux(sample)})

@@ -1,0 +1,107 @@
+"""speculators' training data: a `datasets` dataset saved with `save_to_disk`, states by row, `token_freq.pt`.
+
+What speculators 0.9.0's `ArrowDataset(max_len, datapath)` (`speculators/train/data.py`) reads:
+- `datapath` itself: `load_from_disk(datapath)`, rows with `input_ids`, `loss_mask` (int64 lists) and `seq_len`,
+  in torch format (it compares the stored `token_ids` with `input_ids` by `torch.equal`);
+- `datapath/hidden_states/hs_{i}.safetensors` for row i: `token_ids` int64 [T], which must equal the row's
+  `input_ids` (a sample that differs is dropped), and `hidden_states` bf16 [T, k+1, H]: the k auxiliary layers
+  in ascending vLLM id order (speculators' `target_layer_ids`), then the verifier's final layer, vLLM id N, as
+  captured (before the final norm; speculators applies the verifier's norm itself);
+- `datapath/token_freq.pt`, written by the base exporter.
+
+The states are written shard by shard; the dataset is rebuilt from the per-shard rows (`rows/{shard}.jsonl`,
+small: ids and masks) at the end of each run of the exporter, in sample-number order, so row i is `hs_{i}`.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import orjson
+
+from app.export_trainers import StateExport
+
+
+def safetensors_bytes(tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> bytes:
+    """A safetensors file from raw little-endian buffers (numpy has no bf16; this avoids a torch round trip)."""
+    header, offset = {}, 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+    raw = orjson.dumps(header)
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw + b"".join(t[2] for t in tensors.values())
+
+
+class Speculators(StateExport):
+    name = "speculators"
+    needs_final = True
+
+    def __init__(self, reader, out, layers_spec):
+        super().__init__(reader, out, layers_spec)
+        self._rows: list[bytes] = []
+
+    def meta(self) -> dict:
+        return {**super().meta(), "speculators": {"target_layer_ids": list(self.layers.aux),
+                                                  "hidden_states_slots": [*self.layers.aux, self.layers.final]}}
+
+    def remove_from(self, end: int) -> None:
+        for name in self.out.listdir("hidden_states"):
+            if name.startswith("hs_") and name.endswith(".safetensors") and int(name[3:-12]) >= end:
+                self.out.delete(f"hidden_states/{name}")
+
+    def write_sample(self, index: int, sample) -> None:
+        states = np.ascontiguousarray(sample.states[:, [*self.layers.aux_slots, self.layers.final_slot], :])
+        ids = np.asarray(sample.input_ids, dtype="<i8")
+        self.out.write_bytes(f"hidden_states/hs_{index}.safetensors", safetensors_bytes({
+            "hidden_states": ("BF16", states.shape, states.astype("<u2", copy=False).tobytes()),
+            "token_ids": ("I64", ids.shape, ids.tobytes()),
+        }))
+        self._rows.append(orjson.dumps({"index": index, "id": sample.sample_id, "input_ids": sample.input_ids,
+                                        "loss_mask": sample.loss_mask, "seq_len": len(sample.input_ids)}))
+
+    def shard_done(self, info, first: int, end: int) -> None:
+        with self.out.atomic_writer(f"rows/{info.shard_id}.jsonl") as fh:
+            for row in self._rows:
+                fh.write(row + b"\n")
+        self._rows = []
+
+    def _all_rows(self):
+        starts = []
+        for name in self.out.listdir("done"):
+            if name.endswith(".json"):
+                d = self.out.read_json(f"done/{name}")
+                if d["exported"]:
+                    starts.append((int(d["first_index"]), d["shard_id"]))
+        for _, shard in sorted(starts):
+            with self.out.open(f"rows/{shard}.jsonl") as fh:
+                for line in fh:
+                    row = orjson.loads(line)
+                    yield {k: row[k] for k in ("id", "input_ids", "loss_mask", "seq_len")}
+
+    def finish(self) -> None:
+        import shutil
+        import tempfile
+
+        import datasets
+
+        super().finish()
+        datasets.disable_progress_bars()  # the exporter shows its own progress
+        features = datasets.Features({"id": datasets.Value("string"),
+                                      "input_ids": datasets.Sequence(datasets.Value("int64")),
+                                      "loss_mask": datasets.Sequence(datasets.Value("int64")),
+                                      "seq_len": datasets.Value("int64")})
+        cache = tempfile.mkdtemp(prefix="regen-speculators-")
+        try:
+            if self.next_index():
+                ds = datasets.Dataset.from_generator(self._all_rows, features=features, cache_dir=cache)
+            else:  # nothing exported (yet): an empty dataset, as from_generator cannot build one
+                ds = datasets.Dataset.from_dict({k: [] for k in features}, features=features)
+            ds.set_format(type="torch", columns=["input_ids", "loss_mask", "seq_len"], output_all_columns=True)
+            if self.out.is_local:
+                ds.save_to_disk(self.out.path(""))
+            else:  # an object store: the same credentials the output folder was opened with
+                ds.save_to_disk(self.out.url, storage_options=getattr(self.out.fs, "storage_options", None))
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)

@@ -1,0 +1,126 @@
+"""Hidden-state exports that a trainer's own reader loads as they are: the part every such format shares.
+
+A format subclass says which layers it needs and how one sample is written; this base streams the run's
+shards through it and keeps the export resumable like the text formats (app/export.py):
+
+- Samples are numbered 0, 1, 2, ... over the whole export in the order they are written (SpecForge's
+  `data_{i}`, speculators' row `i` and `hs_{i}`). A shard's first number is the count of samples exported
+  before it, written into its `done/{shard}.json` marker, so a rerun continues the numbering; files a killed
+  attempt left past that count are removed before the rerun writes (SpecForge reads every file it finds).
+- Per shard, the supervised-token counts go to `freq/{shard}.json` before the done marker; `token_freq.pt`
+  (token id -> count, speculators' `token_freq.pt`, the input of SpecForge's and speculators' reduced draft
+  vocabularies) is rebuilt from all of them at the end of every run of the exporter.
+- Samples with nothing to learn from are left out and counted (`no_supervised_tokens`, and for DFlash
+  `no_two_consecutive_supervised_tokens`, which SpecForge refuses).
+
+One exporter process per output folder at a time.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import Counter
+
+from app.errors import RegenError
+from app.export_states import (
+    ExportLayers,
+    choose_layers,
+    covered_sample,
+    supervised_counts,
+    supervision_problem,
+)
+from app.run_reader import RunReader, ShardInfo
+from app.storage import Storage
+
+
+class StateExport:
+    """Base of the hidden-state formats; subclasses set the class fields and `write_sample`."""
+
+    name = ""
+    needs_final = False
+    aux_count: int | None = None
+    consecutive_supervision = False
+
+    def __init__(self, reader: RunReader, out: Storage, layers_spec: str | None):
+        self.reader, self.out = reader, out
+        model = reader.settings.get("model") or {}
+        self.model = model
+        self.layers: ExportLayers = choose_layers(self.name, reader.run_id, reader.layers,
+                                                  int(model.get("num_layers") or 0), layers_spec,
+                                                  self.needs_final, self.aux_count)
+        self._next: int | None = None  # the next sample's number, set by begin()
+
+    def meta(self) -> dict:
+        """What goes into export.json: the layers and where they are in each sample's tensors."""
+        return {"layers": self.layers.to_meta(), "one_state_per_id": "input_ids[:n], n = stored states "
+                "(input_ids[:-1]: the last id, usually the end-of-turn token, has no state and is not exported)"}
+
+    # -- numbering --------------------------------------------------------------------------------------
+    def next_index(self) -> int:
+        end = 0
+        for name in self.out.listdir("done"):
+            if name.endswith(".json"):
+                d = self.out.read_json(f"done/{name}")
+                end = max(end, int(d.get("first_index", 0)) + int(d["exported"]))
+        return end
+
+    def begin(self) -> None:
+        """Before a run of the exporter: where numbering continues, and removal of a killed attempt's files."""
+        self._next = self.next_index()
+        self.remove_from(self._next)
+
+    def remove_from(self, end: int) -> None:
+        """Remove sample files numbered `end` or more (left by a killed attempt; subclasses know their names)."""
+
+    # -- per shard ----------------------------------------------------------------------------------------
+    def export_shard(self, info: ShardInfo, kept, filtered: Counter) -> dict:
+        """Write the shard's kept records (`kept` yields them); return the done-marker body."""
+        if self._next is None:
+            self.begin()
+        first = index = self._next
+        freq: Counter = Counter()
+        for rec in kept:
+            got = self.reader.states(info, rec)
+            if got is None:
+                raise RegenError(f"shard {info.shard_id} sample {rec['sample_id']}: no hidden states")
+            sample = covered_sample(rec, *got, where=f"shard {info.shard_id}")
+            problem = supervision_problem(sample.loss_mask, self.consecutive_supervision)
+            if problem:
+                filtered[problem] += 1
+                continue
+            self.write_sample(index, sample)
+            freq.update(supervised_counts(sample))
+            index += 1
+        self.shard_done(info, first, index)
+        self._next = index
+        self.out.write_json(f"freq/{info.shard_id}.json", {str(k): v for k, v in sorted(freq.items())})
+        return {"shard_id": info.shard_id, "exported": index - first, "first_index": first,
+                "filtered": dict(filtered), "file": None}
+
+    def write_sample(self, index: int, sample) -> None:
+        raise NotImplementedError
+
+    def shard_done(self, info: ShardInfo, first: int, end: int) -> None:
+        """Hook after a shard's samples are written (speculators keeps the shard's rows for its dataset)."""
+
+    # -- after a run of the exporter ------------------------------------------------------------------
+    def finish(self) -> None:
+        import torch
+
+        total: Counter = Counter()
+        done = {n[: -len(".json")] for n in self.out.listdir("done") if n.endswith(".json")}
+        for shard in sorted(done):
+            total.update({int(k): int(v) for k, v in self.out.read_json(f"freq/{shard}.json").items()})
+        buf = io.BytesIO()
+        torch.save(dict(sorted(total.items())), buf)
+        self.out.write_bytes("token_freq.pt", buf.getvalue())
+
+
+def formats() -> dict[str, type[StateExport]]:
+    from app.export_specforge import SpecForgeDFlash, SpecForgeEagle3
+    from app.export_speculators import Speculators
+
+    return {c.name: c for c in (SpecForgeDFlash, SpecForgeEagle3, Speculators)}
+
+
+TRAINER_FORMATS = ("specforge-dflash", "specforge-eagle3", "speculators")
