@@ -20,11 +20,13 @@ from transformers import AutoTokenizer
 
 from app.cli import main
 from producer.normalise import normalise
+from tests.conftest import E2E_LAYERS
 from tests.e2e_helpers import produce, run_records, run_states, wait_run_done
 from workers.generate import render_prompt
 from workers.multiturn import turns_to_regenerate
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+E2E_VLLM_IDS = E2E_LAYERS.removeprefix("vllm:").split(",")  # the session worker's captured layers
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "chat"
 CONVERSATIONS = [
     {"id": "colours", "messages": [{"role": "user", "content": "Name a colour."},
@@ -93,7 +95,7 @@ def test_every_regenerated_turn_is_a_training_sample_with_its_own_states(runs, e
             assert rec["loss_mask"] == [0] * len(prompt) + [1] * rec["num_output_tokens"]
             token_ids, hidden = states[rec["sample_id"]]  # this turn's own sequence, captured
             assert np.array_equal(token_ids, np.asarray(rec["input_ids"][:-1]))
-            assert hidden.shape[:2] == (len(rec["input_ids"]) - 1, 3) and hidden.any()
+            assert hidden.shape[:2] == (len(rec["input_ids"]) - 1, len(E2E_VLLM_IDS)) and hidden.any()
             if r:  # the earlier turn in this prompt is the model's own, not the dataset's
                 earlier = rec["messages"][slots[r - 1]]
                 assert earlier["content"] == turns[r - 1]["answer"]
