@@ -14,11 +14,13 @@ import sys
 from celery.signals import worker_process_init, worker_process_shutdown, worker_ready, worker_shutdown
 
 from app.celery_app import create_app
+from workers.message_guard import install as guard_messages
 from workers.tasks import register
 
 log = logging.getLogger("regen.worker")
 
 celery = create_app()
+guard_messages(celery)  # a message that cannot be decoded is set aside, not fatal (workers/message_guard.py)
 register(celery)
 if os.environ.get("REGEN_BENCH_TASKS") == "1":  # the fleet bench's in-worker baseline (workers/bench_task.py)
     from workers.bench_task import register_bench
