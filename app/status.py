@@ -261,6 +261,8 @@ def summarise(scan: RunScan, now: float, stale_after: float = DEFAULT_VISIBILITY
         "failed": [_failure(k, scan.attempts[k]) for k, s in sorted(states.items()) if s == "failed"],
         "dead": [{"shard": k, "reason": mask_text(str(v.get("reason")))} for k, v in sorted(scan.dead.items())
                  if not k.endswith(CAPTURE_SUFFIX)],
+        # How to bring them back after a fix (the letters and their attempts are archived, the shards re-sent).
+        "retry_dead": f"regen retry-dead {scan.run_id}" if scan.dead else None,
         "workers": [_public_worker(w) for _, w in sorted(workers.items())],
     }
     if settings.get("capture_mode") == "staged":

@@ -18,6 +18,8 @@ Layout of a run, relative to the storage root (all names deterministic):
     {run}/attempts/{shard}/{attempt}.json        one file per delivery that started the shard
     {run}/dead/{shard}.json                      dead letter: the shard failed too often, with its errors
                                                  (the staged capture stage uses `{shard}.capture` as its key)
+    {run}/archive/{key}/{stamp}/                 a retried dead letter (`dead.json`) and its attempts, kept
+                                                 for the record by `regen retry-dead`
     {run}/PAUSED.json                            present while the run is paused (reason inside)
 
 Object stores need options every host must share (an S3 endpoint, a profile): `REGEN_STORAGE_OPTIONS` holds
@@ -202,6 +204,29 @@ class Storage:
         return removed
 
 
+    def temporaries(self, rel: str) -> list[tuple[str, float]]:
+        """(name, mtime) of the `atomic_writer` temporaries (`.name.tmp-*`) directly in folder `rel`; empty on
+        object stores (an unfinished upload never becomes an object) and when the folder does not exist."""
+        if not self.is_local:
+            return []
+        out = []
+        for path in glob.glob(os.path.join(glob.escape(self.path(rel)), ".*.tmp-*")):
+            with contextlib.suppress(FileNotFoundError):
+                out.append((os.path.basename(path), os.stat(path).st_mtime))
+        return sorted(out)
+
+    def remove_temporary(self, rel: str) -> int:
+        """Remove one temporary named by `temporaries`; 1 when this call removed it."""
+        name = rel.rsplit("/", 1)[-1]
+        if not (name.startswith(".") and ".tmp-" in name):
+            raise ValueError(f"{rel!r} is not a temporary file")
+        try:
+            os.unlink(self.path(rel))
+        except FileNotFoundError:
+            return 0
+        return 1
+
+
 class RunStore:
     """The paths and markers of one run inside a Storage; the only place that knows the run layout."""
 
@@ -251,6 +276,10 @@ class RunStore:
 
     def attempts_dir(self, shard: str) -> str:
         return self.rel("attempts", validate_id(shard, "shard id"))
+
+    def archive_dir(self, key: str, stamp: str) -> str:
+        """Where `regen retry-dead` keeps a dead letter and its attempts once it re-sends the shard."""
+        return self.rel("archive", validate_id(key, "shard id"), validate_id(stamp, "archive stamp"))
 
     # markers
     def is_done(self, shard: str) -> bool:

@@ -48,6 +48,21 @@ def _freeze_heap(**_):
     log.info("worker process: %d start-up objects frozen out of garbage collection", freeze_startup_heap())
 
 
+@worker_ready.connect
+def _start_watchers(**_):
+    """The engine watchdog (workers/engine_watch.py), and the sweep of this host's dead attempts' temporaries
+    (workers/inflight.py; in a thread: storage may be slow to answer)."""
+    import threading
+
+    from workers.engine_watch import watch_engine
+    from workers.inflight import sweep_dead_attempts
+    from workers.tasks import _visibility_timeout
+
+    watch_engine()
+    threading.Thread(target=sweep_dead_attempts, args=(_visibility_timeout(celery),), name="regen-sweep",
+                     daemon=True).start()
+
+
 @worker_shutdown.connect
 @worker_process_shutdown.connect
 def _close_engine(**_):
