@@ -121,11 +121,11 @@ def test_copies_of_one_shard_held_by_one_worker_and_one_sigkill_give_one_output(
     # The fault run's reproduction: one shard, `produce` plus five `reconcile`s, so one worker is handed six copies
     # of it; one SIGKILL. Before, all six started (six attempt records, one pid) and the kill dead-lettered the
     # shard. Now one copy runs, the others are dropped, and the kill counts once.
-    inputs = prompts_file(tmp_path, n_synthetic=16, with_formats=False)
+    inputs = prompts_file(tmp_path, n_synthetic=8, with_formats=False)
     drops_before = cpu_worker.text().count("another copy of it runs in this process")
     starts_before = cpu_worker.text().count("engine self-test passed")
-    # One shard of 16 long samples: it runs for seconds, so the kill finds it in flight.
-    state = produce(e2e_storage, "copies", [inputs], tiny_qwen3, "--max-tokens", "2000", "--shard-size", "16")
+    # One shard of 8 samples of up to 300 tokens: it runs for seconds, so the kill finds it in flight.
+    state = produce(e2e_storage, "copies", [inputs], tiny_qwen3, "--max-tokens", "300", "--shard-size", "8")
     store = RunStore(Storage(str(e2e_storage)), "copies")
     for _ in range(5):
         _cli("reconcile", "copies", "--storage", str(e2e_storage), "--broker", E2E_BROKER)
@@ -140,7 +140,7 @@ def test_copies_of_one_shard_held_by_one_worker_and_one_sigkill_give_one_output(
     wait_run_done(e2e_storage, "copies", timeout=240)
     assert not store.dead_shards()
     report(e2e_storage, "copies", state["counts"]["enqueued"])
-    assert len(run_records(e2e_storage, "copies")) == 16  # exactly one output
+    assert len(run_records(e2e_storage, "copies")) == 8  # exactly one output
     attempts = attempt_errors(store, "shard-000000")
     assert len(attempts) == 2 and len({a["pid"] for a in attempts}) == 2
     wait_for(lambda: not temporaries(e2e_storage / "copies"), 60, "no temporary file under the completed run")

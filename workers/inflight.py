@@ -102,7 +102,7 @@ class InFlight:
                 claims = [c for c in self._claims.values() if c.attempt is not None]
             for c in claims:
                 with c.lock:
-                    if c.key not in self._claims:
+                    if self._claims.get(c.key) is not c:  # ended meanwhile
                         continue
                     try:
                         renew_lease(c.store, c.key[2], c.attempt)
