@@ -167,7 +167,7 @@ def _begin(task: Task, stage: str, ctx: WorkerContext, store: RunStore, shard_id
     stale_after = _visibility_timeout(task.app)
     counted = record_attempt(store, key, attempt, ctx.worker_name, stale_after=stale_after, stage=stage)
     _claims.started(claim, store, attempt)
-    limits = ctx.config.max_attempts, getattr(ctx.config, "max_crashes", 10)
+    limits = ctx.config.max_attempts, ctx.config.max_crashes
     if (counted.failures >= limits[0] or counted.crashes >= limits[1]) \
             and not (stage == "generate" and store.is_done(shard_id)):
         reason = (f"{counted.failures} attempts failed (limit {limits[0]})" if counted.failures >= limits[0] else
