@@ -154,8 +154,8 @@ def _report(out: Console, result: ProduceResult) -> None:
             table.add_row("shards dead-lettered, not sent", f"{acc.shards_skipped_dead:,}")
     out.print(table)
     if result.status == "produced" and acc.shards_skipped_dead:
-        out.print(f"{acc.shards_skipped_dead:,} dead-lettered shards were not sent; after a fix, re-send them with: "
-                  f"regen retry-dead {result.run_id}")
+        out.print(f"{acc.shards_skipped_dead:,} dead-lettered shards were not sent; after a fix, re-send them with:")
+        out.print(f"regen retry-dead {result.run_id}", soft_wrap=True)
     if result.estimate is not None:
         for line in result.estimate.lines():
             out.print(line)
@@ -178,7 +178,7 @@ def retry_dead_command(run_id, shards, **options) -> None:
         out.print(f"run {run_id} has no dead-lettered shards")
         return
     for key, where in result.archived.items():
-        out.print(f"archived dead letter of {key} to {where}")
+        out.print(f"archived dead letter of {key} to {where}", soft_wrap=True)
     out.print(f"re-sent {result.sent} shard(s) of {run_id}" + (f", {result.captures} staged capture(s)"
                                                               if result.captures else ""))
 
