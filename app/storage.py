@@ -185,25 +185,6 @@ class Storage:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.path(rel), recursive=recursive)
 
-    def remove_temporaries(self, rel: str, older_than: float) -> int:
-        """Remove the `atomic_writer` temporary files (`.name.tmp-*`) in folder `rel` untouched for `older_than`
-        seconds; return how many.
-
-        They are what a writer killed mid-write (SIGKILL, OOM) leaves behind, and a hidden-state file streamed
-        over a whole shard can be GBs. A file written recently may belong to a writer still at work, so it stays.
-        Object stores have none (an unfinished upload never becomes an object)."""
-        if not self.is_local:
-            return 0
-        removed = 0
-        cutoff = time.time() - older_than
-        for path in glob.glob(os.path.join(glob.escape(self.path(rel)), ".*.tmp-*")):
-            with contextlib.suppress(FileNotFoundError):
-                if os.stat(path).st_mtime < cutoff:
-                    os.unlink(path)
-                    removed += 1
-        return removed
-
-
     def temporaries(self, rel: str) -> list[tuple[str, float]]:
         """(name, mtime) of the `atomic_writer` temporaries (`.name.tmp-*`) directly in folder `rel`; empty on
         object stores (an unfinished upload never becomes an object) and when the folder does not exist."""
