@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-import time
 import uuid
 from collections.abc import Iterator
 
