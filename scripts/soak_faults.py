@@ -199,7 +199,9 @@ def report(store, storage: Path, run_id: str, args, faults: Counter, elapsed: fl
         "shards": args.shards, "shards_done": len(store.done_shards()), "dead_lettered": len(store.dead_shards()),
         "samples_expected": expected, "samples_written": sum(ids.values()),
         "duplicated": sum(n - 1 for n in ids.values()), "lost": expected - len(ids),
-        "faults": dict(faults), "attempts_per_shard_max": max(attempts, default=0),
+        "faults": dict(faults), "worker_restarts": sum(p.read_text(errors="replace").count(" exited with ")
+                                                        for p in storage.parent.glob("worker*.log")),
+        "shards_interrupted": sum(n > 1 for n in attempts), "attempts_per_shard_max": max(attempts, default=0),
         "attempts_total": sum(attempts), "temporaries_left": len(temporaries),
         "verify_ok": verify.ok(), "verify_headline": verify.headline(),
         "verify_errors": [f"{p.kind} {p.shard}: {p.detail}" for p in verify.errors()][:5],
