@@ -62,8 +62,9 @@ def record_attempt(store: RunStore, shard: str, attempt: str, worker: str, stale
     from workers.liveness import attempt_state, identity, lease_seconds, process_key
 
     started = _now()
-    body = {"attempt": attempt, "worker": worker, **identity(), "started": started, "heartbeat": started,
-            "lease_s": lease_seconds(), **extra}
+    body = {"attempt": attempt, "worker": worker, **identity(), "started": started, "lease_s": lease_seconds(),
+            **extra}
+    body.setdefault("heartbeat", body["started"])
     store.storage.write_json(f"{store.attempts_dir(shard)}/{attempt}.json", body)
     now = dt.datetime.now(dt.UTC).timestamp()
     failures, crashed, records = 0, set(), 1
