@@ -399,10 +399,13 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
         rhs = written + int(counts["duplicates"]) + int(counts["rejected"]) + dead_samples
         accounting["identity_holds"] = int(counts["read"]) == rhs
         if not accounting["identity_holds"]:
+            # Short by exactly the samples of unfinished shards: the run is incomplete, not inconsistent.
+            short_by_missing = int(counts["read"]) == rhs + missing_samples
             problems.append(Problem("accounting", None, None,
                                     f"read {counts['read']} != written {written} + duplicates {counts['duplicates']} "
                                     f"+ rejected {counts['rejected']} + dead-lettered {dead_samples} "
-                                    f"({missing_samples} samples in missing shards)"))
+                                    f"({missing_samples} samples in missing shards)",
+                                    severity=gap if short_by_missing else "error"))
     sampled = None
     if sample is not None:
         from app.verify_sampled import decode_sample

@@ -73,6 +73,16 @@ def test_a_dead_shard_is_accounted_for_and_fails_an_incomplete_run_unless_allowe
     assert code == 1
 
 
+def test_a_run_in_progress_passes_with_allow_incomplete_and_says_what_is_missing(tmp_path):
+    built = build_run(tmp_path)
+    built.storage.delete(built.store.done_path("shard-000001"))  # not finished yet
+    code, report = run_verify(tmp_path)
+    assert code == 1 and report["headline"].startswith("INCOMPLETE: 4 samples missing: 1 shards without a")
+    code, report = run_verify(tmp_path, "synth", "--allow-incomplete")
+    assert code == 0, report["problems"]
+    assert {p["kind"] for p in report["problems"]} == {"missing", "accounting"}
+
+
 def test_deleted_records_and_hidden_files(tmp_path):
     built = build_run(tmp_path)
     marker = built.store.done_marker("shard-000000")
