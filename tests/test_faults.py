@@ -354,16 +354,26 @@ def test_copies_of_one_shard_held_by_one_worker_and_one_sigkill_give_one_output(
     # The fault run's reproduction: one shard, `produce` plus five `reconcile`s, so one worker is handed six copies
     # of it; one SIGKILL. Before, all six started (six attempt records, one pid) and the kill dead-lettered the
     # shard. Now one copy runs, the others are dropped, and the kill counts once.
+    from app.celery_app import create_app
+    from app.config import BrokerSettings
+
     inputs = prompts_file(tmp_path, n_synthetic=8, with_formats=False)
     drops_before = cpu_worker.text().count("another copy of it runs in this process")
     starts_before = cpu_worker.text().count("engine self-test passed")
-    # One shard of 8 samples of up to 300 tokens: it runs for seconds, so the kill finds it in flight.
-    state = produce(e2e_storage, "copies", [inputs], tiny_qwen3, "--max-tokens", "300", "--shard-size", "8")
+    # The worker stops consuming while the six copies are queued (Celery's remote control), then takes them all
+    # at once: the copies meet the first while it runs, however fast the machine is.
+    control = create_app(BrokerSettings(url=E2E_BROKER)).control
+    name = next(n for reply in control.ping(timeout=5) for n in reply if n.startswith("e2e@"))
+    assert control.cancel_consumer("regen", destination=[name], reply=True, timeout=10)
+    try:
+        state = produce(e2e_storage, "copies", [inputs], tiny_qwen3, "--max-tokens", "400", "--shard-size", "8")
+        for _ in range(5):
+            _cli("reconcile", "copies", "--storage", str(e2e_storage), "--broker", E2E_BROKER)
+    finally:
+        assert control.add_consumer("regen", destination=[name], reply=True, timeout=10)
     store = RunStore(Storage(str(e2e_storage)), "copies")
-    for _ in range(5):
-        _cli("reconcile", "copies", "--storage", str(e2e_storage), "--broker", E2E_BROKER)
     wait_for(lambda: cpu_worker.text().count("another copy of it runs in this process") - drops_before >= 5, 120,
-             "the worker to drop the five extra copies")
+             "the worker to drop the five extra copies", interval=0.05)
     assert len(store.storage.listdir(store.attempts_dir("shard-000000"))) == 1  # one attempt, not six
     assert not store.is_done("shard-000000"), "the shard finished before the kill; make it longer"
     child = cpu_worker.child_pids()[0]
