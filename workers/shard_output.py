@@ -75,7 +75,7 @@ def record_attempt(store: RunStore, shard: str, attempt: str, worker: str, stale
         if other.get("error"):
             if other.get("error_kind") == "crash":
                 crashed.add(process_key(other))
-            elif other.get("error_kind") != "refused":  # "refused": the delivery that wrote the dead letter
+            else:
                 failures += 1
         elif attempt_state(other, now, stale_after) == "dead":
             crashed.add(process_key(other))
@@ -112,6 +112,19 @@ def record_attempt_error(store: RunStore, shard: str, attempt: str, error: str, 
     body["error"] = error
     body["error_kind"] = kind
     body["failed"] = _now()
+    store.storage.write_json(path, body)
+
+
+def record_attempt_end(store: RunStore, shard: str, attempt: str, note: str) -> None:
+    """Mark an attempt that ended without running the shard and without an error of the shard's (the delivery
+    that found the attempts used up and wrote the dead letter): it counts as neither a failure nor a crash."""
+    path = f"{store.attempts_dir(shard)}/{attempt}.json"
+    try:
+        body = store.storage.read_json(path)
+    except FileNotFoundError:
+        body = {"attempt": attempt}
+    body["ended"] = note
+    body["ended_at"] = _now()
     store.storage.write_json(path, body)
 
 

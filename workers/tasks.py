@@ -47,6 +47,7 @@ from workers.shard_output import (
     new_attempt_id,
     publish_shard,
     record_attempt,
+    record_attempt_end,
     record_attempt_error,
 )
 
@@ -173,7 +174,7 @@ def _begin(task: Task, stage: str, ctx: WorkerContext, store: RunStore, shard_id
         reason = (f"{counted.failures} attempts failed (limit {limits[0]})" if counted.failures >= limits[0] else
                   f"{counted.crashes} worker processes died holding it (limit {limits[1]})")
         with claim.lock:
-            record_attempt_error(store, key, attempt, f"not run: {reason}", kind="refused")
+            record_attempt_end(store, key, attempt, f"not run, dead-lettered: {reason}")
         dead_letter(store, key, f"{reason}: {counted.records - 1} attempts without success")
         log.error("%s/%s dead-lettered: %s", run_id, shard_id, reason)
         return None
