@@ -8,8 +8,10 @@ Why each setting (see NOTES.md for the measurements behind them):
   unacked message after it *even while it still runs*, so it must exceed the longest shard. Re-delivery is
   harmless because storage, not Redis, records what is done.
 - Results are ignored: outcomes live on storage.
-- The broker connection is retried forever; long-running tasks are cancelled on connection loss (their
-  message comes back) instead of being acked on a dead channel.
+- The broker connection is retried forever. Running tasks are *not* cancelled on connection loss: the thread
+  pool cannot cancel a running task (Celery raised `NotImplementedError ... does not implement kill_job` per
+  running task on every broker restart, and the tasks ran on). A task that outlives its connection finishes and
+  publishes on storage; its ack may be lost with the channel, and the message Redis restores finds the shard done.
 - Task events on in workers, so Flower can show the fleet.
 
 Creating the app does not connect to anything; connections open on first use.
@@ -48,7 +50,7 @@ def celery_config(settings: BrokerSettings) -> dict:
         "broker_connection_retry": True,
         "broker_connection_retry_on_startup": True,
         "broker_connection_max_retries": None,
-        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
         "worker_send_task_events": True,
         # Workers send task events (what Flower shows); the producer does not add a `task-sent` event per
         # shard: it cost a quarter of the producer's time and Flower needs none of it.

@@ -27,12 +27,19 @@ def _console(stderr: bool = False):
               help="Recompute N samples' states with transformers and compare (max abs diff 0.05).")
 @click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True,
               help="Shards checked in parallel.")
-@click.option("--strict", is_flag=True, help="Dead-lettered shards fail the check too.")
+@click.option("--strict", is_flag=True, help="Warnings (e.g. a dead-lettered staged capture) fail the check too.")
+@click.option("--allow-incomplete", is_flag=True,
+              help="Dead-lettered and unfinished shards are warnings, not failures (a run in progress).")
+@click.option("--sample", type=click.FloatRange(min=0, min_open=True), default=None, metavar="N|FRACTION",
+              help="Decode the states of only N samples (or this fraction, e.g. 0.01), spread over workers and "
+                   "shards; everything else is still checked for every shard.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def verify_cmd(run_id: str, storage: str, reference: int, workers: int, strict: bool, as_json: bool) -> None:
+def verify_cmd(run_id: str, storage: str, reference: int, workers: int, strict: bool, allow_incomplete: bool,
+               sample: float | None, as_json: bool) -> None:
     """Check RUN: markers, sizes, sha256, CRCs, token ids, states, masks and the accounting identity.
 
-    Exit status 0 only when every check holds; otherwise the problems are listed by shard and sample.
+    Exit status 0 only when every check holds and the run is complete; otherwise the first line says how many
+    samples are missing and why, and the problems are listed by shard and sample.
     """
     from app.run_reader import RunReader
     from app.verify import verify_run
@@ -40,8 +47,9 @@ def verify_cmd(run_id: str, storage: str, reference: int, workers: int, strict: 
     reader = RunReader(storage, run_id)
     err = _console(stderr=True)
     n = len(reader.done_shards())
+    options = {"reference": reference, "workers": workers, "allow_incomplete": allow_incomplete, "sample": sample}
     if as_json:
-        report = verify_run(reader, reference=reference, workers=workers)
+        report = verify_run(reader, **options)
     else:
         with err.status(f"verifying {n} shards of {run_id}") as status:
             seen = [0]
@@ -50,7 +58,7 @@ def verify_cmd(run_id: str, storage: str, reference: int, workers: int, strict: 
                 seen[0] += 1
                 status.update(f"verified {seen[0]}/{n} shards of {run_id}")
 
-            report = verify_run(reader, reference=reference, workers=workers, progress=tick)
+            report = verify_run(reader, progress=tick, **options)
     if as_json:
         click.echo(orjson.dumps(report.to_dict(strict), option=orjson.OPT_INDENT_2).decode())
     else:
@@ -62,6 +70,8 @@ def _print_verify(report, strict: bool) -> None:
     from rich.table import Table
 
     out = _console()
+    if report.headline():
+        out.print(f"[red]verify: {report.headline()}[/red]")
     acc = report.accounting
     summary = Table(title=f"run {report.run_id}", show_header=False)
     for key, value in [*acc.items(), *((f"shards {k}", v) for k, v in report.shards.items())]:
@@ -69,6 +79,13 @@ def _print_verify(report, strict: bool) -> None:
     if report.reference:
         summary.add_row("reference", f"{report.reference.get('checked', 0)} samples, max abs "
                                      f"{report.reference.get('max_abs', float('nan')):.4f}")
+    if report.sampled:
+        s = report.sampled
+        summary.add_row("states decoded", f"{s['states_decoded']:,} of {s['of_samples']:,} samples, in "
+                                          f"{s['shards_read']} of {s['of_shards']} shards")
+        summary.add_row("  by worker", ", ".join(f"{w} {n}" for w, n in s["by_worker"].items()) or "-")
+        summary.add_row("  checked for every shard", s["checked_everywhere"])
+        summary.add_row("  not read", s["not_read"])
     out.print(summary)
     if report.problems:
         table = Table(title=f"{len(report.problems)} problems")

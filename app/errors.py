@@ -37,3 +37,13 @@ class PermanentError(RegenError):
 
 class EngineDead(RegenError):
     """The inference engine died; the worker process must exit without acking so the shard is redelivered."""
+
+
+class EngineLost(EngineDead):
+    """The engine's process vanished (a signal, the OOM killer) without an error of its own: a crash of the
+    machine around a shard, counted as such (workers/shard_output.record_attempt), not as the shard's failure."""
+
+
+class InvalidTask(RegenError):
+    """A task message whose arguments cannot be a shard of a run (wrong names or types, a run that is not on
+    storage): recorded in the dead-message list, never retried forever."""

@@ -71,6 +71,13 @@ class RegenCollector(Collector):
         if unacked is not None:
             yield GaugeMetricFamily("regen_broker_unacked", "Messages fetched by workers but not yet acked",
                                     value=unacked)
+        if not error:
+            from app import dead_messages
+
+            rejected = dead_messages.count(self.broker_url)
+            if rejected is not None:
+                yield CounterMetricFamily("regen_dead_messages", "Messages workers could not decode or run "
+                                          "(Redis list regen.dead-messages)", value=rejected)
         yield from self._run_families(statuses)
 
     def _run_families(self, statuses: list[dict]):

@@ -18,7 +18,7 @@ from app.config import DEFAULT_VISIBILITY_TIMEOUT, BrokerSettings, mask_url
 def collect(storage_root: str, run_id: str | None, broker_url: str, inspect_timeout: float,
             stale_after: float, scanners: dict | None = None) -> dict:
     """One run's full status (RUN given) or the one-line-per-run overview; a JSON-ready dict."""
-    from app import fleet
+    from app import dead_messages, fleet
     from app.manifest import load
     from app.status import RunScanner, list_runs, summarise
     from app.storage import RunStore, Storage
@@ -40,12 +40,15 @@ def collect(storage_root: str, run_id: str | None, broker_url: str, inspect_time
     if run_id and inspect_timeout > 0 and not q_error:
         live, w_error = fleet.live_workers(broker_url, inspect_timeout)
     errors = [e for e in (q_error, w_error) if e]
+    rejected = None if q_error else dead_messages.count(broker_url)  # messages no worker could use
     for s in statuses:
         fleet.overlay(s, broker_url, lengths, unacked, live if not w_error else None, errors, now)
+        s["broker"]["dead_messages"] = rejected
     if run_id:
         return {"storage": mask_url(storage.url), **statuses[0]}
     return {"storage": mask_url(storage.url), "broker": {"url": mask_url(broker_url), "queued": lengths,
-                                                          "unacked": unacked, "error": "; ".join(errors) or None},
+                                                          "unacked": unacked, "dead_messages": rejected,
+                                                          "error": "; ".join(errors) or None},
             "runs": [_run_line(s) for s in statuses]}
 
 

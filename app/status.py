@@ -6,7 +6,8 @@ for the staged capture stage) is in exactly one state, decided in this order:
 
     done       its completion marker exists (`done/` or, for capture, `captured/`)
     dead       it was dead-lettered (`dead/`)
-    running    its newest attempt has no error and started less than `stale_after` seconds ago
+    running    its newest attempt has no error and renewed its lease within `lease_s` (records without a lease:
+               started less than `stale_after` seconds ago)
     failed     some attempt recorded an error (Celery retries it, or it waits for `regen reconcile`)
     stale      an attempt started long ago and never finished nor failed (a lost worker; Redis re-delivers it)
     waiting    no attempt yet (queued in Redis, or lost with it)
@@ -154,8 +155,11 @@ def shard_states(scan: RunScan, now: float, stale_after: float, capture: bool = 
             states[key] = "waiting"
         else:
             newest = max(attempts, key=lambda a: a.get("started") or "")
-            started = parse_time(newest.get("started"))
-            if "error" not in newest and started is not None and now - started < stale_after:
+            # A worker renews its attempts' leases (workers/liveness.py): a renewal within the lease means it runs;
+            # records without one are judged by their start against `stale_after`, as before leases.
+            seen = parse_time(newest.get("heartbeat") or newest.get("started"))
+            window = float(newest["lease_s"]) if newest.get("lease_s") else stale_after
+            if "error" not in newest and seen is not None and now - seen < window:
                 states[key] = "running"
             elif any("error" in a for a in attempts):
                 states[key] = "failed"
@@ -261,6 +265,8 @@ def summarise(scan: RunScan, now: float, stale_after: float = DEFAULT_VISIBILITY
         "failed": [_failure(k, scan.attempts[k]) for k, s in sorted(states.items()) if s == "failed"],
         "dead": [{"shard": k, "reason": mask_text(str(v.get("reason")))} for k, v in sorted(scan.dead.items())
                  if not k.endswith(CAPTURE_SUFFIX)],
+        # How to bring them back after a fix (the letters and their attempts are archived, the shards re-sent).
+        "retry_dead": f"regen retry-dead {scan.run_id}" if scan.dead else None,
         "workers": [_public_worker(w) for _, w in sorted(workers.items())],
     }
     if settings.get("capture_mode") == "staged":

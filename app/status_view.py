@@ -33,6 +33,8 @@ def _broker_line(broker: dict) -> Text:
     line = f"broker {broker['url']}"
     if broker.get("unacked") is not None:
         line += f", unacked {broker['unacked']:,}"
+    if broker.get("dead_messages"):
+        line += f", rejected messages {broker['dead_messages']:,} (Redis list regen.dead-messages)"
     if broker.get("error"):
         line += f" (unreachable: {broker['error']})"
     return Text(line, style="red" if broker.get("error") else "dim")
@@ -86,5 +88,8 @@ def _render_run(s: dict):
         parts.append(Text(f"failed {f['shard']} ({f['errors']} errors): {f['last_error']}", style="yellow"))
     for d in s["dead"][:10]:
         parts.append(Text(f"dead {d['shard']}: {d['reason']}", style="red"))
+    if s.get("retry_dead"):
+        parts.append(Text(f"after a fix, re-send dead-lettered shards: {s['retry_dead']} --storage {s['storage']}",
+                          style="red"))
     parts.append(_broker_line(s["broker"]))
     return Group(*parts)

@@ -18,6 +18,8 @@ Layout of a run, relative to the storage root (all names deterministic):
     {run}/attempts/{shard}/{attempt}.json        one file per delivery that started the shard
     {run}/dead/{shard}.json                      dead letter: the shard failed too often, with its errors
                                                  (the staged capture stage uses `{shard}.capture` as its key)
+    {run}/archive/{key}/{stamp}/                 a retried dead letter (`dead.json`) and its attempts, kept
+                                                 for the record by `regen retry-dead`
     {run}/PAUSED.json                            present while the run is paused (reason inside)
 
 Object stores need options every host must share (an S3 endpoint, a profile): `REGEN_STORAGE_OPTIONS` holds
@@ -30,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -183,23 +184,27 @@ class Storage:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.path(rel), recursive=recursive)
 
-    def remove_temporaries(self, rel: str, older_than: float) -> int:
-        """Remove the `atomic_writer` temporary files (`.name.tmp-*`) in folder `rel` untouched for `older_than`
-        seconds; return how many.
-
-        They are what a writer killed mid-write (SIGKILL, OOM) leaves behind, and a hidden-state file streamed
-        over a whole shard can be GBs. A file written recently may belong to a writer still at work, so it stays.
-        Object stores have none (an unfinished upload never becomes an object)."""
+    def temporaries(self, rel: str) -> list[tuple[str, float]]:
+        """(name, mtime) of the `atomic_writer` temporaries (`.name.tmp-*`) directly in folder `rel`; empty on
+        object stores (an unfinished upload never becomes an object) and when the folder does not exist."""
         if not self.is_local:
-            return 0
-        removed = 0
-        cutoff = time.time() - older_than
+            return []
+        out = []
         for path in glob.glob(os.path.join(glob.escape(self.path(rel)), ".*.tmp-*")):
             with contextlib.suppress(FileNotFoundError):
-                if os.stat(path).st_mtime < cutoff:
-                    os.unlink(path)
-                    removed += 1
-        return removed
+                out.append((os.path.basename(path), os.stat(path).st_mtime))
+        return sorted(out)
+
+    def remove_temporary(self, rel: str) -> int:
+        """Remove one temporary named by `temporaries`; 1 when this call removed it."""
+        name = rel.rsplit("/", 1)[-1]
+        if not (name.startswith(".") and ".tmp-" in name):
+            raise ValueError(f"{rel!r} is not a temporary file")
+        try:
+            os.unlink(self.path(rel))
+        except FileNotFoundError:
+            return 0
+        return 1
 
 
 class RunStore:
@@ -251,6 +256,10 @@ class RunStore:
 
     def attempts_dir(self, shard: str) -> str:
         return self.rel("attempts", validate_id(shard, "shard id"))
+
+    def archive_dir(self, key: str, stamp: str) -> str:
+        """Where `regen retry-dead` keeps a dead letter and its attempts once it re-sends the shard."""
+        return self.rel("archive", validate_id(key, "shard id"), validate_id(stamp, "archive stamp"))
 
     # markers
     def is_done(self, shard: str) -> bool:

@@ -8,8 +8,15 @@ with plain transformers (workers/reference.py), independent of vLLM's capture pa
 `--states-dtype` promises a bound on each token's relative error: every lossy sample's recorded error is held
 to it (app/states_bound.py), and the reference comparison allows it on top of the capture tolerance.
 
-Problems are `error` (exit 1) or `warning` (dead-lettered shards: accounted for, but their data is absent;
-`--strict` makes them fail too).
+Problems are `error` (exit 1) or `warning` (`--strict` makes warnings fail too). An incomplete run (shards
+dead-lettered or without a marker, a producer that has not finished) is an error: a run that lacks samples is
+not the dataset that was asked for, and the report's first line says how many samples are missing and why.
+`--allow-incomplete` turns those into warnings, to check a run in progress.
+
+`--sample N` (or a fraction, `--sample 0.01`) is verify at a real run's scale (~60-130 TB of states for 914K
+samples of a 27B target): markers, sizes, records, masks, the hidden files' indexes and the accounting are checked
+for every shard, and the states of only N samples, spread over workers and shards, are decoded
+(app/verify_sampled.py); the report says what was and was not read.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ class ShardResult:
     problems: list[Problem] = field(default_factory=list)
     good_samples: list[str] = field(default_factory=list)  # ok samples whose states passed: reference pool
     stale_rows: object = field(default=None, repr=False)  # workers.quality.StaleRows across the shard's samples
+    worker: str | None = None  # the worker that published it (sampled verify spreads its reads over workers)
 
     def add(self, kind: str, detail: str, sample: str | None = None, severity: str = "error") -> None:
         self.problems.append(Problem(kind, self.shard, sample, detail, severity))
@@ -67,6 +75,23 @@ class VerifyReport:
     shards: dict[str, int]
     problems: list[Problem]
     reference: dict | None = None
+    incomplete: dict | None = None  # what is missing and why (None when the run is complete)
+    sampled: dict | None = None  # what a sampled verify read and did not read
+
+    def headline(self) -> str | None:
+        """The report's first line when the run is incomplete."""
+        if not self.incomplete:
+            return None
+        i = self.incomplete
+        why = []
+        if i["dead_shards"]:
+            why.append(f"{i['dead_shards']} shards dead-lettered ({i['dead_samples']:,} samples)")
+        if i["missing_shards"]:
+            why.append(f"{i['missing_shards']} shards without a completion marker ({i['missing_shard_samples']:,} "
+                       "samples)")
+        if i["producer_unfinished"]:
+            why.append("the producer has not finished enqueuing")
+        return f"INCOMPLETE: {i['missing_samples']:,} samples missing: " + "; ".join(why)
 
     def errors(self, strict: bool = False) -> list[Problem]:
         return [p for p in self.problems if strict or p.severity == "error"]
@@ -75,8 +100,9 @@ class VerifyReport:
         return not self.errors(strict)
 
     def to_dict(self, strict: bool = False) -> dict:
-        return {"run_id": self.run_id, "ok": self.ok(strict), "accounting": self.accounting, "shards": self.shards,
-                "reference": self.reference, "problems": [asdict(p) for p in self.problems]}
+        return {"run_id": self.run_id, "ok": self.ok(strict), "headline": self.headline(),
+                "incomplete": self.incomplete, "accounting": self.accounting, "shards": self.shards,
+                "reference": self.reference, "sampled": self.sampled, "problems": [asdict(p) for p in self.problems]}
 
 
 def _read_records_file(res: ShardResult, reader: RunReader, info: dict) -> bytes | None:
@@ -229,10 +255,12 @@ def _check_states(res: ShardResult, rec: dict, hreader: HiddenFileReader, pos: i
     return good
 
 
-def verify_shard(reader: RunReader, info: ShardInfo) -> ShardResult:
-    """Every check that concerns one done shard; independent of other shards (runs in a thread pool)."""
+def verify_shard(reader: RunReader, info: ShardInfo, decode: bool = True) -> ShardResult:
+    """Every check that concerns one done shard; independent of other shards (runs in a thread pool).
+    `decode` False (sampled verify): states are not read, each sample's index entry is checked instead."""
     res = ShardResult(info.shard_id, "done")
     m = info.marker
+    res.worker = m.get("worker")
     if m.get("shard_id") != info.shard_id:
         res.add("marker", f"marker names shard {m.get('shard_id')!r}")
     files = m.get("files") or {}
@@ -256,15 +284,16 @@ def verify_shard(reader: RunReader, info: ShardInfo) -> ShardResult:
         try:
             fh = reader.storage.open(hidden_info["path"])
             hreader = HiddenFileReader(fh)
-            window = hreader.fh = OnePassSha256(fh)
+            if decode:
+                window = hreader.fh = OnePassSha256(fh)
         except FileNotFoundError:
             res.add("missing_file", f"hidden file {hidden_info['path']} named by the marker does not exist")
         except CorruptHiddenFile as exc:
             res.add("hidden_unreadable", f"{hidden_info['path']}: {exc}")
     try:
         if raw is not None:
-            _check_records(res, reader, info, raw, hreader)
-        if fh is not None:
+            _check_records(res, reader, info, raw, hreader, decode)
+        if fh is not None and decode:
             digest = window.finish() if window is not None else None
             if digest is None:  # unreadable, or samples read out of file order: hash it apart
                 fh.close()
@@ -278,8 +307,10 @@ def verify_shard(reader: RunReader, info: ShardInfo) -> ShardResult:
 
 
 def _check_records(res: ShardResult, reader: RunReader, info: ShardInfo, raw: bytes,
-                   hreader: HiddenFileReader | None) -> None:
+                   hreader: HiddenFileReader | None, decode: bool = True) -> None:
     import io
+
+    from app.verify_sampled import check_index_entry
 
     m = info.marker
     hidden_size = (reader.settings.get("model") or {}).get("hidden_size")
@@ -310,7 +341,9 @@ def _check_records(res: ShardResult, reader: RunReader, info: ShardInfo, raw: by
             hidx = (rec.get("hidden") or {}).get("index")
             if reader.capture_mode == "inline" and hidx != pos:
                 res.add("hidden_index", f"record says hidden index {hidx}, file has it at {pos}", sid)
-            if _check_states(res, rec, hreader, pos, reader, hidden_size) and good:
+            checked = (_check_states(res, rec, hreader, pos, reader, hidden_size) if decode
+                       else check_index_entry(res, rec, hreader.entries[pos], reader, hidden_size))
+            if checked and good:
                 res.good_samples.append(sid)
     except (zstandard.ZstdError, orjson.JSONDecodeError, OSError) as exc:
         res.add("records_unreadable", f"{type(exc).__name__}: {exc}")
@@ -353,20 +386,25 @@ def _expected_sizes(reader: RunReader, counts: dict) -> dict[str, int]:
 
 
 def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
-               progress: Callable[[str], None] | None = None) -> VerifyReport:
+               progress: Callable[[str], None] | None = None, allow_incomplete: bool = False,
+               sample: float | None = None) -> VerifyReport:
+    """Check the run; `allow_incomplete`: missing shards are warnings; `sample`: decode the states of only this
+    many samples (a count >= 1, or a fraction of the ok samples below 1); see the module docstring."""
     problems: list[Problem] = []
+    gap = "warning" if allow_incomplete else "error"
     produce = reader.produce_state()
     counts = (produce or {}).get("counts") or {}
     if produce is None:
         problems.append(Problem("produce_missing", None, None, "no produce.json: cannot check the accounting"))
     elif not produce.get("complete"):
-        problems.append(Problem("produce_incomplete", None, None, "the producer has not finished enqueuing"))
+        problems.append(Problem("produce_incomplete", None, None, "the producer has not finished enqueuing",
+                                severity=gap))
     expected = _expected_sizes(reader, counts)
     done, dead = set(reader.done_shards()), reader.dead_generate_shards()
     results: list[ShardResult] = []
     infos = [i for i in (reader.shard(s) for s in sorted(done)) if i is not None]
     with ThreadPoolExecutor(max(1, workers)) as pool:
-        for res in pool.map(lambda i: verify_shard(reader, i), infos):
+        for res in pool.map(lambda i: verify_shard(reader, i, decode=sample is None), infos):
             results.append(res)
             if progress:
                 progress(res.shard)
@@ -375,9 +413,9 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
             continue
         res = ShardResult(name, "dead" if name in dead else "missing")
         if name in dead:
-            res.add("dead", "dead-lettered: " + _dead_reason(reader, name), severity="warning")
+            res.add("dead", "dead-lettered: " + _dead_reason(reader, name), severity=gap)
         else:
-            res.add("missing", "no completion marker and not dead-lettered")
+            res.add("missing", "no completion marker and not dead-lettered", severity=gap)
         results.append(res)
     for res in results:
         if (res.state == "done" and res.shard in expected and res.conversations != expected[res.shard]
@@ -398,14 +436,29 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
         rhs = written + int(counts["duplicates"]) + int(counts["rejected"]) + dead_samples
         accounting["identity_holds"] = int(counts["read"]) == rhs
         if not accounting["identity_holds"]:
+            # Short by exactly the samples of unfinished shards: the run is incomplete, not inconsistent.
+            short_by_missing = int(counts["read"]) == rhs + missing_samples
             problems.append(Problem("accounting", None, None,
                                     f"read {counts['read']} != written {written} + duplicates {counts['duplicates']} "
                                     f"+ rejected {counts['rejected']} + dead-lettered {dead_samples} "
-                                    f"({missing_samples} samples in missing shards)"))
+                                    f"({missing_samples} samples in missing shards)",
+                                    severity=gap if short_by_missing else "error"))
+    sampled = None
+    if sample is not None:
+        from app.verify_sampled import decode_sample
+
+        sampled = decode_sample(reader, [r for r in results if r.state == "done"], sample)
     for res in sorted(results, key=lambda r: r.shard):
         problems += res.problems
     shard_counts = Counter(r.state for r in results)
-    report = VerifyReport(reader.run_id, accounting, dict(shard_counts), problems)
+    report = VerifyReport(reader.run_id, accounting, dict(shard_counts), problems, sampled=sampled)
+    dead_shards = sum(r.state == "dead" for r in results)
+    missing_shards = sum(r.state == "missing" for r in results)
+    unfinished = produce is not None and not produce.get("complete")
+    if dead_shards or missing_shards or unfinished:
+        report.incomplete = {"missing_samples": dead_samples + missing_samples, "dead_shards": dead_shards,
+                             "dead_samples": dead_samples, "missing_shards": missing_shards,
+                             "missing_shard_samples": missing_samples, "producer_unfinished": unfinished}
     if reference:
         pool = [(r.shard, s) for r in sorted(results, key=lambda r: r.shard) for s in r.good_samples]
         report.reference = _reference_check(reader, pool, reference, problems)

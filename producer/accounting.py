@@ -34,6 +34,8 @@ class Accounting:
     shards: int = 0
     shards_sent: int = 0
     shards_skipped_done: int = 0
+    shards_skipped_dead: int = 0  # dead-lettered: not sent (a worker would skip them); `regen retry-dead` sends them
+    shards_not_selected: int = 0  # outside `only_shards` (retry-dead sends only the shards it revived)
     samples_sent: int = 0
     input_bytes: int = 0
 
@@ -58,6 +60,8 @@ class Accounting:
             "shards": self.shards,
             "shards_sent": self.shards_sent,
             "shards_skipped_done": self.shards_skipped_done,
+            "shards_skipped_dead": self.shards_skipped_dead,
+            "shards_not_selected": self.shards_not_selected,
             "samples_sent": self.samples_sent,
         }
 

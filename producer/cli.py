@@ -162,7 +162,12 @@ def _report(out: Console, result: ProduceResult) -> None:
     if result.status == "produced":
         table.add_row("shards sent", f"{acc.shards_sent:,}")
         table.add_row("shards already done", f"{acc.shards_skipped_done:,}")
+        if acc.shards_skipped_dead:
+            table.add_row("shards dead-lettered, not sent", f"{acc.shards_skipped_dead:,}")
     out.print(table)
+    if result.status == "produced" and acc.shards_skipped_dead:
+        out.print(f"{acc.shards_skipped_dead:,} dead-lettered shards were not sent; after a fix, re-send them with:")
+        out.print(f"regen retry-dead {result.run_id}", soft_wrap=True)
     if result.estimate is not None:
         for line in result.estimate.lines():
             out.print(line)
@@ -171,4 +176,23 @@ def _report(out: Console, result: ProduceResult) -> None:
     sys.stdout.flush()
 
 
-commands = [produce_command, reconcile_command]
+@click.command("retry-dead")
+@click.argument("run_id")
+@click.option("--shard", "shards", multiple=True, help="Only this dead-lettered shard (repeatable) [default: all].")
+@_broker_options
+def retry_dead_command(run_id, shards, **options) -> None:
+    """Archive RUN's dead letters (kept under archive/ with their errors) and re-send those shards."""
+    from producer.retry_dead import retry_dead
+
+    out = Console()
+    result = retry_dead(ProduceOptions(run_id=run_id, resume=True, **options), list(shards))
+    if not result.archived:
+        out.print(f"run {run_id} has no dead-lettered shards")
+        return
+    for key, where in result.archived.items():
+        out.print(f"archived dead letter of {key} to {where}", soft_wrap=True)
+    out.print(f"re-sent {result.sent} shard(s) of {run_id}" + (f", {result.captures} staged capture(s)"
+                                                              if result.captures else ""))
+
+
+commands = [produce_command, reconcile_command, retry_dead_command]

@@ -38,6 +38,7 @@ REJECT_REASONS = (
     "no_conversation",
     "unknown_role",
     "empty_content",
+    "content_not_text",
     "nothing_to_answer",
     "prompt_too_long",
 )
@@ -90,7 +91,10 @@ def parse_line(raw: bytes) -> object:
 
 
 def _text(content, where: str) -> str | None:
-    """Content as text: a string, None, or a list of parts whose text parts are joined with newlines."""
+    """Content as text: a string, None, or a list of parts whose text parts are joined with newlines.
+
+    Anything else (a number, a boolean, an object) is refused with its own reason: `{"content": 42}` is a broken
+    row, and enqueuing it as the text "42" would train on a prompt nobody wrote."""
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -101,9 +105,12 @@ def _text(content, where: str) -> str | None:
             elif isinstance(part, dict) and isinstance(part.get("text"), str):
                 parts.append(part["text"])
         return "\n".join(parts)
-    if isinstance(content, int | float):
-        return str(content)
-    raise Rejected("empty_content", f"{where}: content is a {type(content).__name__}, not text")
+    raise Rejected("content_not_text", f"{where}: content is a JSON {_json_type(content)}, not a string or a list "
+                   "of parts")
+
+
+def _json_type(value) -> str:
+    return {bool: "boolean", int: "number", float: "number", dict: "object"}.get(type(value), type(value).__name__)
 
 
 def _function_call_turn(value: str | None) -> dict:

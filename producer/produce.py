@@ -9,8 +9,9 @@ what is done. So:
   that gets a shard that is done skips it, and two copies running at once are settled by the exclusive
   completion marker, so re-sending is harmless;
 - `--resume` (alias `regen reconcile RUN`) rebuilds the options from the stored manifest, checks that the
-  inputs' bytes did not change, and sends exactly the shards that have no completion marker (lost messages,
-  a wiped Redis, dead-lettered shards after a fix).
+  inputs' bytes did not change, and sends exactly the shards that have no completion marker and are not
+  dead-lettered (lost messages, a wiped Redis). A dead-lettered shard would only be skipped by the worker: after
+  a fix, `regen retry-dead RUN` archives its dead letter and attempts and re-sends it (producer/retry_dead.py).
 
 Memory stays flat: one input block, one shard of samples, and one 64-bit int per unique sample.
 """
@@ -175,6 +176,8 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
 
     storage_url = _storage_url(store.storage)
     done = store.done_shards()
+    dead = {k for k in store.dead_shards() if not k.endswith(".capture")}
+    only = opts.only_shards
     acc = Accounting()
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     psettings = producer_settings(opts)
@@ -187,10 +190,16 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
             if shard.id in done:
                 acc.shards_skipped_done += 1
                 continue
+            if only is not None and shard.id not in only:
+                acc.shards_not_selected += 1
+                continue
+            if shard.id in dead:
+                acc.shards_skipped_dead += 1
+                continue
             sender.send(run_id, storage_url, shard)
             acc.shards_sent += 1
             acc.samples_sent += len(shard.samples)
-        if opts.resume and settings["capture_mode"] == "staged":
+        if opts.resume and only is None and settings["capture_mode"] == "staged":
             resend_missing_captures(store, sender.app, storage_url)
     acc.check_identity()
     write_produce_state(store, producer_settings=psettings, accounting=acc, complete=True, queue=opts.queue,

@@ -55,6 +55,7 @@ class ProduceOptions:
     regenerate: str = "last"
     dry_run: bool = False
     resume: bool = False
+    only_shards: frozenset[str] | None = None  # with resume: send only these shards (regen retry-dead)
     estimate_sample: int = 2000
     assumed_response_tokens: int | None = None
     pause_stub_rate: float = 0.20

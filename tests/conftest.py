@@ -126,6 +126,7 @@ def worker_env(broker: str = E2E_BROKER) -> dict:
         "REGEN_BROKER_URL": broker,
         "REGEN_VISIBILITY_TIMEOUT": str(VISIBILITY_TIMEOUT),
         "REGEN_UNACKED_RESTORE_INTERVAL": "5",
+        "REGEN_MISSING_RUN_RETRIES": "1",  # a task for a run not on storage is set aside after one retry (5 s)
         "HF_HUB_OFFLINE": "1",
         "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
     })

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from app import dead_messages
 from app.cli import main
 from app.storage import RunStore, Storage
 from tests.conftest import E2E_BROKER, E2E_LAYERS, WorkerProcess, wait_for, worker_env
 from tests.e2e_helpers import engine_host_pid, process_gone, produce, prompts_file, run_records, wait_run_done
-from workers.shard_output import attempt_errors
+from workers.shard_output import attempt_errors, new_attempt_id
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -34,6 +35,11 @@ def report(storage: Path, run_id: str, expected: int) -> Counter:
     print(f"[{run_id}] samples expected {expected} / written {len(records)} / duplicated {duplicated} / lost {lost}")
     assert (duplicated, lost) == (0, 0)
     return ids
+
+
+def temporaries(run_dir: Path) -> list[str]:
+    """Every `atomic_writer` temporary (`.name.tmp-*`) anywhere under a run's folder."""
+    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob(".*.tmp-*"))
 
 
 def in_flight_shards(store: RunStore) -> set[str]:
@@ -61,6 +67,7 @@ def test_sigkill_mid_shard_loses_and_duplicates_nothing(cpu_worker, e2e_storage,
     inputs = prompts_beyond_the_slots(cpu_worker, tmp_path)  # the second kill needs shards the first did not reach
     state = produce(e2e_storage, "sigkill", [inputs], tiny_qwen3, "--max-tokens", "48")
     store = RunStore(Storage(str(e2e_storage)), "sigkill")
+    starts_before = cpu_worker.text().count("engine self-test passed")
     killed: dict[str, set[str]] = {}
     for kills, victim in enumerate(["worker", "engine"], start=1):
         earlier = set().union(*killed.values())
@@ -72,13 +79,13 @@ def test_sigkill_mid_shard_loses_and_duplicates_nothing(cpu_worker, e2e_storage,
         killed[victim] = in_flight_shards(store) - earlier
         wait_for(lambda pid=engine: process_gone(pid), 30, f"engine process {engine} to end after the {victim} was killed")
         # The supervisor brings a fresh worker up; it finds the killed shards unfinished and redoes them.
-        cpu_worker.wait_ready(count=1 + kills)
+        cpu_worker.wait_ready(count=starts_before + kills)
     wait_run_done(e2e_storage, "sigkill", timeout=300)
     for shard in sorted(set().union(*killed.values())):
         assert len(store.storage.listdir(store.attempts_dir(shard))) >= 2  # the killed attempt, then the one that finished
-    # What killed attempts left half-written (hidden-state files) went when their shards were completed.
-    leftovers = [p.name for p in (e2e_storage / "sigkill" / "shards").rglob("*.tmp-*")]
-    assert leftovers == []
+    # What killed attempts left half-written (hidden-state files, attempt records, markers) went when their shards
+    # were completed: nothing temporary is left anywhere under the run (a losing copy may still be tidying up).
+    wait_for(lambda: not temporaries(e2e_storage / "sigkill"), 60, "no temporary file under the completed run")
     # The worker whose engine process died recorded why on the shards it was running, then exited for a restart.
     errors = [a.get("error", "") for shard in killed["engine"] for a in attempt_errors(store, shard)]
     assert any("the engine process exited (killed by SIGKILL)" in e for e in errors), (killed, errors)
@@ -225,6 +232,8 @@ def test_a_redis_restart_that_keeps_nothing_is_recovered_by_resume(tiny_qwen3, e
         assert result.exit_code == 0, result.output
         wait_run_done(e2e_storage, "redis-restart", timeout=300)
         report(e2e_storage, "redis-restart", state["counts"]["enqueued"])
+        # The thread pool cannot cancel running tasks; the worker no longer asks it to on a connection loss.
+        assert "kill_job" not in worker.text()
     finally:
         worker.stop()
         redis_proc.kill()
@@ -330,3 +339,141 @@ def test_a_host_added_mid_run_shares_the_work_and_duplicates_collapse(cpu_worker
         wait_for(lambda: not leftovers(), 120, "losing copies to remove their files")
     finally:
         second.stop()
+
+
+# Run last: each of these restarts the session worker, and the supervisor's backoff grows with every restart,
+# which the poison test above (three restarts against a deadline) must not inherit.
+def _cli(*args: str) -> str:
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_copies_of_one_shard_held_by_one_worker_and_one_sigkill_give_one_output(cpu_worker, e2e_storage,
+                                                                                 tiny_qwen3, tmp_path):
+    # The fault run's reproduction: one shard, `produce` plus five `reconcile`s, so one worker is handed six copies
+    # of it; one SIGKILL. Before, all six started (six attempt records, one pid) and the kill dead-lettered the
+    # shard. Now one copy runs, the others are dropped, and the kill counts once.
+    from app.celery_app import create_app
+    from app.config import BrokerSettings
+
+    inputs = prompts_file(tmp_path, n_synthetic=8, with_formats=False)
+    drops_before = cpu_worker.text().count("another copy of it runs in this process")
+    starts_before = cpu_worker.text().count("engine self-test passed")
+    # The worker stops consuming while the six copies are queued (Celery's remote control), then takes them all
+    # at once: the copies meet the first while it runs, however fast the machine is.
+    control = create_app(BrokerSettings(url=E2E_BROKER)).control
+    name = next(n for reply in control.ping(timeout=5) for n in reply if n.startswith("e2e@"))
+    assert control.cancel_consumer("regen", destination=[name], reply=True, timeout=10)
+    try:
+        state = produce(e2e_storage, "copies", [inputs], tiny_qwen3, "--max-tokens", "400", "--shard-size", "8")
+        for _ in range(5):
+            _cli("reconcile", "copies", "--storage", str(e2e_storage), "--broker", E2E_BROKER)
+    finally:
+        assert control.add_consumer("regen", destination=[name], reply=True, timeout=10)
+    store = RunStore(Storage(str(e2e_storage)), "copies")
+    wait_for(lambda: cpu_worker.text().count("another copy of it runs in this process") - drops_before >= 5, 120,
+             "the worker to drop the five extra copies", interval=0.05)
+    assert len(store.storage.listdir(store.attempts_dir("shard-000000"))) == 1  # one attempt, not six
+    assert not store.is_done("shard-000000"), "the shard finished before the kill; make it longer"
+    child = cpu_worker.child_pids()[0]
+    os.kill(child, signal.SIGKILL)
+    cpu_worker.wait_ready(count=starts_before + 1)
+    # Redis restores the killed delivery's message after the visibility timeout; the shard then completes.
+    wait_run_done(e2e_storage, "copies", timeout=240)
+    assert not store.dead_shards()
+    report(e2e_storage, "copies", state["counts"]["enqueued"])
+    assert len(run_records(e2e_storage, "copies")) == 8  # exactly one output
+    attempts = attempt_errors(store, "shard-000000")
+    assert len(attempts) == 2 and len({a["pid"] for a in attempts}) == 2
+    wait_for(lambda: not temporaries(e2e_storage / "copies"), 60, "no temporary file under the completed run")
+
+
+def test_a_dead_lettered_shard_completes_after_retry_dead_and_its_old_errors_are_kept(cpu_worker, e2e_storage,
+                                                                                      tiny_qwen3, tmp_path):
+    inputs = prompts_file(tmp_path, n_synthetic=8, with_formats=False)
+    store = RunStore(Storage(str(e2e_storage)), "revive")
+    # The shard failed for good before (say an engine bug since fixed): its attempts and dead letter are on storage.
+    old = new_attempt_id()
+    store.storage.write_json(f"{store.attempts_dir('shard-000000')}/{old}.json",
+                             {"attempt": old, "worker": "gpu0@old", "error": "EngineDead: a bug since fixed",
+                              "error_kind": "error", "started": "2026-01-01T00:00:00+00:00"})
+    store.storage.write_json(store.dead_path("shard-000000"),
+                             {"shard_id": "shard-000000", "reason": "3 attempts failed (limit 3)",
+                              "attempts": attempt_errors(store, "shard-000000")})
+    state = produce(e2e_storage, "revive", [inputs], tiny_qwen3)
+    wait_for(lambda: store.is_done("shard-000001"), 120, "the healthy shard")
+    assert not store.is_done("shard-000000")
+    # reconcile does not send it (the worker would only skip it) and says how to bring it back.
+    out = _cli("reconcile", "revive", "--storage", str(e2e_storage), "--broker", E2E_BROKER)
+    assert "regen retry-dead revive" in out
+    assert store.storage.read_json(store.produce_path)["counts"]["shards_skipped_dead"] == 1
+    status = _status_json(e2e_storage, "revive")
+    assert status["shards"]["dead"] == 1 and status["retry_dead"] == "regen retry-dead revive"
+    out = _cli("retry-dead", "revive", "--storage", str(e2e_storage), "--broker", E2E_BROKER)
+    assert "re-sent 1 shard" in out
+    wait_run_done(e2e_storage, "revive", timeout=120)
+    report(e2e_storage, "revive", state["counts"]["enqueued"])
+    assert not store.dead_shards()
+    archived = list((e2e_storage / "revive" / "archive" / "shard-000000").iterdir())
+    assert len(archived) == 1
+    letter = json.loads((archived[0] / "dead.json").read_text())
+    assert letter["attempts"][0]["error"] == "EngineDead: a bug since fixed"
+    assert json.loads((archived[0] / "attempts" / f"{old}.json").read_text())["error"] == "EngineDead: a bug since fixed"
+    assert [a["attempt"] for a in attempt_errors(store, "shard-000000")] != [old]  # counting starts afresh
+
+
+def test_messages_the_worker_cannot_use_are_set_aside_and_counted_and_it_keeps_running(cpu_worker, e2e_redis,
+                                                                                       e2e_storage, tmp_path):
+    import base64
+
+    from app.celery_app import GENERATE_TASK, create_app
+    from app.config import BrokerSettings
+
+    child = cpu_worker.child_pids()[0]
+    engine = engine_host_pid(child)
+    before = dead_messages.count(E2E_BROKER) or 0
+    e2e_redis.lpush("regen", b"\x00\x01 garbage \xff")  # not JSON at all
+    envelope = {"body": "!!! not base64 !!!", "content-encoding": "utf-8", "content-type": "application/json",
+                "headers": {"task": GENERATE_TASK, "id": "bad-base64"},
+                "properties": {"delivery_tag": "bad-base64", "body_encoding": "base64",
+                               "delivery_info": {"exchange": "", "routing_key": "regen"}}}
+    e2e_redis.lpush("regen", json.dumps(envelope))
+    not_a_task = {**envelope, "body": base64.b64encode(b'{"a": 1}').decode(),
+                  "properties": {**envelope["properties"], "delivery_tag": "not-a-task"}}
+    e2e_redis.lpush("regen", json.dumps(not_a_task))
+    app = create_app(BrokerSettings(url=E2E_BROKER))
+    app.send_task(GENERATE_TASK, kwargs={"run_id": "no-such-run", "storage": str(e2e_storage),
+                                         "shard_id": "shard-000000", "samples": []}, queue="regen")
+    app.send_task(GENERATE_TASK, kwargs={"run_id": 5, "storage": str(e2e_storage), "shard_id": "shard-000000",
+                                         "samples": "nope"}, queue="regen")
+    app.send_task(GENERATE_TASK, kwargs={"run": "x"}, queue="regen")  # arguments of another task
+    wait_for(lambda: (dead_messages.count(E2E_BROKER) or 0) - before >= 6, 60, "six messages set aside")
+    reasons = " | ".join(e["reason"] for e in dead_messages.recent(E2E_BROKER, 6))
+    for expected in ("not a JSON envelope", "not valid base64", "not a task message", "run no-such-run is not on",
+                     "run_id must be a non-empty string", "arguments do not fit"):
+        assert expected in reasons, reasons
+    assert all(e["queue"] == "regen" and e["hexdump"] for e in dead_messages.recent(E2E_BROKER, 6))
+    # The same worker process and the same engine process: nothing restarted.
+    assert cpu_worker.child_pids() == [child] and engine_host_pid(child) == engine
+    # Counted where operators look: `regen status` (the overview's broker line) and `regen metrics`.
+    result = CliRunner().invoke(main, ["status", "--storage", str(e2e_storage), "--broker", E2E_BROKER, "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["broker"]["dead_messages"] >= before + 6
+    from app.metrics import RegenCollector
+
+    families = {f.name: f for f in RegenCollector(str(e2e_storage), E2E_BROKER).collect()}
+    assert families["regen_dead_messages"].samples[0].value >= before + 6
+
+
+def test_an_idle_worker_notices_its_engine_died_within_seconds(cpu_worker):
+    import time
+
+    starts_before = cpu_worker.text().count("engine self-test passed")
+    child = cpu_worker.child_pids()[0]
+    engine = engine_host_pid(child)
+    killed = time.monotonic()
+    os.kill(engine, signal.SIGKILL)
+    wait_for(lambda: process_gone(child), 15, "the idle worker to exit after its engine died")
+    print(f"idle worker exited {time.monotonic() - killed:.1f}s after its engine was killed")
+    cpu_worker.wait_ready(count=starts_before + 1)

@@ -196,10 +196,22 @@ def test_parse_line_tells_bad_utf8_from_bad_json():
         ({"messages": [{"role": "system", "content": "s"}]}, "nothing_to_answer"),
         ({"messages": [{"role": "assistant", "content": "a"}]}, "nothing_to_answer"),
         ({"prompt": "hi", "tools": "[not json"}, "malformed_json"),
+        ({"messages": [{"role": "user", "content": 42}]}, "content_not_text"),
+        ({"messages": [{"role": "user", "content": 4.2}]}, "content_not_text"),
+        ({"messages": [{"role": "user", "content": True}]}, "content_not_text"),
+        ({"messages": [{"role": "user", "content": {"text": "hi"}}]}, "content_not_text"),
+        ({"conversations": [{"from": "human", "value": 42}]}, "content_not_text"),
     ],
 )
 def test_reject_reasons(row, reason):
     assert rejected(row) == reason
+
+
+def test_a_number_as_content_is_refused_with_a_reason_that_names_it():
+    with pytest.raises(Rejected) as info:
+        normalise({"messages": [{"role": "user", "content": 42}]}, file="f.jsonl", line=3)
+    assert info.value.reason == "content_not_text"
+    assert "turn 0: content is a JSON number" in info.value.detail
 
 
 def test_prompt_too_long_counts_characters_of_the_prompt_only():

@@ -94,7 +94,7 @@ def test_attempts_are_counted_and_a_dead_letter_keeps_their_errors(tmp_path):
     store = RunStore(Storage(str(tmp_path)), "dead")
     for k in range(3):
         n = record_attempt(store, "shard-000003", f"a{k}", "gpu0@host")
-        assert n == k + 1
+        assert n.records == k + 1
     from workers.shard_output import record_attempt_error
 
     record_attempt_error(store, "shard-000003", "a1", "EngineDead: CUDA error")
@@ -105,18 +105,79 @@ def test_attempts_are_counted_and_a_dead_letter_keeps_their_errors(tmp_path):
     assert store.dead_shards() == {"shard-000003"}
 
 
-def test_attempts_that_may_still_be_running_do_not_count_against_the_shard(tmp_path):
-    # A copy of the shard delivered twice (Redis re-delivers at least once) is not a failure: only attempts that
-    # failed, or are older than the visibility timeout (killed ones record nothing), count.
+def _dead_process() -> dict:
+    """The identity of a process of this machine that has exited (its pid is free now)."""
+    import subprocess
+
+    from workers.liveness import identity
+
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return {**identity(), "pid": child.pid, "pid_start": 1}
+
+
+def _attempt_of(store, shard: str, attempt: str, **fields) -> None:
+    store.storage.write_json(f"{store.attempts_dir(shard)}/{attempt}.json",
+                             {"attempt": attempt, "worker": "w@h", "started": "2026-01-01T00:00:00+00:00", **fields})
+
+
+def test_one_process_that_died_holding_six_copies_of_a_shard_counts_once(tmp_path):
+    # The fault run's reproduction: produce + five reconciles, one worker started all six copies, one SIGKILL.
+    store = RunStore(Storage(str(tmp_path)), "copies")
+    dead = _dead_process()
+    for k in range(6):
+        _attempt_of(store, "shard-000000", f"copy{k}", **dead)
+    counted = record_attempt(store, "shard-000000", "after", "gpu0@host", stale_after=20)
+    assert (counted.failures, counted.crashes, counted.records) == (0, 1, 7)
+
+
+def test_errors_of_the_shards_own_count_each_and_an_engine_killed_under_it_counts_as_a_crash(tmp_path):
     from workers.shard_output import record_attempt_error
 
-    store = RunStore(Storage(str(tmp_path)), "dup")
-    record_attempt(store, "shard-000001", "old", "gpu0@host", started="2020-01-01T00:00:00+00:00")
-    assert record_attempt(store, "shard-000001", "running", "gpu1@host", stale_after=20) == 2  # "old" is stale
-    assert record_attempt(store, "shard-000001", "dup", "gpu0@host", stale_after=20) == 2  # "running" may still run
-    record_attempt_error(store, "shard-000001", "running", "EngineDead: engine process exited")
-    assert record_attempt(store, "shard-000001", "next", "gpu0@host", stale_after=20) == 3  # it failed: it counts
-    assert record_attempt(store, "shard-000001", "last", "gpu0@host") == 5  # without stale_after: every record
+    store = RunStore(Storage(str(tmp_path)), "kinds")
+    for k in range(2):
+        record_attempt(store, "shard-000001", f"e{k}", "gpu0@host")
+        record_attempt_error(store, "shard-000001", f"e{k}", "EngineDead: vLLM engine failed: index out of bounds")
+    record_attempt(store, "shard-000001", "k", "gpu0@host")
+    record_attempt_error(store, "shard-000001", "k", "engine process exited (killed by SIGKILL)", kind="crash")
+    record_attempt(store, "shard-000001", "running", "gpu0@host")  # this very process: alive, counts as nothing
+    counted = record_attempt(store, "shard-000001", "next", "gpu0@host", stale_after=20)
+    assert (counted.failures, counted.crashes) == (2, 1)
+
+
+def test_another_machines_attempt_counts_once_its_lease_runs_out(tmp_path):
+    import datetime as dt
+
+    store = RunStore(Storage(str(tmp_path)), "lease")
+    now = dt.datetime.now(dt.UTC)
+    other = {"host": "elsewhere", "boot": "b", "pidns": "p", "pid": 7, "pid_start": 9, "lease_s": 120}
+    _attempt_of(store, "shard-000002", "fresh", **other, heartbeat=(now - dt.timedelta(seconds=30)).isoformat())
+    _attempt_of(store, "shard-000002", "expired", **{**other, "pid": 8},
+                heartbeat=(now - dt.timedelta(seconds=600)).isoformat())
+    # Written before leases existed: judged by its start time against the visibility timeout, as before.
+    _attempt_of(store, "shard-000002", "legacy", started=(now - dt.timedelta(seconds=10)).isoformat())
+    counted = record_attempt(store, "shard-000002", "mine", "gpu0@host", stale_after=20)
+    assert (counted.failures, counted.crashes) == (0, 1)
+
+
+def test_a_dead_attempts_temporaries_go_when_the_shard_is_published_and_a_live_ones_stay(tmp_path):
+    from workers.shard_output import new_attempt_id
+
+    store = RunStore(Storage(str(tmp_path)), "sweep")
+    dead_id, live_id = new_attempt_id(), new_attempt_id()
+    _attempt_of(store, "shard-000007", dead_id, **_dead_process())
+    record_attempt(store, "shard-000007", live_id, "gpu0@host")  # this process: alive
+    folder = tmp_path / "sweep" / "shards" / "shard-000007"
+    folder.mkdir(parents=True)
+    (folder / f".{dead_id}.hidden.rgh.tmp-0123456789ab").write_bytes(b"half a sample, seconds old")
+    (folder / f".{live_id}.hidden.rgh.tmp-ba9876543210").write_bytes(b"a duplicate still writing")
+    attempts = tmp_path / "sweep" / "attempts" / "shard-000007"
+    (attempts / f".{dead_id}.json.tmp-00000000000a").write_bytes(b"{")
+    records, hidden = _outputs("swept")
+    assert publish_shard(store, "shard-000007", "a7", records, hidden, {}, stale_after=3600)
+    assert sorted(p.name for p in folder.iterdir()) == [f".{live_id}.hidden.rgh.tmp-ba9876543210", "a7.hidden.rgh",
+                                                        "a7.records.jsonl.zst"]
+    assert not [p for p in attempts.iterdir() if p.name.startswith(".")]
 
 
 def _stream(store, shard: str, attempt: str, samples, threads: int = 4):

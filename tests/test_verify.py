@@ -56,15 +56,31 @@ def test_deleted_marker_is_missing_and_breaks_accounting(tmp_path):
     assert report["accounting"]["missing"] == 4
 
 
-def test_dead_shard_is_accounted_for_as_warning(tmp_path):
+def test_a_dead_shard_is_accounted_for_and_fails_an_incomplete_run_unless_allowed(tmp_path):
     built = build_run(tmp_path)
     built.storage.delete(built.store.done_path("shard-000002"))
     built.storage.write_json(built.store.dead_path("shard-000002"), {"shard_id": "shard-000002", "reason": "boom"})
     code, report = run_verify(tmp_path)
-    assert code == 0 and report["accounting"]["identity_holds"] and report["accounting"]["dead_lettered"] == 4
+    assert code == 1 and report["accounting"]["identity_holds"] and report["accounting"]["dead_lettered"] == 4
     assert [p["kind"] for p in report["problems"]] == ["dead"]
-    code, _ = run_verify(tmp_path, "synth", "--strict")
+    assert report["headline"] == "INCOMPLETE: 4 samples missing: 1 shards dead-lettered (4 samples)"
+    result = CliRunner().invoke(main, ["verify", "synth", "--storage", str(tmp_path)])
+    assert result.exit_code == 1
+    assert result.output.splitlines()[0] == "verify: INCOMPLETE: 4 samples missing: 1 shards dead-lettered (4 samples)"
+    code, report = run_verify(tmp_path, "synth", "--allow-incomplete")  # a run in progress
+    assert code == 0 and [p["severity"] for p in report["problems"]] == ["warning"]
+    code, _ = run_verify(tmp_path, "synth", "--allow-incomplete", "--strict")
     assert code == 1
+
+
+def test_a_run_in_progress_passes_with_allow_incomplete_and_says_what_is_missing(tmp_path):
+    built = build_run(tmp_path)
+    built.storage.delete(built.store.done_path("shard-000001"))  # not finished yet
+    code, report = run_verify(tmp_path)
+    assert code == 1 and report["headline"].startswith("INCOMPLETE: 4 samples missing: 1 shards without a")
+    code, report = run_verify(tmp_path, "synth", "--allow-incomplete")
+    assert code == 0, report["problems"]
+    assert {p["kind"] for p in report["problems"]} == {"missing", "accounting"}
 
 
 def test_deleted_records_and_hidden_files(tmp_path):

@@ -14,11 +14,13 @@ import sys
 from celery.signals import worker_process_init, worker_process_shutdown, worker_ready, worker_shutdown
 
 from app.celery_app import create_app
+from workers.message_guard import install as guard_messages
 from workers.tasks import register
 
 log = logging.getLogger("regen.worker")
 
 celery = create_app()
+guard_messages(celery)  # a message that cannot be decoded is set aside, not fatal (workers/message_guard.py)
 register(celery)
 if os.environ.get("REGEN_BENCH_TASKS") == "1":  # the fleet bench's in-worker baseline (workers/bench_task.py)
     from workers.bench_task import register_bench
@@ -44,6 +46,21 @@ def _freeze_heap(**_):
     from workers.heap import freeze_startup_heap
 
     log.info("worker process: %d start-up objects frozen out of garbage collection", freeze_startup_heap())
+
+
+@worker_ready.connect
+def _start_watchers(**_):
+    """The engine watchdog (workers/engine_watch.py), and the sweep of this host's dead attempts' temporaries
+    (workers/inflight.py; in a thread: storage may be slow to answer)."""
+    import threading
+
+    from workers.engine_watch import watch_engine
+    from workers.inflight import sweep_dead_attempts
+    from workers.tasks import _visibility_timeout
+
+    watch_engine()
+    threading.Thread(target=sweep_dead_attempts, args=(_visibility_timeout(celery),), name="regen-sweep",
+                     daemon=True).start()
 
 
 @worker_shutdown.connect

@@ -126,7 +126,11 @@ def _model_max_len(path: str) -> int | None:
 @click.option("--model", default=None, help="Target model folder (if not taken from --run).")
 @click.option("--layers", default=None, help="Capture layers, e.g. dflash:1,2 or vllm:2,3 (with --model).")
 @click.option("--name", default=None, help="Worker name prefix (default gpuN / cpu); the host name is appended.")
-@click.option("--max-attempts", default=5, show_default=True, help="Attempts before a shard is dead-lettered.")
+@click.option("--max-attempts", default=5, show_default=True,
+              help="Failed attempts (errors of the shard's own) before a shard is dead-lettered.")
+@click.option("--max-crashes", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Worker processes that may die holding one shard (kills, OOM) before it is dead-lettered; a "
+                   "process counts once however many copies of the shard it held.")
 @click.option("--max-num-seqs", type=int, default=None)
 @click.option("--max-model-len", type=int, default=None)
 @click.option("--gpu-memory-utilization", type=float, default=None)
@@ -151,7 +155,7 @@ def _model_max_len(path: str) -> int | None:
                    "the data (dtype, quantization, ...) only through the run's manifest [env REGEN_VLLM_ARGS, "
                    "space-separated].")
 @click.option("--log-dir", default=None, help="Write each child's log to DIR/NAME.log.")
-def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_attempts, max_num_seqs,
+def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_attempts, max_crashes, max_num_seqs,
            max_model_len, gpu_memory_utilization, kv_cache_gib, tensor_parallel_size, task_slots, encode_threads,
            engine_host, vllm_arg, log_dir):
     """Start one Celery worker process per GPU (or one on the CPU) and supervise them."""
@@ -185,6 +189,8 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
                              name=name, max_attempts=max_attempts, engine_overrides=overrides,
                              tensor_parallel_size=tensor_parallel_size, shard_size=shard_size,
                              task_slots=task_slots, encode_threads=encode_threads)
+    for config, _visible in configs:
+        config.max_crashes = max_crashes
     sup = Supervisor(configs, settings.url, queues, log_dir=log_dir)
     click.echo(f"regen worker: {len(configs)} process(es) on {settings.masked_url}, queues {queues}", err=True)
     raise SystemExit(sup.run())

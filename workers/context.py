@@ -33,7 +33,8 @@ class WorkerConfig:
     capture_layers: list[int] | None = None
     storage: str | None = None  # overrides the storage URL in messages (hosts may mount NFS elsewhere)
     hostname: str = field(default_factory=socket.gethostname)
-    max_attempts: int = 5
+    max_attempts: int = 5  # failed attempts (the shard's own errors) before a dead letter
+    max_crashes: int = 10  # processes that died holding the shard before a dead letter (workers/shard_output.py)
     engine: dict = field(default_factory=dict)
     task_slots: int = 3  # Celery thread-pool slots (workers/devices.task_slots_for)
     encode_threads: int = 2  # threads checking and compressing hidden states (workers/devices.encode_threads_for)

@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import replace
 
-from app.errors import EngineDead
+from app.errors import EngineDead, EngineLost
 from workers.engine import (
     Engine,
     EngineOptions,
@@ -72,6 +72,7 @@ class EngineHost:
         self._waiting: dict[int, _Job | _Exclusive] = {}
         self._next_id = 0
         self._dead: str | None = None
+        self._dead_error: type[EngineDead] = EngineDead  # EngineLost when its process vanished under a signal
         self._closing = False
         try:
             from transformers import AutoTokenizer
@@ -121,7 +122,7 @@ class EngineHost:
         kind, payload = ("run", waiter.requests) if isinstance(waiter, _Job) else ("call", (waiter.fn, waiter.args))
         with self._lock:
             if self._dead:
-                raise EngineDead(self._dead)
+                raise self._dead_error(self._dead)
             self._next_id += 1
             key = self._next_id
             self._waiting[key] = waiter
@@ -133,7 +134,7 @@ class EngineHost:
             with self._lock:
                 self._waiting.pop(key, None)
                 reason = self._dead or f"vLLM engine failed: cannot reach the engine process: {exc!r}"
-            raise EngineDead(reason) from exc
+            raise self._dead_error(reason) from exc
         waiter.finished.wait()
         if waiter.error is not None:
             raise waiter.error
@@ -145,8 +146,9 @@ class EngineHost:
             return self._conn.recv()
         except (EOFError, OSError) as exc:
             self._proc.join(timeout=5)
-            raise EngineDead(f"vLLM engine failed: the engine process exited ({_exit_status(self._proc.exitcode)})") \
-                from exc
+            code = self._proc.exitcode
+            error = EngineLost if code is not None and code < 0 else EngineDead  # a signal: killed from outside
+            raise error(f"vLLM engine failed: the engine process exited ({_exit_status(code)})") from exc
 
     def _receive_loop(self) -> None:
         name_thread("regen-deliver")
@@ -155,7 +157,7 @@ class EngineHost:
                 message = self._receive()
             except EngineDead as exc:
                 if not self._closing:
-                    self._die(str(exc))
+                    self._die(str(exc), lost=isinstance(exc, EngineLost))
                 return
             kind, key, payload = message
             with self._lock:
@@ -195,13 +197,16 @@ class EngineHost:
                 return
         job.deliver(result)
 
-    def _die(self, message: str, kill: bool = False) -> None:
-        """Mark the engine dead and fail every waiting caller (their tasks exit the worker for a restart)."""
+    def _die(self, message: str, kill: bool = False, lost: bool = False) -> None:
+        """Mark the engine dead and fail every waiting caller (their tasks exit the worker for a restart).
+        `lost`: the process vanished under a signal (EngineLost) rather than failing with an error."""
+        error = EngineLost if lost else EngineDead
         with self._lock:
-            self._dead = self._dead or message
+            if self._dead is None:
+                self._dead, self._dead_error = message, error
             waiting, self._waiting = list(self._waiting.values()), {}
         for waiter in waiting:
-            waiter.fail(EngineDead(message))
+            waiter.fail(error(message))
         if kill:
             self._stop_child(grace=0)
 

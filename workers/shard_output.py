@@ -12,9 +12,9 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import hashlib
-import os
-import socket
+import re
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,34 +30,69 @@ def new_attempt_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def record_attempt(store: RunStore, shard: str, attempt: str, worker: str, stale_after: float | None = None,
-                   **extra) -> int:
-    """Write this attempt's start file; return how many attempts (this one included) count against the shard.
+@dataclass(frozen=True)
+class AttemptCount:
+    """What a shard's attempts count against it when a new one starts (see `record_attempt`)."""
 
-    With `stale_after` (the broker's visibility timeout), an earlier attempt counts only once it has failed (its
-    error recorded) or is older than that (a SIGKILLed attempt records nothing; once its message can be
-    redelivered it is presumed dead). A younger one without an error may still be running: Redis delivers at
-    least once, so a shard re-published by a worker whose engine died also comes back as its original message,
-    and a second worker killed meanwhile put more copies in flight. Counted, those copies dead-lettered a shard
-    that had failed only where its workers were killed, while another copy of it went on to complete.
+    failures: int  # attempts that recorded an error of their own (the engine failed on it, storage, a bug)
+    crashes: int  # distinct processes that died holding the shard (SIGKILL, OOM, an engine killed by a signal)
+    records: int  # attempt records, this one included
+
+    def __int__(self) -> int:
+        return self.failures + self.crashes + 1
+
+
+def record_attempt(store: RunStore, shard: str, attempt: str, worker: str, stale_after: float | None = None,
+                   **extra) -> AttemptCount:
+    """Write this attempt's start file; return what the shard's earlier attempts count against it.
+
+    An attempt is one delivery of the shard in one process (workers/inflight.py keeps a process from running two
+    copies at once). Earlier attempts count in two ways:
+    - `failures`: each one that recorded an error of its own (`error_kind` "error"). These are the shard's own
+      merits: a prompt the engine fails on fails every time.
+    - `crashes`: each *process* that died holding the shard, counted once however many copies it held: attempts
+      whose process is known dead (workers/liveness.py: the pid gone on this machine, or a lease run out) and
+      attempts that recorded `error_kind` "crash" (the engine's process vanished under a signal). A machine that
+      is killed says nothing about the shard, so crashes have their own, larger limit. Before this rule one
+      SIGKILL of a process holding six copies of a shard (a re-publish, the restored original, reconciles) counted
+      six attempts and dead-lettered a healthy shard.
+    An attempt that may still be running (alive, or its lease not yet run out) counts as neither. `stale_after`
+    (the broker's visibility timeout) is the lease of records written without one.
     """
-    body = {"attempt": attempt, "worker": worker, "host": socket.gethostname(), "pid": os.getpid(),
-            "started": _now(), **_engine_fields(), **extra}
+    from workers.liveness import attempt_state, identity, lease_seconds, process_key
+
+    started = _now()
+    body = {"attempt": attempt, "worker": worker, **identity(), "started": started, "lease_s": lease_seconds(),
+            **_engine_fields(), **extra}
+    body.setdefault("heartbeat", body["started"])
     store.storage.write_json(f"{store.attempts_dir(shard)}/{attempt}.json", body)
-    if stale_after is None:
-        return len(_attempt_names(store, shard))
-    now = dt.datetime.now(dt.UTC)
-    counted = 1
+    now = dt.datetime.now(dt.UTC).timestamp()
+    failures, crashed, records = 0, set(), 1
     for other in attempt_errors(store, shard):
         if other.get("attempt") == attempt:
             continue
-        try:
-            age = (now - dt.datetime.fromisoformat(other["started"])).total_seconds()
-        except (KeyError, TypeError, ValueError):  # a record without a start time: count it, as before
-            age = float("inf")
-        if other.get("error") or age >= stale_after:
-            counted += 1
-    return counted
+        records += 1
+        if other.get("error"):
+            if other.get("error_kind") == "crash":
+                crashed.add(process_key(other))
+            else:
+                failures += 1
+        elif attempt_state(other, now, stale_after) == "dead":
+            crashed.add(process_key(other))
+    return AttemptCount(failures, len(crashed), records)
+
+
+def renew_lease(store: RunStore, shard: str, attempt: str) -> None:
+    """Rewrite the attempt's `heartbeat` (the caller serialises this with `record_attempt_error`)."""
+    path = f"{store.attempts_dir(shard)}/{attempt}.json"
+    try:
+        body = store.storage.read_json(path)
+    except (FileNotFoundError, orjson.JSONDecodeError):
+        return
+    if body.get("error"):
+        return
+    body["heartbeat"] = _now()
+    store.storage.write_json(path, body)
 
 
 def _engine_fields() -> dict:
@@ -74,14 +109,30 @@ def _attempt_names(store: RunStore, shard: str) -> list[str]:
     return [name for name in store.storage.listdir(store.attempts_dir(shard)) if not name.startswith(".")]
 
 
-def record_attempt_error(store: RunStore, shard: str, attempt: str, error: str) -> None:
+def record_attempt_error(store: RunStore, shard: str, attempt: str, error: str, kind: str = "error") -> None:
+    """Record why the attempt failed. `kind` "crash": the engine's process vanished (a signal, the OOM killer)
+    without an error of its own; it counts as its process's crash, not as the shard's failure."""
     path = f"{store.attempts_dir(shard)}/{attempt}.json"
     try:
         body = store.storage.read_json(path)
     except FileNotFoundError:
         body = {"attempt": attempt}
     body["error"] = error
+    body["error_kind"] = kind
     body["failed"] = _now()
+    store.storage.write_json(path, body)
+
+
+def record_attempt_end(store: RunStore, shard: str, attempt: str, note: str) -> None:
+    """Mark an attempt that ended without running the shard and without an error of the shard's (the delivery
+    that found the attempts used up and wrote the dead letter): it counts as neither a failure nor a crash."""
+    path = f"{store.attempts_dir(shard)}/{attempt}.json"
+    try:
+        body = store.storage.read_json(path)
+    except FileNotFoundError:
+        body = {"attempt": attempt}
+    body["ended"] = note
+    body["ended_at"] = _now()
     store.storage.write_json(path, body)
 
 
@@ -196,16 +247,50 @@ def publish_shard(
         won = store.storage.create_exclusive(store.done_path(shard),
                                              orjson.dumps(marker, option=orjson.OPT_INDENT_2))
         if won and stale_after is not None:
-            # What killed attempts of this shard left half-written is of no use now that it is done. A killed
-            # attempt's shard is redelivered only after the broker's visibility timeout, so its files are at least
-            # that old by now; a duplicate still writing touched its file more recently and keeps it.
+            # What killed attempts of this shard left half-written is of no use now that it is done; a duplicate
+            # still writing (its process alive, its lease fresh) keeps its file and removes it when it loses.
             with contextlib.suppress(OSError):  # tidying only: the shard is published either way
-                store.storage.remove_temporaries(store.rel("shards", shard), stale_after)
+                sweep_temporaries(store, shard, stale_after)
     finally:
         if not won:  # lost the race, or a write failed (disk full, NFS error): leave nothing behind
             for info in files.values():
                 store.storage.delete(info["path"])
     return won
+
+
+MARKER_TEMPORARY_AGE = 60.0  # seconds: a marker's or letter's temporary is written in milliseconds
+_OWNER = re.compile(r"^\.([0-9a-f]{12})")
+
+
+def sweep_temporaries(store: RunStore, key: str, stale_after: float | None, now: float | None = None) -> int:
+    """Remove the temporaries (`.name.tmp-*`) a shard's dead attempts left; return how many.
+
+    A temporary under `shards/{shard}/` or `attempts/{key}/` names the attempt that wrote it; it goes once that
+    attempt is known dead or ended (workers/liveness.py), so a live duplicate's file stays. One naming no known
+    attempt goes once untouched for `stale_after` seconds. A marker's or dead letter's temporary goes after
+    MARKER_TEMPORARY_AGE. Object stores have none (an unfinished upload never becomes an object)."""
+    from workers.liveness import attempt_state
+
+    shard = key.removesuffix(".capture")
+    now = time.time() if now is None else now
+    owners = {r.get("attempt"): r for k in (shard, f"{shard}.capture") for r in attempt_errors(store, k)}
+    removed = 0
+    for folder in (store.rel("shards", shard), store.attempts_dir(shard), store.attempts_dir(f"{shard}.capture")):
+        for name, mtime in store.storage.temporaries(folder):
+            match = _OWNER.match(name)
+            record = owners.get(match.group(1)) if match else None
+            if record is not None:
+                gone = attempt_state(record, now, stale_after) != "alive"
+            else:
+                gone = stale_after is not None and now - mtime > stale_after
+            if gone:
+                removed += store.storage.remove_temporary(f"{folder}/{name}")
+    for folder in ("done", "dead", "captured"):
+        for name, mtime in store.storage.temporaries(store.rel(folder)):
+            if name.startswith((f".{shard}.json.tmp-", f".{shard}.capture.json.tmp-")) \
+                    and now - mtime > MARKER_TEMPORARY_AGE:
+                removed += store.storage.remove_temporary(store.rel(folder, name))
+    return removed
 
 
 class _HashingWriter:

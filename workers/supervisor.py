@@ -1,7 +1,8 @@
 """`regen worker`'s process supervisor: one child per device, restarted with backoff when it dies.
 
-A child that exits (engine death exits with 75 on purpose, start-up failure with 70, a SIGKILL from the OOM
-killer) is restarted after 1, 2, 4 ... 60 s; the backoff resets once a child has run for 5 minutes.
+A child that exits (engine death mid-shard exits with 75 on purpose, an idle worker whose engine died leaves
+with a warm shutdown, start-up failure exits with 70, a SIGKILL from the OOM killer) is restarted after 1, 2,
+4 ... 60 s; the backoff resets once a child has run for 5 minutes.
 SIGTERM / SIGINT to the supervisor forwards SIGTERM to every child (Celery's warm shutdown: the running shard
 finishes and is acked) and waits for them.
 """

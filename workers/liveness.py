@@ -1,0 +1,105 @@
+"""Is the process that started an attempt still alive? The answer decides what a shard's attempts count and
+which temporaries may be removed.
+
+Two ways to know, best first:
+- The same machine (host name, boot id and pid namespace all equal): the attempt's pid either runs with the start
+  time it had then (alive) or does not (dead, at once). A pid alone could be reused; pid + start time cannot.
+- Another machine: its worker renews a lease on each attempt it runs (`heartbeat` in the attempt record, every
+  `heartbeat_seconds()`); an attempt whose lease (`lease_s`, 4 heartbeats) ran out is dead. Records written
+  before leases existed fall back to their start time and the broker's visibility timeout, as before.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import os
+import socket
+
+LEASE_HEARTBEATS = 4
+
+
+def heartbeat_seconds() -> float:
+    """How often a worker renews its attempts' leases (`REGEN_HEARTBEAT_S`, default 30 s)."""
+    try:
+        return max(0.5, float(os.environ.get("REGEN_HEARTBEAT_S") or 30))
+    except ValueError:
+        return 30.0
+
+
+def lease_seconds() -> float:
+    return LEASE_HEARTBEATS * heartbeat_seconds()
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _machine() -> dict:
+    boot = _read("/proc/sys/kernel/random/boot_id")
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = None
+    return {"host": socket.gethostname(), "boot": boot, "pidns": pidns}
+
+
+def pid_start(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22); None when it does not run."""
+    stat = _read(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()
+    if fields and fields[0] == "Z":  # a zombie has exited
+        return None
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def identity() -> dict:
+    """This process, as attempt records name it."""
+    pid = os.getpid()
+    return {**_machine(), "pid": pid, "pid_start": pid_start(pid)}
+
+
+def process_key(record: dict) -> tuple:
+    """One key per process that ever ran an attempt (a machine's death counts once per shard, not per copy)."""
+    return (record.get("host"), record.get("boot"), record.get("pidns"), record.get("pid"), record.get("pid_start"))
+
+
+def on_this_machine(record: dict) -> bool:
+    me = _machine()
+    return all(me[k] is not None and record.get(k) == me[k] for k in ("host", "boot", "pidns"))
+
+
+def process_alive(pid: int | None, start: int | None) -> bool:
+    return pid is not None and start is not None and pid_start(int(pid)) == int(start)
+
+
+def _time(value) -> float | None:
+    try:
+        return dt.datetime.fromisoformat(value).timestamp()
+    except (TypeError, ValueError):
+        return None
+
+
+def attempt_state(record: dict, now: float, stale_after: float | None) -> str:
+    """`ended` (it recorded an error or its end), `alive` or `dead`; see the module docstring."""
+    if record.get("error") or record.get("ended"):
+        return "ended"
+    if on_this_machine(record) and record.get("pid_start") is not None:
+        return "alive" if process_alive(record.get("pid"), record.get("pid_start")) else "dead"
+    last = _time(record.get("heartbeat")) or _time(record.get("started"))
+    lease = record.get("lease_s") or stale_after
+    if last is None:
+        return "dead"
+    if lease is None:
+        return "alive"
+    return "alive" if now - last < float(lease) else "dead"

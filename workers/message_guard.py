@@ -1,0 +1,186 @@
+"""A message the worker cannot decode or take apart is set aside once, never fatal to the worker.
+
+Why: kombu's Redis channel parses each message's envelope (JSON) and decodes its body (base64) inside the
+consumer's event loop, before Celery sees the message. An exception there is Celery's `Unrecoverable error`: the
+worker process exits, and its engine (tens of seconds on a CPU, minutes for a large model on a GPU) is rebuilt.
+Anyone who can write to the queue could keep a fleet reloading. Celery's own `on_decode_error` only covers
+bodies that reach it.
+
+So the worker runs on this subclass of kombu's Redis transport (`broker_transport`, set in
+workers/celery_worker.py): the envelope of every message popped from a queue is checked before delivery (a JSON
+object with `properties.delivery_tag`, a body that decodes with its `body_encoding`), and one that fails is
+recorded in Redis' dead-message list (app/dead_messages.py: its queue, the reason, a short hexdump) and not
+delivered. It was popped and never entered the unacked hash, so it is gone from the queue: rejected once.
+
+kombu parses the envelope with the `loads` of its redis module; that name is replaced by one that, only while
+this channel pops a queue message (a context flag), returns an `Undecodable` marker instead of raising. Everything
+else in kombu (restores, fanout events, other channels) sees the original behaviour.
+
+Past the transport, Celery's consumer decodes the body and unpacks it into a task request. A body that is not
+JSON reaches its `on_decode_error` (logged, acked); one that is JSON but not a task's `[args, kwargs, embed]`
+raised out of the consumer (`Unrecoverable error: ValueError`). `Consumer` (`worker_consumer`) records both,
+and unknown or invalid tasks, in the same list, and acks what it cannot use.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextvars
+
+import orjson
+from celery.worker.consumer import Consumer as CeleryConsumer
+from kombu.transport import redis as kombu_redis
+
+from app import dead_messages
+
+BROKER_URL: str | None = None  # where the dead-message list lives (`install` sets it)
+_TOLERANT = contextvars.ContextVar("regen_tolerant_loads", default=False)
+_original_loads = kombu_redis.loads
+
+
+class Undecodable(dict):
+    """Stands in for an envelope that is not JSON; empty, so any other reader fails on it as before."""
+
+    def __init__(self, raw, error: Exception):
+        super().__init__()
+        self.raw = raw
+        self.error = error
+
+
+def _loads(s, *args, **kwargs):
+    if not _TOLERANT.get():
+        return _original_loads(s, *args, **kwargs)
+    try:
+        return _original_loads(s, *args, **kwargs)
+    except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+        return Undecodable(s, exc)
+
+
+def envelope_problem(message) -> str | None:
+    """Why kombu could not build a message from this envelope, or None when it can."""
+    if isinstance(message, Undecodable):
+        return f"not a JSON envelope: {type(message.error).__name__}: {message.error}"
+    if not isinstance(message, dict):
+        return f"envelope is a JSON {type(message).__name__}, not an object"
+    properties = message.get("properties")
+    if not isinstance(properties, dict) or "delivery_tag" not in properties:
+        return "envelope has no properties.delivery_tag"
+    body = message.get("body")
+    encoding = properties.get("body_encoding")
+    if body and encoding == "base64":
+        if not isinstance(body, str | bytes):
+            return f"base64 body is a JSON {type(body).__name__}"
+        try:
+            base64.b64decode(body, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            return f"body is not valid base64: {exc}"
+    elif encoding not in (None, "base64", "utf-8"):
+        return f"unknown body_encoding {encoding!r}"
+    return None
+
+
+def _raw_bytes(message) -> bytes:
+    if isinstance(message, Undecodable):
+        raw = message.raw
+        return raw.encode("utf-8", "replace") if isinstance(raw, str) else bytes(raw)
+    try:
+        return orjson.dumps(message, default=str)
+    except TypeError:
+        return repr(message).encode()
+
+
+class Channel(kombu_redis.Channel):
+    def _brpop_read(self, **options):
+        token = _TOLERANT.set(True)
+        try:
+            return super()._brpop_read(**options)
+        finally:
+            _TOLERANT.reset(token)
+
+    def _get(self, queue):
+        token = _TOLERANT.set(True)
+        try:
+            return super()._get(queue)
+        finally:
+            _TOLERANT.reset(token)
+
+
+class Transport(kombu_redis.Transport):
+    Channel = Channel
+
+    def _deliver(self, message, queue):
+        problem = envelope_problem(message)
+        if problem is not None:
+            dead_messages.record(BROKER_URL, queue, problem, _raw_bytes(message))
+            return
+        token = _TOLERANT.set(False)  # the delivery itself (Celery's consumer) sees kombu's own loads
+        try:
+            super()._deliver(message, queue)
+        finally:
+            _TOLERANT.reset(token)
+
+
+def _queue(message) -> str | None:
+    return (getattr(message, "delivery_info", None) or {}).get("routing_key")
+
+
+def _message_bytes(message) -> bytes:
+    body = getattr(message, "body", b"")
+    return body if isinstance(body, bytes) else str(body).encode("utf-8", "replace")
+
+
+class Consumer(CeleryConsumer):
+    """Celery's consumer, with every message it cannot use recorded (app/dead_messages.py) and acked."""
+
+    def _set_aside(self, message, reason: str) -> None:
+        dead_messages.record(BROKER_URL or self.app.conf.broker_url, _queue(message), reason, _message_bytes(message),
+                             task=(message.headers or {}).get("task") if isinstance(message.headers, dict) else None)
+
+    def create_task_handler(self, promise=None):
+        handler = super().create_task_handler() if promise is None else super().create_task_handler(promise)
+        keep_raising = tuple(self.connection_errors or ()) + tuple(self.channel_errors or ())
+
+        def on_task_received(message):
+            try:
+                return handler(message)
+            except keep_raising:
+                raise
+            except Exception as exc:  # a body Celery's strategy could not unpack into a task request
+                self._set_aside(message, f"not a task message: {type(exc).__name__}: {exc}")
+                message.ack()
+
+        return on_task_received
+
+    def on_decode_error(self, message, exc):
+        self._set_aside(message, f"body does not decode: {type(exc).__name__}: {exc}")
+        message.ack()
+
+    def on_unknown_message(self, body, message):
+        self._set_aside(message, "not a task message (no task name)")
+        return super().on_unknown_message(body, message)
+
+    def on_unknown_task(self, body, message, exc):
+        self._set_aside(message, f"unknown task {exc}")
+        return super().on_unknown_task(body, message, exc)
+
+    def on_invalid_task(self, body, message, exc):
+        self._set_aside(message, f"invalid task: {exc}")
+        return super().on_invalid_task(body, message, exc)
+
+
+def install(celery) -> bool:
+    """Guard `celery`'s worker: the consumer above always; the transport above when the broker is plain Redis
+    (True then).
+
+    `rediss://` keeps kombu's own transport: kombu derives its TLS settings from the URL scheme's name, which a
+    transport given by class path does not have, so a message that is not JSON there still stops the worker."""
+    global BROKER_URL
+    url = celery.conf.broker_url or ""
+    BROKER_URL = url
+    celery.conf.worker_consumer = f"{__name__}:Consumer"
+    if not url.startswith(("redis://", "unix://")):
+        return False
+    kombu_redis.loads = _loads
+    celery.conf.broker_transport = f"{__name__}:Transport"
+    return True
