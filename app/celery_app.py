@@ -1,6 +1,6 @@
 """The one Celery configuration shared by the producer, the workers and Flower.
 
-Why each setting (see NOTES.md for the measurements behind them):
+Why each setting (see docs/measured-facts.md for the measurements behind them):
 - JSON only, never pickle: a message pushed by anyone who reaches Redis must not be able to run code.
 - Late acks + prefetch multiplier 1: a shard is acked only after its outputs and completion marker are on
   storage, and a worker holds at most one unstarted shard per task slot.

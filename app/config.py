@@ -15,7 +15,7 @@ DEFAULT_QUEUE = "regen"
 DEFAULT_CAPTURE_QUEUE = "regen.capture"
 # Samples per shard (one Celery message): `regen produce --shard-size`; workers size their task slots by it.
 DEFAULT_SHARD_SIZE = 64
-# Redis re-delivers an unacked message after this many seconds *even if it is still running* (NOTES.md), so it
+# Redis re-delivers an unacked message after this many seconds *even if it is still running* (docs/measured-facts.md), so it
 # must exceed the longest shard. Four hours covers a 64-sample shard of long thinking traces on one GPU.
 DEFAULT_VISIBILITY_TIMEOUT = 4 * 3600
 

@@ -3,7 +3,7 @@
 `regen run` should work on a fresh machine. A private redis-server (started here, on a free loopback port,
 no persistence, `noeviction`, stopped on exit) keeps Redis' real delivery semantics. Where no redis-server
 binary exists, kombu's `filesystem://` transport runs tasks too, but it is at-most-once (a crash loses the
-in-flight shard until a reconcile re-sends it, NOTES.md) and polls a folder: fine for one machine only.
+in-flight shard until a reconcile re-sends it, docs/measured-facts.md) and polls a folder: fine for one machine only.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the transport's `unacked` hash instead (shown separately).
 
 Workers: `control.ping` finds the workers that answer, then `inspect().active(safe=True)` asks those what they
 run; `safe` returns the short `kwargsrepr` the producer sets instead of a shard's prompts. regen's workers
-answer mid-shard (thread pool), but a solo-pool worker does not (NOTES.md), and a busy host may miss the
+answer mid-shard (thread pool), but a solo-pool worker does not (docs/measured-facts.md), and a busy host may miss the
 timeout, so a silent worker is not a dead one: status then falls back to the newest attempt file it wrote
 (app/status.py). The broker is pinged with a plain Redis client first, so an
 unreachable broker gives a one-line error at once instead of Celery's endless connection retries.

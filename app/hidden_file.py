@@ -1,7 +1,7 @@
 """The shard hidden-state file (`*.hidden.rgh`): bf16 states, byte-shuffled, zstd, with a per-sample index.
 
 Why this layout: bf16 activations compress poorly as they are (1.26x), but their high bytes (sign, exponent,
-top mantissa bit) are very redundant while the low mantissa bytes are noise (NOTES.md). Splitting each value
+top mantissa bit) are very redundant while the low mantissa bytes are noise (docs/measured-facts.md). Splitting each value
 into its high and low byte and compressing only the high bytes, with match tables tuned for them
 (`_state_params`), gives ~1.48x where plain zstd gives 1.27x and SpecForge's torch.save + gzip 1.25x, at about
 plain zstd's speed and ~20x gzip's (bench/bench_hidden_codec.py). With the tuned tables levels 1 and 3 give the

@@ -42,6 +42,6 @@ def shard_id(index: int) -> str:
 
 
 def seed_for(run_seed: int, sid: str) -> int:
-    """Per-sample seed from the run seed and the sample id (one shared seed correlates samples, NOTES.md)."""
+    """Per-sample seed from the run seed and the sample id (one shared seed correlates samples, docs/measured-facts.md)."""
     digest = hashlib.blake2b(f"{run_seed}:{sid}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF

@@ -1,6 +1,6 @@
 """Capture layers in one documented convention, converted once.
 
-Conventions (NOTES.md; N = number of decoder layers):
+Conventions (docs/measured-facts.md; N = number of decoder layers):
 - `vllm:L` / `hf:L` -- the same number: vLLM's aux-hidden-state id L is transformers' `hidden_states[L]`, i.e.
   the output of decoder layer L-1 (L = 1..N). `vllm:N` is the last layer *before* the final norm, whereas
   transformers' `hidden_states[-1]` is *after* it; regen never reads that normed tensor.

@@ -15,7 +15,7 @@ from app.storage import RunStore
 
 MANIFEST_FORMAT = "regen.run/1"
 
-# Qwen3's recommended sampling (NOTES.md). Thinking mode is never greedy.
+# Qwen3's recommended sampling (docs/measured-facts.md). Thinking mode is never greedy.
 THINKING_SAMPLING = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
 NON_THINKING_SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0}
 CAPTURE_MODES = ("inline", "staged", "off")

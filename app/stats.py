@@ -1,6 +1,6 @@
 """`regen stats`: what a run's data looks like, in the terminal and as one self-contained HTML file.
 
-Why: the 87%-stub dataset (NOTES.md) was only found after training. A glance at token-length histograms,
+Why: the 87%-stub dataset (docs/measured-facts.md) was only found after training. A glance at token-length histograms,
 finish reasons and flag rates -- overall and per input file, since one bad source can hide in an average --
 shows it at once, and the stub-or-empty rate is printed in red when it is above the run's pause threshold.
 Only done shards are read, so it works on a run still in progress. Reasoning tokens are not stored; they are

@@ -4,7 +4,7 @@ Storage is the record of what is done (datatrove's lesson): a shard is done exac
 exists, and the marker is written last. Writers never expose a partial file: each file is written under a
 temporary name and renamed into place (on object stores a single PUT is already atomic). The completion
 marker is created *exclusively* (a hard link locally, a conditional PUT on S3), so when Redis delivers one
-shard to two workers at once (NOTES.md), exactly one of them publishes its outputs.
+shard to two workers at once (docs/measured-facts.md), exactly one of them publishes its outputs.
 
 Layout of a run, relative to the storage root (all names deterministic):
 

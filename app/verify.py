@@ -39,7 +39,7 @@ from app.jsonl_zst import iter_jsonl_zst
 from app.run_reader import RunReader, ShardInfo
 from app.states_bound import promise, reference_excess, sample_problem
 
-REFERENCE_MAX_ABS = 0.05  # bf16 noise between vLLM's kernels and transformers' eager forward (NOTES.md: ~0.002)
+REFERENCE_MAX_ABS = 0.05  # bf16 noise between vLLM's kernels and transformers' eager forward (docs/measured-facts.md: ~0.002)
 
 
 @dataclass

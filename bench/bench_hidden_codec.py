@@ -3,7 +3,7 @@
     python bench/bench_hidden_codec.py            # ~3-4 min on 2 CPU cores
     python bench/bench_hidden_codec.py --hidden 4096 --intermediate 12288 --samples 16 --tokens 2048
 
-Why: the storage format is chosen for its ratio and speed on bf16 hidden states (NOTES.md: byte-split zstd
+Why: the storage format is chosen for its ratio and speed on bf16 hidden states (docs/measured-facts.md: byte-split zstd
 ~1.45x vs plain zstd ~1.26x and SpecForge's torch.save + gzip ~1.25x), and a run's lossy `--states-dtype` for
 its ratio, speed and error (app/states_codec.py). Those figures must be re-measurable in one command, all in the
 same run, on activations rather than random bits (random bits do not compress at all).

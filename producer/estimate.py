@@ -1,7 +1,7 @@
 """`regen produce --dry-run`: what a run will cost before anything is enqueued.
 
 Why: hidden states are large (5 layers x 5120 x 2 bytes = 51,200 B per token for a 27B target; 914K samples
-is ~100-190 TB, NOTES.md), so a user must see the token and disk figures before the GPUs start.
+is ~100-190 TB, docs/measured-facts.md), so a user must see the token and disk figures before the GPUs start.
 
 Prompt tokens are counted with the target model's own tokenizer and chat template on a uniform random sample
 (reservoir, fixed seed) of up to N prompts and scaled to the total, so the figure is an estimate and says so.

@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 $PY -m pip install --quiet "torch==2.13.0"
 $PY -m pip install --quiet -e ".[cpu,dev,s3,monitor,data]"
 # PyPI's torchvision/torchaudio/torchcodec break `import transformers` / `import vllm` beside the CPU torch
-# ("operator torchvision::nms does not exist", NOTES.md); regen needs none of them.
+# ("operator torchvision::nms does not exist", docs/measured-facts.md); regen needs none of them.
 $PY -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 # vLLM's Qwen3.5 module (the hybrid targets) imports torchvision at module level, through transformers' Qwen2-VL
 # image processor, and no CPU build of torchvision is on PyPI: CPU installs get regen's import stand-in

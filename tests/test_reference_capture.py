@@ -139,7 +139,7 @@ def test_compare_states():
 
 # --- vLLM agreement -------------------------------------------------------------------------------------------
 
-VLLM_MAX_ABS = 0.05  # NOTES.md measured ~0.002 on this kind of model; a wrong layer or the normed output is >0.1
+VLLM_MAX_ABS = 0.05  # docs/measured-facts.md measured ~0.002 on this kind of model; a wrong layer or the normed output is >0.1
 VLLM_MEAN_ABS = 0.005
 
 
@@ -174,7 +174,7 @@ def _generate_and_capture(llm, prompts: list[list[int]]) -> dict[str, tuple[list
 
     engine = llm.llm_engine
     for i, ids in enumerate(prompts):
-        # No top_k: with extract_hidden_states it crashes vLLM's CPU sampler (NOTES.md).
+        # No top_k: with extract_hidden_states it crashes vLLM's CPU sampler (docs/measured-facts.md).
         params = SamplingParams(
             temperature=0.6,
             top_p=0.95,

@@ -23,7 +23,7 @@ from workers.generate import render_prompt
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
 
-# bf16 noise between vLLM's CPU kernels and transformers' eager forward on this model (NOTES.md: ~0.002).
+# bf16 noise between vLLM's CPU kernels and transformers' eager forward on this model (docs/measured-facts.md: ~0.002).
 MAX_ABS = 0.05
 MEAN_ABS = 0.005
 
@@ -66,7 +66,7 @@ def test_records_hold_exactly_the_engines_token_ids(inline_run, e2e_storage, tin
         token_ids, _ = states[r["sample_id"]]
         assert token_ids.tolist() == r["input_ids"][:-1]
         # Text is informational only: vLLM's incremental detokenizer holds back partial UTF-8, so decoding
-        # the ids again need not give the same string (NOTES.md). The ids are the data.
+        # the ids again need not give the same string (docs/measured-facts.md). The ids are the data.
         decoded = tok.decode(r["input_ids"][n_prompt:], skip_special_tokens=True).replace("\ufffd", "")
         assert r["text"].replace("\ufffd", "") in decoded
         # A random model does not close its think block in 24 tokens: truncated, and flagged as such. Now and

@@ -3,7 +3,7 @@
 vLLM's `ExampleHiddenStatesConnector` (with the `extract_hidden_states` method) copies each finished
 request's states out of a KV-cache-like buffer and writes them to a safetensors file. Its copy uses CUDA
 streams and pinned memory, so on a CPU engine it fails (`pin_memory=True requires a CUDA ... backend`,
-NOTES.md). On the CPU this subclass extracts synchronously and writes the file before reporting the request
+docs/measured-facts.md). On the CPU this subclass extracts synchronously and writes the file before reporting the request
 as sent; on a GPU it defers to the stock, asynchronous path.
 
 It overrides a private method (`_submit_async_write`), so it is pinned to the vLLM versions it was written

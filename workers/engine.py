@@ -9,7 +9,7 @@ and produced; nothing is ever re-tokenised.
 Settings chosen from the model's config (prefix caching, hybrids, multimodal wrappers) are in
 workers/engine_settings.py; the operator's own (`--vllm-arg`) in workers/vllm_args.py, applied last.
 
-CPU specifics (NOTES.md): chunked prefill off (per-request seeds crash it), `gpu_memory_utilization` is a
+CPU specifics (docs/measured-facts.md): chunked prefill off (per-request seeds crash it), `gpu_memory_utilization` is a
 fraction of RAM (~0.1), and the engine core runs in-process (start-up 5-7 s instead of ~40 s of spawning), in a
 process of the worker's that does nothing else (workers/engine_host.py), so no side work holds its GIL.
 In-process, the capture connector writes a request's states on a *later* engine step, so the loop keeps

@@ -3,7 +3,7 @@
 Why this exists: vLLM is the production engine, but (1) some hosts cannot run it (no supported accelerator, a
 model architecture it lacks), (2) the fleet's output must be checked against something independent of vLLM's
 capture path (`regen verify --reference`, the test suite), and (3) vLLM versions have shipped capture bugs that
-wrote all-zero states (NOTES.md, vLLM PR 46301). A straight transformers forward pass is the ground truth.
+wrote all-zero states (docs/measured-facts.md, vLLM PR 46301). A straight transformers forward pass is the ground truth.
 
 Layer numbering is vLLM's (app/layers.py): id L = transformers `hidden_states[L]` = the output of decoder layer
 L-1, and id N (the number of layers) is the last decoder layer's output *before* the final norm. We do not use

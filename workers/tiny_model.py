@@ -3,7 +3,7 @@ thinking template, offline.
 
 No model hub is reachable from CI or most dev boxes, yet the whole pipeline (vLLM generation, hidden-state
 capture, the transformers reference) must run on a real model. This builds one in ~2 s: hidden 128, 4 layers,
-2 heads of head_dim 64 (vLLM's CPU attention rejects smaller heads, NOTES.md), bf16 weights. Its outputs are
+2 heads of head_dim 64 (vLLM's CPU attention rejects smaller heads, docs/measured-facts.md), bf16 weights. Its outputs are
 random text, which is what a throughput test of the fleet around the engine wants.
 
 The hybrid (`build_tiny_qwen3_5`) has the layer mix the Qwen3.5/3.6 family ships: Gated DeltaNet linear

@@ -9,7 +9,7 @@ lives in a child process of this one, workers/engine_host.py); `regen worker` si
 it (workers/devices.task_slots_for) so that while one shard is written to storage and acked, the others fill
 the engine's batch with a shard queued behind them, and the engine does not idle or run short between shards;
 each shard is still acked only after its completion marker exists. (Prefork cannot work:
-its children are daemonic and cannot start vLLM's processes, NOTES.md.) The thread pool also keeps the
+its children are daemonic and cannot start vLLM's processes, docs/measured-facts.md.) The thread pool also keeps the
 consumer answering heartbeats and `inspect` while a shard runs, unlike the solo pool.
 """
 
