@@ -11,6 +11,7 @@ laptop, so CI can never pass by skipping.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -136,13 +137,20 @@ def worker_env(broker: str = E2E_BROKER) -> dict:
 @pytest.fixture(scope="session")
 def cpu_worker(tiny_qwen3, e2e_redis, tmp_path_factory):
     """One real CPU worker for the session, consuming the generate and the staged-capture queues."""
+    # REGEN_BENCH_TASKS: the fleet bench's in-worker baseline is tested on this worker too.
+    with session_worker(tiny_qwen3, E2E_LAYERS, "e2e", tmp_path_factory.mktemp("worker-logs"),
+                        {**worker_env(), "REGEN_BENCH_TASKS": "1"}) as worker:
+        yield worker
+
+
+@contextlib.contextmanager
+def session_worker(model: Path, layers: str, name: str, log_dir: Path, env: dict, extra: tuple[str, ...] = ()):
+    """A started `regen worker --cpu` on `model` consuming the generate and staged-capture queues, stopped after."""
     vllm_or_fail()
-    log_dir = tmp_path_factory.mktemp("worker-logs")
     worker = WorkerProcess(
-        ["--cpu", "--model", str(tiny_qwen3), "--layers", E2E_LAYERS, "--queues", "regen,regen.capture",
-         "--max-model-len", "4096", "--max-num-seqs", "16", "--name", "e2e", "--max-attempts", "3"],
-        # REGEN_BENCH_TASKS: the fleet bench's in-worker baseline is tested on this worker too.
-        log_dir / "supervisor.log", {**worker_env(), "REGEN_BENCH_TASKS": "1"},
+        ["--cpu", "--model", str(model), "--layers", layers, "--queues", "regen,regen.capture",
+         "--max-model-len", "4096", "--max-num-seqs", "16", "--name", name, "--max-attempts", "3", *extra],
+        log_dir / "supervisor.log", env,
     )
     try:
         worker.wait_ready()

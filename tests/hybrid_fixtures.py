@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import WorkerProcess, redis_or_fail, vllm_or_fail, worker_env
+from tests.conftest import redis_or_fail, session_worker, worker_env
 from tests.redis_urls import redis_url
 
 HYBRID_BROKER = redis_url(9)
@@ -46,16 +46,6 @@ def hybrid_redis():
 @pytest.fixture(scope="session")
 def hybrid_worker(tiny_hybrid, hybrid_redis, tmp_path_factory):
     """One real CPU worker on the text-only hybrid for the session: generate and staged-capture queues."""
-    vllm_or_fail()
-    log_dir = tmp_path_factory.mktemp("hybrid-worker-logs")
-    worker = WorkerProcess(
-        ["--cpu", "--model", str(tiny_hybrid), "--layers", HYBRID_LAYERS, "--queues", "regen,regen.capture",
-         "--max-model-len", "4096", "--max-num-seqs", "16", "--name", "hybrid", "--max-attempts", "3",
-         "--vllm-arg", OPERATOR_ARG],
-        log_dir / "supervisor.log", worker_env(HYBRID_BROKER),
-    )
-    try:
-        worker.wait_ready()
+    with session_worker(tiny_hybrid, HYBRID_LAYERS, "hybrid", tmp_path_factory.mktemp("hybrid-worker-logs"),
+                        worker_env(HYBRID_BROKER), ("--vllm-arg", OPERATOR_ARG)) as worker:
         yield worker
-    finally:
-        worker.stop()

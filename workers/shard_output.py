@@ -112,27 +112,23 @@ def _attempt_names(store: RunStore, shard: str) -> list[str]:
 def record_attempt_error(store: RunStore, shard: str, attempt: str, error: str, kind: str = "error") -> None:
     """Record why the attempt failed. `kind` "crash": the engine's process vanished (a signal, the OOM killer)
     without an error of its own; it counts as its process's crash, not as the shard's failure."""
-    path = f"{store.attempts_dir(shard)}/{attempt}.json"
-    try:
-        body = store.storage.read_json(path)
-    except FileNotFoundError:
-        body = {"attempt": attempt}
-    body["error"] = error
-    body["error_kind"] = kind
-    body["failed"] = _now()
-    store.storage.write_json(path, body)
+    _update_attempt(store, shard, attempt, error=error, error_kind=kind, failed=_now())
 
 
 def record_attempt_end(store: RunStore, shard: str, attempt: str, note: str) -> None:
     """Mark an attempt that ended without running the shard and without an error of the shard's (the delivery
     that found the attempts used up and wrote the dead letter): it counts as neither a failure nor a crash."""
+    _update_attempt(store, shard, attempt, ended=note, ended_at=_now())
+
+
+def _update_attempt(store: RunStore, shard: str, attempt: str, **fields) -> None:
+    """Add `fields` to the attempt's record (a fresh one if its start file never landed)."""
     path = f"{store.attempts_dir(shard)}/{attempt}.json"
     try:
         body = store.storage.read_json(path)
     except FileNotFoundError:
         body = {"attempt": attempt}
-    body["ended"] = note
-    body["ended_at"] = _now()
+    body.update(fields)
     store.storage.write_json(path, body)
 
 
