@@ -34,8 +34,9 @@ def _register() -> None:
     from app.ops_cli import commands as ops_commands
     from producer.cli import commands as producer_commands
     from workers.cli import commands as worker_commands
+    from workers.run_job import run  # drives both the producer and the workers, so it is assembled here
 
-    for command in (*producer_commands, *worker_commands, *ops_commands, *data_commands):
+    for command in (*producer_commands, *worker_commands, run, *ops_commands, *data_commands):
         main.add_command(command)
 
 

@@ -40,7 +40,7 @@ class Sampling:
 
 @dataclass
 class QualitySettings:
-    """Thresholds of the quality gate (workers/quality.py)."""
+    """Thresholds of the quality gate (app/quality.py)."""
 
     stub_max_answer_tokens: int = 8
     pause_stub_rate: float = 0.20
@@ -80,7 +80,7 @@ class RunSettings:
     quality: QualitySettings = field(default_factory=QualitySettings)
     compression_level: int = 1
     # vLLM engine arguments every worker of the run applies (`regen produce --vllm-arg`), the data-changing
-    # ones included (workers/vllm_args.py); left out of the manifest when empty, so older runs compare equal.
+    # ones included (app/vllm_args.py); left out of the manifest when empty, so older runs compare equal.
     engine_args: dict = field(default_factory=dict)
     states: StatesStorage = field(default_factory=StatesStorage)
 

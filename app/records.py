@@ -16,7 +16,7 @@ Fields (a record is either `status: "ok"` or `status: "rejected"` with `reject_r
                                                never reached `</think>` is all reasoning, answer "" (flagged
                                                missing_think_end); outside thinking mode reasoning is None
     finish_reason, stop_reason, seed
-    flags                                      quality flags (workers/quality.py)
+    flags                                      quality flags (app/quality.py)
     hidden {index, n_tokens, layers}           where the states are in the shard's hidden file (None if off)
     seconds, worker, device                    timing and who produced it
 

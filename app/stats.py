@@ -63,7 +63,7 @@ class RunStats:
 
 
 def collect(reader: RunReader) -> RunStats:
-    from workers.quality import is_stub
+    from app.quality import is_stub
 
     quality = reader.settings.get("quality") or {}
     st = RunStats(reader.run_id, float(quality.get("pause_stub_rate", 0.2)))

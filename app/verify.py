@@ -4,7 +4,7 @@ Why: the failures that hurt drafter training are silent (all-zero states from a 
 copy, a shard that never ran). Every check here needs only the run itself: markers name files with sizes and
 sha256, hidden files carry per-part CRCs, records carry the ids the states must belong to, and the producer's
 counts must add up with what the workers wrote. `--reference N` additionally recomputes N samples' states
-with plain transformers (workers/reference.py), independent of vLLM's capture path. A run with a lossy
+with plain transformers (app/reference.py), independent of vLLM's capture path. A run with a lossy
 `--states-dtype` promises a bound on each token's relative error: every lossy sample's recorded error is held
 to it (app/states_bound.py), and the reference comparison allows it on top of the capture tolerance.
 
@@ -61,7 +61,7 @@ class ShardResult:
     rejected: int = 0
     problems: list[Problem] = field(default_factory=list)
     good_samples: list[str] = field(default_factory=list)  # ok samples whose states passed: reference pool
-    stale_rows: object = field(default=None, repr=False)  # workers.quality.StaleRows across the shard's samples
+    stale_rows: object = field(default=None, repr=False)  # app.quality.StaleRows across the shard's samples
     worker: str | None = None  # the worker that published it (sampled verify spreads its reads over workers)
 
     def add(self, kind: str, detail: str, sample: str | None = None, severity: str = "error") -> None:
@@ -216,7 +216,7 @@ def _check_record(res: ShardResult, rec: dict, run_id: str) -> bool:
 
 def _check_states(res: ShardResult, rec: dict, hreader: HiddenFileReader, pos: int, reader: RunReader,
                   hidden_size: int | None) -> bool:
-    from workers.quality import STATE_PROBLEMS, StaleRows, implausible_states, layer_detail, states_problem
+    from app.quality import STATE_PROBLEMS, StaleRows, implausible_states, layer_detail, states_problem
 
     sid = rec["sample_id"]
     try:
@@ -485,7 +485,7 @@ def _reference_check(reader: RunReader, pool: list[tuple[str, str]], n: int, pro
         problems.append(Problem("reference_unavailable", None, None, f"model folder {model_path!r} not found here"))
         return {"checked": 0}
     try:
-        from workers.reference import ReferenceCapture
+        from app.reference import ReferenceCapture
 
         ref = ReferenceCapture(model_path, reader.layers)
     except Exception as exc:  # a model folder that is gone or unloadable here

@@ -142,7 +142,7 @@ def run_engine_args(items: list[str], capture: bool) -> dict:
     where vLLM is installed (a producer host may have none: the workers check them at start-up)."""
     if not items:
         return {}
-    from workers.vllm_args import check_data_args, parse_vllm_args, split_item
+    from app.vllm_args import check_data_args, parse_vllm_args, split_item
 
     check_data_args(items, capture=capture, pinned=dict(split_item(i) for i in items))
     try:

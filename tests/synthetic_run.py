@@ -1,6 +1,6 @@
 """Build small but real runs on tmp storage for the data-command tests: the same files a producer and workers write.
 
-Records are built like workers/generate.py builds them (flags from workers.quality, summary from
+Records are built like workers/generate.py builds them (flags from app.quality, summary from
 workers.generate.summarise), states are encoded with app.hidden_file.encode_sample and shards are written by
 workers.shard_output.publish_shard; run.json and produce.json are written with the producer's own code.
 """
@@ -16,12 +16,12 @@ import numpy as np
 from app.hidden_file import encode_sample, float32_to_bf16
 from app.ids import shard_id
 from app.manifest import QualitySettings, RunSettings, Sampling, StatesStorage, open_or_create
+from app.quality import is_stub, sample_flags
 from app.records import loss_mask, rejected_record
 from app.states_codec import promised_bound
 from app.storage import RunStore, Storage
 from producer.accounting import Accounting, write_produce_state
 from workers.generate import summarise
-from workers.quality import is_stub, sample_flags
 from workers.shard_output import publish_shard
 
 LAYERS = [1, 2, 4]

@@ -17,10 +17,10 @@ from app.cli import main
 from app.errors import ConfigError
 from app.layers import parse_layers
 from app.model_info import read_model_info
+from app.quality import StaleRows, layer_detail, repeated_rows, states_problem
 from tests.hybrid_fixtures import tiny_hybrid, tiny_hybrid_mm  # noqa: F401
 from workers.engine import EngineOptions, llm_kwargs
 from workers.engine_settings import check_hybrid_capture_vllm, model_engine_settings
-from workers.quality import StaleRows, layer_detail, repeated_rows, states_problem
 
 MIX = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 
@@ -115,7 +115,7 @@ def test_the_reference_reads_a_multimodal_wrappers_language_model(tiny_hybrid_mm
     import torch
     from transformers import Qwen3_5ForConditionalGeneration
 
-    from workers.reference import ReferenceCapture
+    from app.reference import ReferenceCapture
 
     ids = list(range(5, 25))
     got = ReferenceCapture(str(tiny_hybrid_mm), [1, 4]).capture(ids)
@@ -148,7 +148,7 @@ def test_a_hybrid_capture_refuses_a_vllm_without_the_nan_fix(tiny_hybrid, tiny_q
 
 
 def test_operator_vllm_args_are_typed_by_vllms_parser_and_typos_fail_with_its_message():
-    from workers.vllm_args import parse_vllm_args, worker_vllm_args
+    from app.vllm_args import parse_vllm_args, worker_vllm_args
 
     assert parse_vllm_args(["max-num-batched-tokens=8192", "enable_prefix_caching=false", "enforce_eager=true"]) == {
         "max_num_batched_tokens": 8192, "enable_prefix_caching": False, "enforce_eager": True}
@@ -244,8 +244,8 @@ def test_the_cpu_torchvision_stand_in_satisfies_imports_fails_on_use_and_yields_
 
 def test_data_changing_vllm_args_reach_workers_only_through_the_run_manifest(tiny_hybrid, tmp_path):  # noqa: F811
     from app.manifest import RunSettings
+    from app.vllm_args import worker_vllm_args
     from producer.run_setup import ProduceOptions, build_settings, run_engine_args
-    from workers.vllm_args import worker_vllm_args
 
     assert run_engine_args(["kv_cache_dtype=fp8", "max_num_batched_tokens=8192"], capture=True) == {
         "kv_cache_dtype": "fp8", "max_num_batched_tokens": "8192"}

@@ -34,7 +34,7 @@ FP8 = "fp8-e4m3"
 @pytest.mark.parametrize("capture", ["inline", "staged"])
 def test_a_lossy_run_stores_fp8_within_its_bound_and_passes_verify_with_the_reference(
         capture, cpu_worker, e2e_storage, tiny_qwen3, tmp_path_factory):
-    from workers.reference import ReferenceCapture
+    from app.reference import ReferenceCapture
 
     run_id = f"lossy-{capture}"
     inputs = prompts_file(tmp_path_factory.mktemp(f"{run_id}-inputs"), n_synthetic=4, with_formats=False)
@@ -72,7 +72,7 @@ def test_a_lossy_run_stores_fp8_within_its_bound_and_passes_verify_with_the_refe
 
 def test_a_lossy_hybrid_run_stays_within_its_bound_at_linear_and_full_attention_layers(
         hybrid_worker, tiny_hybrid, tmp_path_factory):  # noqa: F811
-    from workers.reference import ReferenceCapture
+    from app.reference import ReferenceCapture
 
     storage = tmp_path_factory.mktemp("lossy-hybrid-storage")
     inputs = prompts_file(tmp_path_factory.mktemp("lossy-hybrid-inputs"), n_synthetic=4, with_formats=False)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from app.hidden_file import bf16_to_float32, float32_to_bf16
 from app.manifest import QualitySettings
-from workers.quality import (
+from app.quality import (
     StubWindow,
     answer_token_count,
     is_stub,

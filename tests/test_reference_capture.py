@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from workers.reference import ReferenceCapture, compare_states
+from app.reference import ReferenceCapture, compare_states
 from workers.tiny_model import build_tiny_qwen3
 
 N_LAYERS = 4

@@ -38,7 +38,7 @@ def inline_run(cpu_worker, e2e_storage, tiny_qwen3, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny_qwen3):
-    from workers.reference import ReferenceCapture
+    from app.reference import ReferenceCapture
 
     return ReferenceCapture(str(tiny_qwen3), [1, 2, 3, 4])
 

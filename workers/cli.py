@@ -177,7 +177,7 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
         raise ConfigError("give --model PATH or --run RUN")
     if layers:
         layer_ids = list(parse_layers(layers, read_model_info(model).num_layers).vllm)
-    from workers.vllm_args import worker_vllm_args
+    from app.vllm_args import worker_vllm_args
 
     vllm_args = worker_vllm_args(vllm_arg, capture=bool(layer_ids), run_id=run_id,
                                  pinned=manifest_engine_args(storage, run_id) if run_id else None)
@@ -238,6 +238,4 @@ def resume_run(run_id, storage, broker, queue):
                                        queue=queue, max_pending=None)
 
 
-from workers.run_job import run  # noqa: E402
-
-commands = [worker, tiny_model, resume_run, run]
+commands = [worker, tiny_model, resume_run]  # `regen run` (workers/run_job.py) is added by app/cli.py

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from app.model_info import ModelInfo, read_model_info
-from workers.quality import StubWindow
+from app.quality import StubWindow
 from workers.scheduling import ENV as SIDE_THREADS_ENV
 from workers.scheduling import POLICY_NAMES, lower_priority, name_thread, side_threads_policy
 

@@ -7,7 +7,7 @@ the manifest's `enable_thinking`), so `prompt_token_ids + output token_ids` are 
 and produced; nothing is ever re-tokenised.
 
 Settings chosen from the model's config (prefix caching, hybrids, multimodal wrappers) are in
-workers/engine_settings.py; the operator's own (`--vllm-arg`) in workers/vllm_args.py, applied last.
+workers/engine_settings.py; the operator's own (`--vllm-arg`) in app/vllm_args.py, applied last.
 
 CPU specifics (docs/measured-facts.md): chunked prefill off (per-request seeds crash it), `gpu_memory_utilization` is a
 fraction of RAM (~0.1), and the engine core runs in-process (start-up 5-7 s instead of ~40 s of spawning), in a
@@ -61,7 +61,7 @@ class EngineOptions:
     scratch_dir: str = "/tmp/regen-capture"
     dtype: str = "bfloat16"
     extra: dict = field(default_factory=dict)
-    # The operator's `--vllm-arg KEY=VALUE`s, as given (workers/vllm_args.py parses them with vLLM's parser).
+    # The operator's `--vllm-arg KEY=VALUE`s, as given (app/vllm_args.py parses them with vLLM's parser).
     vllm_args: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -206,8 +206,8 @@ def llm_kwargs(options: EngineOptions) -> dict:
             "kv_role": "kv_producer",
             "kv_connector_extra_config": {"shared_storage_path": options.scratch_dir},
         }
+    from app.vllm_args import parse_vllm_args
     from workers.engine_settings import model_engine_settings
-    from workers.vllm_args import parse_vllm_args
 
     kwargs.update(model_engine_settings(options.model, options.device, bool(options.capture_layers)))
     kwargs.update(options.extra)
@@ -303,7 +303,7 @@ class Engine:
         self.llm = LLM(**llm_kwargs(options))
         self.engine = self.llm.llm_engine
         if options.vllm_args:
-            from workers.vllm_args import effective_values, parse_vllm_args
+            from app.vllm_args import effective_values, parse_vllm_args
 
             held = effective_values(self.llm.llm_engine.vllm_config, parse_vllm_args(options.vllm_args))
             log.info("vLLM settings from --vllm-arg, as the engine holds them: %s",
@@ -575,7 +575,7 @@ def run_self_test(engine) -> float:
     if len(got) != 1 or not got[0].output_token_ids:
         raise EngineDead("engine self-test produced no tokens")
     if got[0].captured_states is not None:
-        from workers.quality import states_problem
+        from app.quality import states_problem
 
         problem = states_problem(got[0].captured_states)
         if problem:

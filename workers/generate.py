@@ -14,9 +14,7 @@ import numpy as np
 
 from app.hidden_file import encode_sample
 from app.ids import seed_for
-from app.records import conversation_id, loss_mask, rejected_record
-from workers.engine import GenRequest, GenResult
-from workers.quality import (
+from app.quality import (
     answer_token_count,
     implausible_states,
     is_stub,
@@ -26,6 +24,8 @@ from workers.quality import (
     states_problem,
     think_closed,
 )
+from app.records import conversation_id, loss_mask, rejected_record
+from workers.engine import GenRequest, GenResult
 
 
 def render_prompt(tokenizer, messages: list[dict], tools, thinking: bool) -> list[int]:

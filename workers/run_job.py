@@ -87,14 +87,14 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
 
     Every `regen produce` option that decides the data (`--regenerate`, sampling, seed, prompt limits, the
     pause threshold) is an option here too, with the same meaning and default."""
+    from app.vllm_args import worker_vllm_args
     from producer.produce import produce
     from producer.run_setup import ProduceOptions
     from workers.cli import manifest_engine_args, settings_from_run, worker_configs
     from workers.supervisor import Supervisor
-    from workers.vllm_args import worker_vllm_args
 
     console = Console(stderr=True)
-    from workers.vllm_args import data_changing, parse_vllm_args, split_item
+    from app.vllm_args import data_changing, parse_vllm_args, split_item
 
     parse_vllm_args(vllm_args)  # a typo fails here, before anything is produced
     # `regen run` writes the run's manifest itself: the data-changing settings go there, the others to its workers

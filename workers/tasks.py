@@ -37,10 +37,10 @@ from celery.exceptions import Reject
 from app import dead_messages
 from app.celery_app import CAPTURE_TASK, GENERATE_TASK
 from app.errors import EngineDead, EngineLost, InvalidId, InvalidTask, ManifestMismatch, PermanentError
+from app.quality import StubWindow, is_stub
 from app.storage import RunStore, Storage
 from workers.context import WorkerContext
 from workers.inflight import Claim, InFlight
-from workers.quality import StubWindow, is_stub
 from workers.shard_output import (
     dead_letter,
     hidden_file_stream,
