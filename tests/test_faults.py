@@ -21,7 +21,15 @@ from app import dead_messages
 from app.cli import main
 from app.storage import RunStore, Storage
 from tests.conftest import E2E_BROKER, E2E_LAYERS, WorkerProcess, wait_for, worker_env
-from tests.e2e_helpers import engine_host_pid, process_gone, produce, prompts_file, run_records, wait_run_done
+from tests.e2e_helpers import (
+    engine_host_pid,
+    process_gone,
+    produce,
+    prompts_file,
+    run_records,
+    wait_run_done,
+    wait_run_done_after_kills,
+)
 from workers.shard_output import attempt_errors, new_attempt_id
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -80,7 +88,7 @@ def test_sigkill_mid_shard_loses_and_duplicates_nothing(cpu_worker, e2e_storage,
         wait_for(lambda pid=engine: process_gone(pid), 30, f"engine process {engine} to end after the {victim} was killed")
         # The supervisor brings a fresh worker up; it finds the killed shards unfinished and redoes them.
         cpu_worker.wait_ready(count=starts_before + kills)
-    wait_run_done(e2e_storage, "sigkill", timeout=300)
+    wait_run_done_after_kills(e2e_storage, "sigkill")
     for shard in sorted(set().union(*killed.values())):
         assert len(store.storage.listdir(store.attempts_dir(shard))) >= 2  # the killed attempt, then the one that finished
     # What killed attempts left half-written (hidden-state files, attempt records, markers) went when their shards

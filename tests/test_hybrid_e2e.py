@@ -22,7 +22,15 @@ from app.cli import main
 from app.hidden_file import bf16_to_float32
 from app.storage import RunStore, Storage
 from tests.conftest import redis_or_fail, wait_for, worker_env
-from tests.e2e_helpers import engine_host_pid, process_gone, produce, prompts_file, run_states, wait_run_done
+from tests.e2e_helpers import (
+    engine_host_pid,
+    process_gone,
+    produce,
+    prompts_file,
+    run_states,
+    wait_run_done,
+    wait_run_done_after_kills,
+)
 from tests.hybrid_fixtures import (  # noqa: F401
     HYBRID_BROKER,
     HYBRID_KINDS,
@@ -128,7 +136,7 @@ def test_a_hybrid_shard_survives_a_sigkill_of_its_worker(hybrid_worker, hybrid_s
     killed = in_flight_shards(store)
     wait_for(lambda: process_gone(engine), 30, f"engine process {engine} to end with its worker")
     hybrid_worker.wait_ready(count=starts + 1)  # the supervisor's fresh worker redoes the killed shards
-    wait_run_done(hybrid_storage, "hybrid-sigkill", timeout=300)
+    wait_run_done_after_kills(hybrid_storage, "hybrid-sigkill", broker=HYBRID_BROKER)
     for shard in sorted(killed):
         assert len(store.storage.listdir(store.attempts_dir(shard))) >= 2
     report(hybrid_storage, "hybrid-sigkill", state["counts"]["enqueued"])
