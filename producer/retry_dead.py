@@ -63,6 +63,7 @@ def retry_dead(opts: ProduceOptions, shards: list[str]) -> RetryResult:
     result = RetryResult()
     if not chosen:
         return result
+    _preflight(store, opts, any(not k.endswith(CAPTURE_SUFFIX) for k in chosen))
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
     for key in chosen:
         result.archived[key] = archive_dead(store, key, stamp)
@@ -75,6 +76,29 @@ def retry_dead(opts: ProduceOptions, shards: list[str]) -> RetryResult:
     if captures:
         result.captures = _send_captures(store, opts, captures)
     return result
+
+
+def _preflight(store: RunStore, opts: ProduceOptions, resends_inputs: bool) -> None:
+    """Fail before anything is archived when the re-send cannot happen: a shard whose letter was archived but
+    that was never re-sent would be neither dead nor queued, and a second retry-dead would no longer see it.
+    The inputs' presence and sizes (produce re-checks their sha256) and the broker's connection are checked."""
+    import os
+
+    from app.celery_app import create_app
+    from app.config import BrokerSettings
+    from app.errors import InputError
+    from app.manifest import load
+
+    if resends_inputs:
+        for entry in load(store)["settings"].get("inputs", []):
+            if not os.path.isfile(entry["path"]) or os.path.getsize(entry["path"]) != entry["size"]:
+                raise InputError(f"{entry['path']}: input of this run is missing or changed; restore it to retry")
+    broker = BrokerSettings.from_env(opts.broker)
+    try:
+        with create_app(broker).connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1)
+    except Exception as exc:  # kombu's OperationalError and the socket errors under it
+        raise ConfigError(f"broker {broker.masked_url} does not answer ({exc}); nothing was archived") from exc
 
 
 def _send_captures(store: RunStore, opts: ProduceOptions, shards: list[str]) -> int:
