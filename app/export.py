@@ -151,13 +151,8 @@ class Exporter:
                                                          lambda rec: filter_reason(rec, self.opts),
                                                          self.reader.settings)
         else:
-            rows, counts = [], Counter()
-            for rec in self.reader.records(info):
-                reason = filter_reason(rec, self.opts)
-                if reason:
-                    counts[reason] += 1
-                    continue
-                rows.append(self._row(info, rec))
+            counts = Counter()
+            rows = [_parquet_row(rec) for rec in self._kept(info, counts)]
         data_rel = f"data/{info.shard_id}.{'parquet' if self.opts.fmt == 'parquet' else 'jsonl'}"
         if rows:  # no empty files: JSON readers (datasets) fail on them
             self._write_data(data_rel, rows)
@@ -186,9 +181,6 @@ class Exporter:
             else:
                 for row in rows:
                     fh.write(orjson.dumps(row) + b"\n")
-
-    def _row(self, info: ShardInfo, rec: dict) -> dict:
-        return _parquet_row(rec)
 
     def run(self, on_shard: Callable[[str], None] | None = None) -> dict:
         todo, skipped = self.pending()

@@ -94,7 +94,7 @@ class Speculators(StateExport):
                                       "seq_len": datasets.Value("int64")})
         cache = tempfile.mkdtemp(prefix="regen-speculators-")
         try:
-            if self.next_index():
+            if self._next if self._next is not None else self.next_index():  # samples exported so far
                 ds = datasets.Dataset.from_generator(self._all_rows, features=features, cache_dir=cache)
             else:  # nothing exported (yet): an empty dataset, as from_generator cannot build one
                 ds = datasets.Dataset.from_dict({k: [] for k in features}, features=features)

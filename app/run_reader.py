@@ -112,7 +112,7 @@ class RunReader:
         """The file holding this shard's states: the done marker's (inline) or the capture marker's (staged)."""
         if self.capture_mode == "staged":
             return (info.captured or {}).get("hidden", {}).get("path")
-        return info.marker.get("files", {}).get("hidden", {}).get("path")
+        return ((info.marker.get("files") or {}).get("hidden") or {}).get("path")
 
     def hidden_reader(self, info: ShardInfo) -> HiddenFileReader | None:
         """A cached reader of the shard's hidden file; None when the shard has none (capture off / pending)."""

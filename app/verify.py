@@ -452,8 +452,7 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
         problems += res.problems
     shard_counts = Counter(r.state for r in results)
     report = VerifyReport(reader.run_id, accounting, dict(shard_counts), problems, sampled=sampled)
-    dead_shards = sum(r.state == "dead" for r in results)
-    missing_shards = sum(r.state == "missing" for r in results)
+    dead_shards, missing_shards = shard_counts["dead"], shard_counts["missing"]
     unfinished = produce is not None and not produce.get("complete")
     if dead_shards or missing_shards or unfinished:
         report.incomplete = {"missing_samples": dead_samples + missing_samples, "dead_shards": dead_shards,

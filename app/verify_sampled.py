@@ -77,8 +77,9 @@ def decode_sample(reader, results, sample: float) -> dict:
     decoded, workers = 0, {}
     for shard, (res, sids) in sorted(by_shard.items()):
         info = reader.shard(shard)
-        records = {r["sample_id"]: r for r in reader.records(info) if r.get("sample_id") in set(sids)}
-        path = _hidden_path(reader, info)
+        want = set(sids)
+        records = {r["sample_id"]: r for r in reader.records(info) if r.get("sample_id") in want}
+        path = reader.hidden_path(info)
         if path is None:
             continue
         with reader.storage.open(path) as fh:
@@ -93,8 +94,3 @@ def decode_sample(reader, results, sample: float) -> dict:
             "checked_everywhere": "markers, file sizes, records (ids, masks, counts), hidden-file indexes, accounting",
             "not_read": f"states of {good - decoded:,} samples; hidden files' sha256 (needs every byte)"}
 
-
-def _hidden_path(reader, info) -> str | None:
-    if reader.capture_mode == "staged":
-        return (info.captured or {}).get("hidden", {}).get("path")
-    return ((info.marker.get("files") or {}).get("hidden") or {}).get("path")

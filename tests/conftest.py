@@ -72,11 +72,16 @@ def tiny_qwen3(tmp_path_factory) -> Path:
     return Path(build_tiny_qwen3(str(tmp_path_factory.mktemp("tiny-qwen3"))))
 
 
-@pytest.fixture(scope="session")
-def e2e_redis():
-    client = redis_or_fail(E2E_BROKER)
+def flushed_redis(url: str):
+    """A client of the db at `url`, emptied: a session's worker starts on a queue holding nothing of earlier runs."""
+    client = redis_or_fail(url)
     client.flushdb()
     return client
+
+
+@pytest.fixture(scope="session")
+def e2e_redis():
+    return flushed_redis(E2E_BROKER)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import redis_or_fail, session_worker, worker_env
+from tests.conftest import flushed_redis, session_worker, worker_env
 from tests.redis_urls import redis_url
 
 HYBRID_BROKER = redis_url(9)
@@ -38,9 +38,7 @@ def tiny_hybrid_mm(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def hybrid_redis():
-    client = redis_or_fail(HYBRID_BROKER)
-    client.flushdb()
-    return client
+    return flushed_redis(HYBRID_BROKER)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ log = logging.getLogger("regen.worker")
 
 
 def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: list[int] | None, storage: str | None,
-                   name: str | None, max_attempts: int, engine_overrides: dict,
+                   name: str | None, max_attempts: int, engine_overrides: dict, max_crashes: int = 10,
                    tensor_parallel_size: int | None = None, shard_size: int = DEFAULT_SHARD_SIZE,
                    task_slots: int | None = None, encode_threads: int | None = None):
     """One (WorkerConfig, CUDA_VISIBLE_DEVICES) per child process.
@@ -187,10 +187,8 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
                  "host_process": engine_host, "vllm_args": vllm_args or None}
     configs = worker_configs(cpu=cpu, gpus=gpus, model=os.path.abspath(model), layers=layer_ids, storage=storage,
                              name=name, max_attempts=max_attempts, engine_overrides=overrides,
-                             tensor_parallel_size=tensor_parallel_size, shard_size=shard_size,
-                             task_slots=task_slots, encode_threads=encode_threads)
-    for config, _visible in configs:
-        config.max_crashes = max_crashes
+                             max_crashes=max_crashes, tensor_parallel_size=tensor_parallel_size,
+                             shard_size=shard_size, task_slots=task_slots, encode_threads=encode_threads)
     sup = Supervisor(configs, settings.url, queues, log_dir=log_dir)
     click.echo(f"regen worker: {len(configs)} process(es) on {settings.masked_url}, queues {queues}", err=True)
     raise SystemExit(sup.run())

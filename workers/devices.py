@@ -136,12 +136,6 @@ def weights_bytes(model_path: str) -> int:
     return 0
 
 
-def attention_heads(model_path: str) -> int | None:
-    """num_attention_heads of the language model (tensor parallelism must divide it)."""
-    heads = read_text_config(model_path).get("num_attention_heads")
-    return int(heads) if heads else None
-
-
 def head_counts(model_path: str) -> dict[str, int]:
     """Every head count tensor parallelism splits, from the language model's config (`text_config` in a
     multimodal wrapper): attention heads and, on a hybrid, the Gated DeltaNet layers' key and value heads."""
