@@ -61,6 +61,23 @@ def in_flight_shard(store: RunStore, besides: set[str] = frozenset()) -> str | N
     return min(in_flight_shards(store) - besides, default=None)
 
 
+def assert_redone_elsewhere(store: RunStore, shards: set[str], pid: int) -> None:
+    """Of `shards`, in flight when process `pid` (the one recording their attempts) lost them, each is finished by
+    `pid` all the same (its last write landed as the signal arrived: a kill lands when the syscall under way
+    returns, so a publish can complete just after the test listed the done markers) or redone by another process
+    after `pid`'s attempt. At least one must be redone, or the kill tested nothing."""
+    redone = set()
+    for shard in sorted(shards):
+        marker = store.done_marker(shard)
+        assert marker is not None, f"{shard} never finished"
+        records = {r.get("attempt"): r for r in attempt_errors(store, shard)}
+        if records[marker["attempt"]].get("pid") == pid:
+            continue
+        assert any(r.get("pid") == pid for r in records.values()), (shard, records)  # the attempt that was lost
+        redone.add(shard)
+    assert redone, f"every shard in flight at the kill ({sorted(shards)}) was finished by the process killed"
+
+
 def prompts_beyond_the_slots(cpu_worker, tmp_path: Path) -> Path:
     """Synthetic prompts for over twice as many shards (of 4, the e2e runs') as the worker has task slots (read
     from its log): a kill leaves unfinished every shard the worker had started, up to one per slot, and a run that
@@ -77,6 +94,7 @@ def test_sigkill_mid_shard_loses_and_duplicates_nothing(cpu_worker, e2e_storage,
     store = RunStore(Storage(str(e2e_storage)), "sigkill")
     starts_before = cpu_worker.text().count("engine self-test passed")
     killed: dict[str, set[str]] = {}
+    holders: dict[str, int] = {}  # the worker process whose attempts each kill cut short
     for kills, victim in enumerate(["worker", "engine"], start=1):
         earlier = set().union(*killed.values())
         wait_for(lambda e=earlier: in_flight_shard(store, besides=e), 240, "a shard in flight", interval=0.05)
@@ -85,12 +103,13 @@ def test_sigkill_mid_shard_loses_and_duplicates_nothing(cpu_worker, e2e_storage,
         engine = engine_host_pid(child[0])
         os.kill(child[0] if victim == "worker" else engine, signal.SIGKILL)
         killed[victim] = in_flight_shards(store) - earlier
+        holders[victim] = child[0]
         wait_for(lambda pid=engine: process_gone(pid), 30, f"engine process {engine} to end after the {victim} was killed")
         # The supervisor brings a fresh worker up; it finds the killed shards unfinished and redoes them.
         cpu_worker.wait_ready(count=starts_before + kills)
     wait_run_done_after_kills(e2e_storage, "sigkill")
-    for shard in sorted(set().union(*killed.values())):
-        assert len(store.storage.listdir(store.attempts_dir(shard))) >= 2  # the killed attempt, then the one that finished
+    for victim, shards in killed.items():  # the killed attempt, then one in the fresh worker that finished
+        assert_redone_elsewhere(store, shards, holders[victim])
     # What killed attempts left half-written (hidden-state files, attempt records, markers) went when their shards
     # were completed: nothing temporary is left anywhere under the run (a losing copy may still be tidying up).
     wait_for(lambda: not temporaries(e2e_storage / "sigkill"), 60, "no temporary file under the completed run")

@@ -42,7 +42,13 @@ from tests.hybrid_fixtures import (  # noqa: F401
     tiny_hybrid_mm,
 )
 from tests.redis_urls import redis_url
-from tests.test_faults import in_flight_shard, in_flight_shards, prompts_beyond_the_slots, report
+from tests.test_faults import (
+    assert_redone_elsewhere,
+    in_flight_shard,
+    in_flight_shards,
+    prompts_beyond_the_slots,
+    report,
+)
 from workers.shard_output import attempt_errors
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -137,8 +143,7 @@ def test_a_hybrid_shard_survives_a_sigkill_of_its_worker(hybrid_worker, hybrid_s
     wait_for(lambda: process_gone(engine), 30, f"engine process {engine} to end with its worker")
     hybrid_worker.wait_ready(count=starts + 1)  # the supervisor's fresh worker redoes the killed shards
     wait_run_done_after_kills(hybrid_storage, "hybrid-sigkill", broker=HYBRID_BROKER)
-    for shard in sorted(killed):
-        assert len(store.storage.listdir(store.attempts_dir(shard))) >= 2
+    assert_redone_elsewhere(store, killed, child)
     report(hybrid_storage, "hybrid-sigkill", state["counts"]["enqueued"])
     assert not store.dead_shards()
     assert_states_match_transformers(tiny_hybrid, run_states(hybrid_storage, "hybrid-sigkill"), n=3)
