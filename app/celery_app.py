@@ -14,7 +14,8 @@ Why each setting (see docs/measured-facts.md for the measurements behind them):
   publishes on storage; its ack may be lost with the channel, and the message Redis restores finds the shard done.
 - Task events on in workers, so Flower can show the fleet.
 
-Creating the app does not connect to anything; connections open on first use.
+Creating the app does not connect to anything; connections open on first use. `redis_client` is the plain
+Redis connection (queue lengths, the dead-message list) the status views and the workers share.
 """
 
 from __future__ import annotations
@@ -82,3 +83,10 @@ def create_app(settings: BrokerSettings | None = None) -> Celery:
     celery.conf.update(celery_config(settings))
     celery.conf.regen_settings = settings
     return celery
+
+
+def redis_client(url: str, timeout: float = 3.0):
+    """A Redis client on the broker `url` that gives up after `timeout` seconds instead of hanging a command."""
+    import redis
+
+    return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)

@@ -52,7 +52,7 @@ def record(broker_url: str | None, queue: str | None, reason: str, raw: bytes | 
     if not _is_redis(broker_url):
         return
     try:
-        from app.fleet import redis_client
+        from app.celery_app import redis_client
 
         client = redis_client(broker_url)
         with client.pipeline(transaction=True) as pipe:
@@ -70,7 +70,7 @@ def count(broker_url: str) -> int | None:
     if not _is_redis(broker_url):
         return None
     try:
-        from app.fleet import redis_client
+        from app.celery_app import redis_client
 
         client = redis_client(broker_url)
         value = client.get(COUNT_KEY)
@@ -85,7 +85,7 @@ def recent(broker_url: str, n: int = 10) -> list[dict]:
     if not _is_redis(broker_url):
         return []
     try:
-        from app.fleet import redis_client
+        from app.celery_app import redis_client
 
         client = redis_client(broker_url)
         items = client.lrange(LIST_KEY, 0, n - 1)

@@ -11,7 +11,7 @@ JSON.
 Settings that would change the data a run's manifest pins are refused unless that manifest carries them
 (`settings.engine_args`, written by the producer): the model and its tokenizer, the weights' and the KV cache's
 numerics, the capture machinery, the sampling defaults. Prefix caching is refused on a capture engine (see
-workers/engine_settings.py). What the worker ran with is recorded on every attempt record.
+workers/engine/settings.py). What the worker ran with is recorded on every attempt record.
 """
 
 from __future__ import annotations

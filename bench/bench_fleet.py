@@ -14,7 +14,7 @@ storage (the marker file's mtime), so the worker's start-up is not counted, but 
 last shards: ending at the last shard's engine end, as before, let a worker whose side threads wait for the
 engine to run dry (SCHED_IDLE) leave most of a short pass's side work outside the window. The worker's task slots let the next shards generate while the previous one is
 written, so the engine's idle time is the gaps in the union of the shards' engine spans; it is printed too.
-A shard's span is the engine's own (workers/engine.py `EngineSpan`: when vLLM took its requests, when its last
+A shard's span is the engine's own (workers/engine/in_process.py `EngineSpan`: when vLLM took its requests, when its last
 one finished there). Spans taken on the task's side, as before, ended only once the last result had crossed the
 pipe and been checked by the worker's starved side threads, which on this 2-core box is after the next shard had
 already started: they printed "0 ms" while the engine stood idle 35-80 ms before most shards.
@@ -22,7 +22,7 @@ already started: they printed "0 ms" while the engine stood idle 35-80 ms before
 Several processes of each side: a vLLM process here keeps a speed of its own for its whole life (memory
 placement, which core its OpenMP team lands on). Measured on a 2-core EPYC in 8 alternating rounds, a second
 direct process identical to the first ran at a median 0.944 of it, while two engine-host processes
-(workers/engine_host.py, spawned from a plain Python process) ran at 0.997 and 1.011 of it: one process's luck
+(workers/engine/process.py, spawned from a plain Python process) ran at 0.997 and 1.011 of it: one process's luck
 is as large as the target's margin, and with one direct and one worker it decided the ratio. So the bench starts
 `--directs` direct processes and `--fleets` workers (2 each by default), times one pass of every one per round,
 and takes the ratio of the fleet's mean rate to direct's mean rate; each process's own median against the
@@ -115,7 +115,7 @@ os.dup2(2, 1)
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, {str(REPO)!r})
 from workers.context import scratch_root
-from workers.engine import EngineOptions
+from workers.engine.in_process import EngineOptions
 o = EngineOptions(model={model!r}, capture_layers=tuple({LAYERS!r}), max_model_len={MAX_PROMPT_TOKENS + max_tokens},
                   scratch_dir=os.path.join(scratch_root(), f"regen-bench-{tag}-{{os.getpid()}}"))
 def round_prompts(r):
@@ -169,7 +169,7 @@ def direct_child(model: str, max_tokens: int, scratch: str, tag: str = "direct")
     return _Child(_child_prelude(model, max_tokens, scratch, tag) + f"""
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-from workers.engine import llm_kwargs
+from workers.engine.in_process import llm_kwargs
 llm = LLM(**llm_kwargs(o))
 def params(n):
     return [SamplingParams(temperature=0.6, top_p=0.95, max_tokens={max_tokens}, seed=i,
@@ -193,7 +193,7 @@ def engine_only_child(model: str, max_tokens: int, shard_size: int, scratch: str
     two task slots, capture files read and removed. Separates what the engine class costs from what
     the rest of the worker costs."""
     return _Child(_child_prelude(model, max_tokens, scratch, "engine") + f"""
-from workers.engine import Engine, GenRequest
+from workers.engine.in_process import Engine, GenRequest
 engine = Engine(o)
 def requests(ids, first):
     return [GenRequest(str(first + i), p, {{"temperature": 0.6, "top_p": 0.95, "max_tokens": {max_tokens},
@@ -231,8 +231,8 @@ def _worker_cpu(root_pid: int) -> dict[str, float]:
 
     Read from /proc per thread, so it is exact up to the clock tick and does not move with the machine's noise
     the way a throughput ratio does: how much CPU the fleet's side work takes per shard, next to the engine's."""
-    from workers.engine import ENGINE_THREAD
-    from workers.engine_host import PROCESS_NAME
+    from workers.engine.in_process import ENGINE_THREAD
+    from workers.engine.process import PROCESS_NAME
 
     out = {"engine": 0.0, "host side": 0.0, "worker": 0.0}
     pids, seen = [root_pid], set()
@@ -385,7 +385,7 @@ def write_prompts(tokenizer, scratch: str, round_name: str, n: int) -> None:
 
 
 def _engine_host_default() -> bool:
-    """Whether the CPU worker runs its engine in a process of its own (workers/engine_host.py) without flags."""
+    """Whether the CPU worker runs its engine in a process of its own (workers/engine/process.py) without flags."""
     import click
 
     from workers.devices import PRESETS

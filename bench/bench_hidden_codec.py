@@ -13,7 +13,7 @@ Data, two sets, each run through every codec:
   intermediate 6144, 16 heads / 8 KV heads of 128 -- truncated to 5 decoder layers), weights rounded to bf16.
   The forward pass runs in float32 because this CPU has no bf16 matrix units (bf16 matmul runs at <3 GFLOP/s
   here vs ~40 in float32); the captured states are rounded to bf16, which is what the fleet stores. All 5 layers
-  are captured (vLLM ids 1..5) through `app.reference.ReferenceCapture`.
+  are captured (vLLM ids 1..5) through `app.data.reference.ReferenceCapture`.
 - `outliers`: synthetic states with what trained models add and random-init ones lack (tests/activations.py):
   heavy tails, outlier channels 20-60x, norms growing with depth, the first token 100x the others (an
   attention sink), all-negative rows. Same shapes and token counts as `captured`.
@@ -45,6 +45,7 @@ import zstandard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from app.data.reference import ReferenceCapture  # noqa: E402
 from app.hidden_file import (  # noqa: E402
     HiddenFileReader,
     HiddenFileWriter,
@@ -52,7 +53,6 @@ from app.hidden_file import (  # noqa: E402
     encode_sample,
     float32_to_bf16,
 )
-from app.reference import ReferenceCapture  # noqa: E402
 from app.states_codec import bound, layer_errors, row_errors  # noqa: E402
 from tests.activations import realistic_activations  # noqa: E402
 

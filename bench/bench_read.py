@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.export_speculators import safetensors_bytes  # noqa: E402
+from app.data.export_speculators import safetensors_bytes  # noqa: E402
 from app.hidden_file import encode_sample, float32_to_bf16  # noqa: E402
 from app.records import loss_mask  # noqa: E402
 from app.storage import RunStore, Storage  # noqa: E402
@@ -103,7 +103,7 @@ def main() -> None:
     import torch
     from safetensors.torch import load_file
 
-    from app.dataset import RegenDataset
+    from app.data.dataset import RegenDataset
 
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-read-"))
     try:

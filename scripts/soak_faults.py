@@ -65,7 +65,7 @@ def children(pid: int) -> list[int]:
 
 
 def engine_of(worker_pid: int) -> int | None:
-    from workers.engine_host import PROCESS_NAME
+    from workers.engine.process import PROCESS_NAME
 
     for pid in children(worker_pid):
         try:
@@ -178,9 +178,9 @@ def main() -> int:
 
 
 def report(store, storage: Path, run_id: str, args, faults: Counter, elapsed: float) -> int:
+    from app.data.run_reader import RunReader
+    from app.data.verify import verify_run
     from app.jsonl_zst import loads_jsonl_zst
-    from app.run_reader import RunReader
-    from app.verify import verify_run
     from workers.shard_output import attempt_errors
 
     ids: Counter = Counter()

@@ -118,8 +118,8 @@ def run_states(storage: Path, run_id: str, staged: bool = False) -> dict[str, tu
 
 
 def engine_host_pid(worker_pid: int) -> int:
-    """The CPU worker's engine process (workers/engine_host.py): the worker's child of that name."""
-    from workers.engine_host import PROCESS_NAME
+    """The CPU worker's engine process (workers/engine/process.py): the worker's child of that name."""
+    from workers.engine.process import PROCESS_NAME
 
     for pid in subprocess.run(["pgrep", "-P", str(worker_pid)], capture_output=True, text=True).stdout.split():
         with contextlib.suppress(FileNotFoundError):

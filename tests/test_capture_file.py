@@ -1,4 +1,4 @@
-"""Reading the capture connector's per-request files without torch (workers/engine.py `_read_capture_file`).
+"""Reading the capture connector's per-request files without torch (workers/engine/in_process.py `_read_capture_file`).
 
 Small files are read whole, large ones (a real model's samples) are memory-mapped; both paths are tested.
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from workers.engine import _MAP_ABOVE, _read_capture_file, remove_capture_file
+from workers.engine.in_process import _MAP_ABOVE, _read_capture_file, remove_capture_file
 
 
 def _write(path, states: torch.Tensor, ids: torch.Tensor) -> str:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.dataset import RegenDataset
+from app.data.dataset import RegenDataset
 from tests.synthetic_run import Spec, build_run, ok_records
 
 

@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from app.cli import main
 from app.errors import ConfigError
 from tests.redis_urls import redis_url
-from workers.cli import worker_configs
 from workers.devices import PRESETS, choose_tensor_parallel, detect_gpus, encode_threads_for
+from workers.plan import worker_configs
 from workers.supervisor import Supervisor
 
 FAKE_HOST = Path(__file__).parent / "fake_gpu_host"
@@ -81,11 +81,11 @@ def test_one_child_per_gpu_with_the_class_preset_and_overrides(fake_gpus, tmp_pa
 
 
 def test_a_cpu_worker_hosts_its_engine_in_a_process_of_its_own_unless_told_not_to(fake_gpus, tmp_path):
-    from workers.engine import EngineOptions
+    from workers.engine.in_process import EngineOptions
 
     model = model_dir(tmp_path, 1)
     ((cpu, _),) = configs(model, cpu=True)
-    assert cpu.engine["host_process"] is True and cpu.engine["in_process"] is True  # workers/engine_host.py
+    assert cpu.engine["host_process"] is True and cpu.engine["in_process"] is True  # workers/engine/process.py
     ((cpu, _),) = configs(model, cpu=True, engine_overrides={"host_process": False})  # --no-engine-host
     assert cpu.engine["host_process"] is False
     fake_gpus(B200)

@@ -1,4 +1,4 @@
-"""The CPU engine's own process (workers/engine_host.py): how its failures reach the worker.
+"""The CPU engine's own process (workers/engine/process.py): how its failures reach the worker.
 
 A healthy engine host, a SIGKILLed one and a worker SIGKILLed around one are covered with the session's real
 worker (tests/test_worker_e2e.py, tests/test_faults.py); here, what the worker sees when the child cannot build
@@ -16,8 +16,8 @@ import pytest
 
 from app.errors import EngineDead
 from tests.e2e_helpers import process_gone
-from workers.engine import EngineOptions
-from workers.engine_host import PROCESS_NAME, EngineHost, _exit_status
+from workers.engine.in_process import EngineOptions
+from workers.engine.process import PROCESS_NAME, EngineHost, _exit_status
 
 
 def test_a_dead_engine_process_is_named_by_its_signal_or_exit_code():

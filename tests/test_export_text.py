@@ -212,8 +212,8 @@ def test_a_multi_turn_run_gives_one_row_per_conversation_with_every_regenerated_
 
 
 def test_verify_counts_a_multi_turn_conversation_once(tmp_path):
-    from app.run_reader import RunReader
-    from app.verify import verify_run
+    from app.data.run_reader import RunReader
+    from app.data.verify import verify_run
 
     samples = [normalise({"messages": [{"role": "user", "content": f"Q{i}"}, {"role": "assistant", "content": "A"},
                                        {"role": "user", "content": "More?"}]}, file="m", line=i + 1,
@@ -227,8 +227,8 @@ def test_verify_counts_a_multi_turn_conversation_once(tmp_path):
 
 
 def test_verify_finds_a_multi_turn_conversation_with_a_turn_missing(tmp_path):
-    from app.run_reader import RunReader
-    from app.verify import verify_run
+    from app.data.run_reader import RunReader
+    from app.data.verify import verify_run
 
     sample = normalise({"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"},
                                      {"role": "user", "content": "More?"}, {"role": "assistant", "content": "B"},

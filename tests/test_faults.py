@@ -487,7 +487,7 @@ def test_messages_the_worker_cannot_use_are_set_aside_and_counted_and_it_keeps_r
     result = CliRunner().invoke(main, ["status", "--storage", str(e2e_storage), "--broker", E2E_BROKER, "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["broker"]["dead_messages"] >= before + 6
-    from app.metrics import RegenCollector
+    from app.ops.metrics import RegenCollector
 
     families = {f.name: f for f in RegenCollector(str(e2e_storage), E2E_BROKER).collect()}
     assert families["regen_dead_messages"].samples[0].value >= before + 6

@@ -58,7 +58,7 @@ RUN_BROKER = redis_url(10)  # `regen run`'s own workers: apart from the session'
 
 
 def assert_states_match_transformers(model: Path, states: dict, n: int = 6) -> float:
-    from app.reference import ReferenceCapture
+    from app.data.reference import ReferenceCapture
 
     ref = ReferenceCapture(str(model), [1, 2, 4])
     worst = 0.0

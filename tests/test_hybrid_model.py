@@ -19,8 +19,8 @@ from app.layers import parse_layers
 from app.model_info import read_model_info
 from app.quality import StaleRows, layer_detail, repeated_rows, states_problem
 from tests.hybrid_fixtures import tiny_hybrid, tiny_hybrid_mm  # noqa: F401
-from workers.engine import EngineOptions, llm_kwargs
-from workers.engine_settings import check_hybrid_capture_vllm, model_engine_settings
+from workers.engine.in_process import EngineOptions, llm_kwargs
+from workers.engine.settings import check_hybrid_capture_vllm, model_engine_settings
 
 MIX = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 
@@ -115,7 +115,7 @@ def test_the_reference_reads_a_multimodal_wrappers_language_model(tiny_hybrid_mm
     import torch
     from transformers import Qwen3_5ForConditionalGeneration
 
-    from app.reference import ReferenceCapture
+    from app.data.reference import ReferenceCapture
 
     ids = list(range(5, 25))
     got = ReferenceCapture(str(tiny_hybrid_mm), [1, 4]).capture(ids)

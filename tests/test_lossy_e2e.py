@@ -14,9 +14,9 @@ import pytest
 from click.testing import CliRunner
 
 from app.cli import main
+from app.data.verify import REFERENCE_MAX_ABS
 from app.hidden_file import bf16_to_float32
 from app.states_bound import reference_excess
-from app.verify import REFERENCE_MAX_ABS
 from tests.e2e_helpers import produce, prompts_file, run_states, wait_run_done
 from tests.hybrid_fixtures import (  # noqa: F401
     HYBRID_BROKER,
@@ -34,7 +34,7 @@ FP8 = "fp8-e4m3"
 @pytest.mark.parametrize("capture", ["inline", "staged"])
 def test_a_lossy_run_stores_fp8_within_its_bound_and_passes_verify_with_the_reference(
         capture, cpu_worker, e2e_storage, tiny_qwen3, tmp_path_factory):
-    from app.reference import ReferenceCapture
+    from app.data.reference import ReferenceCapture
 
     run_id = f"lossy-{capture}"
     inputs = prompts_file(tmp_path_factory.mktemp(f"{run_id}-inputs"), n_synthetic=4, with_formats=False)
@@ -72,7 +72,7 @@ def test_a_lossy_run_stores_fp8_within_its_bound_and_passes_verify_with_the_refe
 
 def test_a_lossy_hybrid_run_stays_within_its_bound_at_linear_and_full_attention_layers(
         hybrid_worker, tiny_hybrid, tmp_path_factory):  # noqa: F811
-    from app.reference import ReferenceCapture
+    from app.data.reference import ReferenceCapture
 
     storage = tmp_path_factory.mktemp("lossy-hybrid-storage")
     inputs = prompts_file(tmp_path_factory.mktemp("lossy-hybrid-inputs"), n_synthetic=4, with_formats=False)

@@ -15,10 +15,10 @@ import torch
 from click.testing import CliRunner
 
 from app.cli import main
-from app.dataset import RegenDataset
+from app.data.dataset import RegenDataset
+from app.data.run_reader import RunReader
 from app.errors import ConfigError
 from app.hidden_file import bf16_to_float32, float32_to_bf16
-from app.run_reader import RunReader
 from app.states_codec import bound, promised_bound
 from producer.estimate import build_estimate
 from producer.produce import produce

@@ -30,7 +30,7 @@ def _scrape(url: str) -> dict:
 
 @pytest.fixture
 def server(tmp_path, redis7):
-    from app.metrics import serve
+    from app.ops.metrics import serve
 
     built = build_run(str(tmp_path))
     srv, thread = serve("127.0.0.1", 0, str(tmp_path), BROKER, [], [])
@@ -71,7 +71,7 @@ def test_metrics_are_computed_on_each_scrape(server, redis7):
 
 
 def test_an_unreachable_broker_is_a_metric_not_a_failed_scrape(tmp_path):
-    from app.metrics import serve
+    from app.ops.metrics import serve
 
     build_run(str(tmp_path))
     srv, thread = serve("127.0.0.1", 0, str(tmp_path), "redis://:pw@127.0.0.1:1/0", ["r1"], [])

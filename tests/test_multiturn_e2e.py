@@ -74,8 +74,8 @@ def _by_conversation(records: list[dict]) -> dict[str, list[dict]]:
 
 
 def test_every_regenerated_turn_is_a_training_sample_with_its_own_states(runs, e2e_storage, tiny_qwen3):
-    from app.run_reader import RunReader
-    from app.verify import verify_run
+    from app.data.run_reader import RunReader
+    from app.data.verify import verify_run
 
     tok = AutoTokenizer.from_pretrained(str(tiny_qwen3))
     samples = _samples(runs["mt-all"], "all")
@@ -109,8 +109,8 @@ def test_every_regenerated_turn_is_a_training_sample_with_its_own_states(runs, e
 
 
 def test_staged_capture_of_a_multi_turn_run_captures_every_turns_sequence(runs, e2e_storage):
-    from app.run_reader import RunReader
-    from app.verify import verify_run
+    from app.data.run_reader import RunReader
+    from app.data.verify import verify_run
 
     records = run_records(e2e_storage, "mt-staged")
     states = run_states(e2e_storage, "mt-staged", staged=True)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.reference import ReferenceCapture, compare_states
+from app.data.reference import ReferenceCapture, compare_states
 from workers.tiny_model import build_tiny_qwen3
 
 N_LAYERS = 4
@@ -157,7 +157,7 @@ def vllm_engine(tiny_dir, tmp_path_factory):
         mp.setenv("HF_HUB_OFFLINE", "1")
         from vllm import LLM
 
-        from workers.engine import EngineOptions, llm_kwargs
+        from workers.engine.in_process import EngineOptions, llm_kwargs
 
         # Built from the worker's own arguments (explicit CPU KV size, chunked prefill off, capture connector).
         options = EngineOptions(model=tiny_dir, capture_layers=tuple(CAPTURE_LAYERS), max_model_len=1024,

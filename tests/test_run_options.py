@@ -7,10 +7,10 @@ import json
 from click.testing import CliRunner
 
 from app.cli import main
-from producer.cli import _SETTING_FLAGS as SETTING_FLAGS
-from producer.cli import produce_command
+from app.cli.produce import _SETTING_FLAGS as SETTING_FLAGS
+from app.cli.produce import produce_command
+from app.cli.run import run
 from tests.producer_fixtures import REDIS_URL, producer_redis, tiny_model  # noqa: F401 - pytest fixtures
-from workers.run_job import run
 
 
 def test_regen_run_has_every_produce_option_that_decides_the_data_with_the_same_default():

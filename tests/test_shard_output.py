@@ -109,7 +109,7 @@ def _dead_process() -> dict:
     """The identity of a process of this machine that has exited (its pid is free now)."""
     import subprocess
 
-    from workers.liveness import identity
+    from app.liveness import identity
 
     child = subprocess.Popen(["true"])
     child.wait()

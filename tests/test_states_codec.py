@@ -181,7 +181,7 @@ def test_real_captured_states_of_the_tiny_model_stay_within_the_bound(tiny_qwen3
     the project has one, belongs here too.)"""
     from transformers import AutoTokenizer
 
-    from app.reference import ReferenceCapture
+    from app.data.reference import ReferenceCapture
 
     tok = AutoTokenizer.from_pretrained(str(tiny_qwen3))
     ref = ReferenceCapture(str(tiny_qwen3), [1, 2, 4])

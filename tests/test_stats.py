@@ -9,8 +9,8 @@ import re
 from click.testing import CliRunner
 
 from app.cli import main
-from app.run_reader import RunReader
-from app.stats import collect, plots
+from app.data.run_reader import RunReader
+from app.data.stats import collect, plots
 from tests.synthetic_run import Spec, build_run, ok_records, stub_count
 
 

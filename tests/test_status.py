@@ -50,7 +50,7 @@ def test_status_json_matches_what_storage_and_redis_hold(tmp_path, redis7):
     assert s["rates"]["engine_tokens_per_s"] == round(360 / 3.5, 3) + round(90 / 3.0, 3)
     # Wall window: earliest (finished - generation_seconds) to the last finished.
     finished = {sh: m["finished"] for sh, m in zip(DONE, markers, strict=True)}
-    from app.status import parse_time
+    from app.ops.status import parse_time
 
     start = min(parse_time(finished[sh]) - DONE[sh][5] for sh in DONE)
     wall = max(parse_time(f) for f in finished.values()) - start

@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from app.cli import main
+from app.data.run_reader import RunReader
+from app.data.verify import verify_run
 from app.jsonl_zst import dumps_jsonl_zst, loads_jsonl_zst
-from app.run_reader import RunReader
-from app.verify import verify_run
 from tests.synthetic_run import Spec, build_run
 
 
@@ -160,7 +160,7 @@ def test_one_pass_hash_gives_up_on_a_backward_seek():
     import hashlib
     import io
 
-    from app.verify import OnePassSha256
+    from app.data.verify import OnePassSha256
 
     data = bytes(range(256)) * 100
     window = OnePassSha256(io.BytesIO(data))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from app.data.run_reader import RunReader
+from app.data.verify import verify_run
 from app.jsonl_zst import dumps_jsonl_zst, loads_jsonl_zst
-from app.run_reader import RunReader
-from app.verify import verify_run
 from tests.synthetic_run import Spec, build_run
 from tests.test_verify import kinds, run_verify
 

@@ -38,7 +38,7 @@ def inline_run(cpu_worker, e2e_storage, tiny_qwen3, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny_qwen3):
-    from app.reference import ReferenceCapture
+    from app.data.reference import ReferenceCapture
 
     return ReferenceCapture(str(tiny_qwen3), [1, 2, 3, 4])
 
@@ -199,7 +199,7 @@ def _thread_policies(pid: int) -> list[tuple[str, tuple[int, int]]]:
 
 
 def test_a_cpu_workers_side_threads_yield_to_the_engine(inline_run, cpu_worker):
-    # The engine runs in a process of its own (workers/engine_host.py): there the engine thread and its OpenMP
+    # The engine runs in a process of its own (workers/engine/process.py): there the engine thread and its OpenMP
     # team keep the normal policy, the rest runs under SCHED_BATCH at nice 19. In the worker process every thread
     # does: the main thread (Celery's consumer and every task slot it starts), the delivery thread and the
     # encoders (workers/scheduling.py).

@@ -21,7 +21,7 @@ import orjson
 
 from app.celery_app import BENCH_DIRECT_TASK
 from workers.context import WorkerContext
-from workers.engine import GenRequest, remove_capture_file, sampling_params
+from workers.engine.in_process import GenRequest, remove_capture_file, sampling_params
 
 
 def direct_generate(ctx: WorkerContext, prompts: list[list[int]], sampling: dict) -> tuple[int, float]:

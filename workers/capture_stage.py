@@ -14,7 +14,7 @@ import orjson
 
 from app.jsonl_zst import loads_jsonl_zst
 from app.storage import RunStore
-from workers.engine import GenRequest
+from workers.engine.in_process import GenRequest
 from workers.generate import encode_into, states_dtype
 from workers.shard_output import hidden_file_stream
 

@@ -50,11 +50,11 @@ def _freeze_heap(**_):
 
 @worker_ready.connect
 def _start_watchers(**_):
-    """The engine watchdog (workers/engine_watch.py), and the sweep of this host's dead attempts' temporaries
+    """The engine watchdog (workers/engine/watch.py), and the sweep of this host's dead attempts' temporaries
     (workers/inflight.py; in a thread: storage may be slow to answer)."""
     import threading
 
-    from workers.engine_watch import watch_engine
+    from workers.engine.watch import watch_engine
     from workers.inflight import sweep_dead_attempts
     from workers.tasks import _visibility_timeout
 

@@ -117,7 +117,7 @@ class WorkerContext:
         return cls.current
 
     def __init__(self, config: WorkerConfig):
-        from workers.engine import Engine, EngineOptions
+        from workers.engine.in_process import Engine, EngineOptions
 
         self.config = config
         self.model: ModelInfo = read_model_info(config.model)
@@ -134,7 +134,7 @@ class WorkerContext:
         options.scratch_dir = os.path.join(scratch_root(need), f"regen-capture-{os.getpid()}")
         _remove_stale_scratch(os.path.dirname(options.scratch_dir))
         if options.host_process:
-            from workers.engine_host import PROCESS_NAME, EngineHost
+            from workers.engine.process import PROCESS_NAME, EngineHost
 
             self.engine = EngineHost(options)
             log.info("engine runs in its own process, %s (pid %d); --no-engine-host keeps it in this one",

@@ -26,7 +26,7 @@ class Device:
 
 
 # max_num_seqs, gpu_memory_utilization, enforce_eager, in_process engine core, host_process: the in-process
-# engine in a child process of the worker (workers/engine_host.py); GPU engines already run in vLLM's own
+# engine in a child process of the worker (workers/engine/process.py); GPU engines already run in vLLM's own
 # engine-core process
 PRESETS: dict[str, dict] = {
     "cpu": {"max_num_seqs": 64, "gpu_memory_utilization": 0.1, "enforce_eager": True, "in_process": True,

@@ -25,7 +25,7 @@ from app.quality import (
     think_closed,
 )
 from app.records import conversation_id, loss_mask, rejected_record
-from workers.engine import GenRequest, GenResult
+from workers.engine.in_process import GenRequest, GenResult
 
 
 def render_prompt(tokenizer, messages: list[dict], tools, thinking: bool) -> list[int]:

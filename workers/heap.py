@@ -13,7 +13,7 @@ a worker without the freeze beside one with it, 12 rounds: 215 ms against at mos
 
 `gc.freeze()` moves every object alive at that moment into a permanent generation that collections skip, after a
 collection has removed the start-up garbage. vLLM does the same in its engine core (`freeze_gc_heap` at the end
-of `EngineCore.__init__`), which covers the engine host's process (workers/engine_host.py; a collection there
+of `EngineCore.__init__`), which covers the engine host's process (workers/engine/process.py; a collection there
 right after start-up found nothing left to walk) and a GPU engine core's, but not the process that drives the
 engine. Objects created later (records, results, shard buffers) are still collected as before.
 """

@@ -11,7 +11,7 @@ claims the shard; a second one in this process does not start an attempt:
 - the same message again (the visibility timeout restored it while it runs) is deferred with Celery's retry
   (a new message, some seconds later): acking it would ack the running delivery's message too.
 
-Leases: every claimed attempt's record gets a fresh `heartbeat` every `heartbeat_seconds()` (workers/liveness.py),
+Leases: every claimed attempt's record gets a fresh `heartbeat` every `heartbeat_seconds()` (app/liveness.py),
 so other machines can tell a dead attempt from a slow one. Journal: each attempt is also a small file on local
 disk (`REGEN_STATE_DIR`, default /var/tmp/regen-UID/attempts) until it ends, so a worker starting on this host
 finds the attempts of its host's dead processes and removes their temporaries (`sweep_dead_attempts`).
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from workers.liveness import heartbeat_seconds, identity, process_alive
+from app.liveness import heartbeat_seconds, identity, process_alive
 
 log = logging.getLogger("regen.inflight")
 

@@ -40,7 +40,7 @@ Linux sets a scheduling policy (and, for SCHED_OTHER and SCHED_BATCH, a nice val
 inherits its creator's. So the main thread switches itself only after the engine thread (and, through it, the
 OpenMP team) exists, and every thread Celery starts later inherits the side policy; the delivery thread is
 switched by its id, and encoder threads switch themselves as they start. With the CPU engine in a process of its
-own (workers/engine_host.py) the same holds on both sides: that process switches its main and delivery threads
+own (workers/engine/process.py) the same holds on both sides: that process switches its main and delivery threads
 once its engine thread exists, and the worker process switches after starting it, so every thread of the worker
 runs under the side policy and the engine's process is spawned at normal priority. GPU hosts keep the normal
 policy: there the side work competes with no GPU kernel, and engine-core processes polling their GPUs could

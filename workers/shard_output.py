@@ -51,7 +51,7 @@ def record_attempt(store: RunStore, shard: str, attempt: str, worker: str, stale
     - `failures`: each one that recorded an error of its own (`error_kind` "error"). These are the shard's own
       merits: a prompt the engine fails on fails every time.
     - `crashes`: each *process* that died holding the shard, counted once however many copies it held: attempts
-      whose process is known dead (workers/liveness.py: the pid gone on this machine, or a lease run out) and
+      whose process is known dead (app/liveness.py: the pid gone on this machine, or a lease run out) and
       attempts that recorded `error_kind` "crash" (the engine's process vanished under a signal). A machine that
       is killed says nothing about the shard, so crashes have their own, larger limit. Before this rule one
       SIGKILL of a process holding six copies of a shard (a re-publish, the restored original, reconciles) counted
@@ -59,7 +59,7 @@ def record_attempt(store: RunStore, shard: str, attempt: str, worker: str, stale
     An attempt that may still be running (alive, or its lease not yet run out) counts as neither. `stale_after`
     (the broker's visibility timeout) is the lease of records written without one.
     """
-    from workers.liveness import attempt_state, identity, lease_seconds, process_key
+    from app.liveness import attempt_state, identity, lease_seconds, process_key
 
     started = _now()
     body = {"attempt": attempt, "worker": worker, **identity(), "started": started, "lease_s": lease_seconds(),
@@ -262,10 +262,10 @@ def sweep_temporaries(store: RunStore, key: str, stale_after: float | None, now:
     """Remove the temporaries (`.name.tmp-*`) a shard's dead attempts left; return how many.
 
     A temporary under `shards/{shard}/` or `attempts/{key}/` names the attempt that wrote it; it goes once that
-    attempt is known dead or ended (workers/liveness.py), so a live duplicate's file stays. One naming no known
+    attempt is known dead or ended (app/liveness.py), so a live duplicate's file stays. One naming no known
     attempt goes once untouched for `stale_after` seconds. A marker's or dead letter's temporary goes after
     MARKER_TEMPORARY_AGE. Object stores have none (an unfinished upload never becomes an object)."""
-    from workers.liveness import attempt_state
+    from app.liveness import attempt_state
 
     shard = key.removesuffix(".capture")
     now = time.time() if now is None else now

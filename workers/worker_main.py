@@ -4,8 +4,8 @@ Started by `regen worker` with CUDA_VISIBLE_DEVICES and REGEN_WORKER_CONFIG alre
 CUDA before the device is pinned. The engine is built and self-tested *before* the Celery consumer starts,
 so a broken engine never takes a shard (exit 70: the supervisor restarts it with backoff).
 
-Pool: Celery's thread pool, every slot feeding the one engine thread (workers/engine.py; on the CPU that engine
-lives in a child process of this one, workers/engine_host.py); `regen worker` sizes
+Pool: Celery's thread pool, every slot feeding the one engine thread (workers/engine/in_process.py; on the CPU that engine
+lives in a child process of this one, workers/engine/process.py); `regen worker` sizes
 it (workers/devices.task_slots_for) so that while one shard is written to storage and acked, the others fill
 the engine's batch with a shard queued behind them, and the engine does not idle or run short between shards;
 each shard is still acked only after its completion marker exists. (Prefork cannot work:

@@ -155,7 +155,7 @@ def shard_states(scan: RunScan, now: float, stale_after: float, capture: bool = 
             states[key] = "waiting"
         else:
             newest = max(attempts, key=lambda a: a.get("started") or "")
-            # A worker renews its attempts' leases (workers/liveness.py): a renewal within the lease means it runs;
+            # A worker renews its attempts' leases (app/liveness.py): a renewal within the lease means it runs;
             # records without one are judged by their start against `stale_after`, as before leases.
             seen = parse_time(newest.get("heartbeat") or newest.get("started"))
             window = float(newest["lease_s"]) if newest.get("lease_s") else stale_after
@@ -176,7 +176,7 @@ def _count(states: dict[str, str]) -> dict[str, int]:
 
 
 def _workers(scan: RunScan, states: dict[str, str], now: float) -> dict[str, dict]:
-    """Per worker, from markers and attempt files (the broker's view is laid over this by app/fleet.py)."""
+    """Per worker, from markers and attempt files (the broker's view is laid over this by app/ops/fleet.py)."""
     workers: dict[str, dict] = {}
 
     def entry(name: str) -> dict:

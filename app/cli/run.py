@@ -90,7 +90,7 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
     from app.vllm_args import worker_vllm_args
     from producer.produce import produce
     from producer.run_setup import ProduceOptions
-    from workers.cli import manifest_engine_args, settings_from_run, worker_configs
+    from workers.plan import manifest_engine_args, settings_from_run, worker_configs
     from workers.supervisor import Supervisor
 
     console = Console(stderr=True)
@@ -167,7 +167,7 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
 def _take_produce_settings() -> None:
     """Give `regen run` every option of `regen produce` that becomes a run setting and that it does not define
     itself (by name or by flag), as the same click objects: one definition, so the two cannot drift apart."""
-    from producer.cli import _SETTING_FLAGS, produce_command
+    from app.cli.produce import _SETTING_FLAGS, produce_command
 
     own = {p.name for p in run.params}
     own_flags = {flag for p in run.params for flag in p.opts}

@@ -6,13 +6,13 @@ generating) does exactly the shards not yet exported. `export.json` pins the run
 with other settings is refused instead of mixing two selections in one folder.
 
 Formats:
-- `sharegpt`, `specforge-jsonl`  one row per conversation with every turn the model saw (app/export_text.py).
+- `sharegpt`, `specforge-jsonl`  one row per conversation with every turn the model saw (app/data/export_text.py).
 - `parquet`      `data/{shard}.parquet`, one row per record, one fixed schema for every shard.
 - `specforge-dflash`, `specforge-eagle3`, `speculators`: hidden states laid out as each trainer's own reader
-                 loads them (app/export_trainers.py and the modules it names).
+                 loads them (app/data/export_trainers.py and the modules it names).
 
 Text formats (`sharegpt`, `specforge-jsonl`, `parquet`) leave out samples whose thinking never ended unless
-`include_unterminated` (app/export_text.py says why); every left-out sample is counted by reason.
+`include_unterminated` (app/data/export_text.py says why); every left-out sample is counted by reason.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import orjson
 
-from app import export_text
+from app.data import export_text
+from app.data.export_trainers import TRAINER_FORMATS
+from app.data.run_reader import RunReader, ShardInfo
 from app.errors import RegenError
-from app.export_trainers import TRAINER_FORMATS
-from app.run_reader import RunReader, ShardInfo
 from app.storage import Storage
 
 FORMATS = ("sharegpt", "parquet", "specforge-jsonl", *TRAINER_FORMATS)
@@ -114,7 +114,7 @@ class Exporter:
         self.reader, self.opts, self.out = reader, opts, Storage(out)
         self.trainer = None
         if opts.fmt in TRAINER_FORMATS:
-            from app.export_trainers import formats
+            from app.data.export_trainers import formats
 
             cls = formats()[opts.fmt]
             extra = {"model_path": opts.model} if opts.fmt == "specforge-eagle3" else {}

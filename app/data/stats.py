@@ -16,7 +16,7 @@ import io
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from app.run_reader import RunReader
+from app.data.run_reader import RunReader
 from app.states_bound import LayerErrors, promise
 
 

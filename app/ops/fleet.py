@@ -8,7 +8,7 @@ Workers: `control.ping` finds the workers that answer, then `inspect().active(sa
 run; `safe` returns the short `kwargsrepr` the producer sets instead of a shard's prompts. regen's workers
 answer mid-shard (thread pool), but a solo-pool worker does not (docs/measured-facts.md), and a busy host may miss the
 timeout, so a silent worker is not a dead one: status then falls back to the newest attempt file it wrote
-(app/status.py). The broker is pinged with a plain Redis client first, so an
+(app/ops/status.py). The broker is pinged with a plain Redis client first, so an
 unreachable broker gives a one-line error at once instead of Celery's endless connection retries.
 """
 
@@ -16,17 +16,12 @@ from __future__ import annotations
 
 import re
 
+from app.celery_app import redis_client
 from app.config import mask_text
 
 PRIORITY_SEP = "\x06\x16"
 PRIORITY_STEPS = (3, 6, 9)  # kombu's default steps besides 0, which uses the bare queue name
 _KW = re.compile(r"""['"]?(run_id|shard_id)['"]?\s*:\s*['"]?([A-Za-z0-9._-]+)""")
-
-
-def redis_client(url: str, timeout: float = 3.0):
-    import redis
-
-    return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
 
 
 def queue_lengths(url: str, queues: list[str]) -> tuple[dict[str, int], int | None, str | None]:
@@ -88,13 +83,13 @@ def live_workers(url: str, timeout: float = 1.0) -> tuple[dict[str, dict], str |
 
 def overlay(status: dict, broker_url: str, lengths: dict[str, int], unacked: int | None, live: dict[str, dict] | None,
             errors: list[str], now: float) -> dict:
-    """Lay the broker's view over a storage-derived run status (app/status.py) in place; returns it.
+    """Lay the broker's view over a storage-derived run status (app/ops/status.py) in place; returns it.
 
     A worker that answered is authoritative about what it runs now, and its `last_seen` is now. `live` None
     means the workers were not asked; then `online` is None (unknown) for every worker.
     """
     from app.config import mask_url
-    from app.status import iso
+    from app.ops.status import iso
 
     status["broker"] = {"url": mask_url(broker_url), "queued": lengths, "unacked": unacked,
                         "error": "; ".join(errors) or None}

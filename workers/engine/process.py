@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from app.errors import EngineDead, EngineLost
-from workers.engine import (
+from workers.engine.in_process import (
     Engine,
     EngineOptions,
     EngineSpan,

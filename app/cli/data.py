@@ -1,6 +1,6 @@
 """Commands that read a run's data: `regen verify`, `regen stats`, `regen export`.
 
-All three read through app/run_reader.py and need neither a broker nor a GPU; the heavy modules (numpy work,
+All three read through app/data/run_reader.py and need neither a broker nor a GPU; the heavy modules (numpy work,
 matplotlib, pyarrow, torch for `--reference`) are imported inside the commands so `regen --help` stays fast.
 """
 
@@ -41,8 +41,8 @@ def verify_cmd(run_id: str, storage: str, reference: int, workers: int, strict: 
     Exit status 0 only when every check holds and the run is complete; otherwise the first line says how many
     samples are missing and why, and the problems are listed by shard and sample.
     """
-    from app.run_reader import RunReader
-    from app.verify import verify_run
+    from app.data.run_reader import RunReader
+    from app.data.verify import verify_run
 
     reader = RunReader(storage, run_id)
     err = _console(stderr=True)
@@ -126,8 +126,8 @@ def export_cmd(run_id: str, storage: str, fmt: str, out: str, exclude_flags: str
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.table import Table
 
-    from app.export import Exporter, ExportOptions
-    from app.run_reader import RunReader
+    from app.data.export import Exporter, ExportOptions
+    from app.data.run_reader import RunReader
 
     flags = tuple(f.strip() for f in exclude_flags.split(",") if f.strip())
     exporter = Exporter(RunReader(storage, run_id), out,
@@ -162,8 +162,8 @@ def stats_cmd(run_id: str, storage: str, html_path: str | None, as_json: bool) -
     """
     from pathlib import Path
 
-    from app.run_reader import RunReader
-    from app.stats import collect, plots, print_terminal, render_html, states_summary
+    from app.data.run_reader import RunReader
+    from app.data.stats import collect, plots, print_terminal, render_html, states_summary
 
     st = collect(RunReader(storage, run_id))
     if as_json:

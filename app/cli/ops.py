@@ -1,8 +1,8 @@
 """Commands for operating the fleet: `regen status` and `regen metrics`.
 
 Both run on any host that reaches the broker and the storage; neither needs a GPU, vLLM or a worker. What is
-done comes from storage markers (app/status.py); the broker adds queue lengths and what live workers run now
-(app/fleet.py). Broker passwords are masked in every line printed.
+done comes from storage markers (app/ops/status.py); the broker adds queue lengths and what live workers run now
+(app/ops/fleet.py). Broker passwords are masked in every line printed.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from app.config import DEFAULT_VISIBILITY_TIMEOUT, BrokerSettings, mask_url
 def collect(storage_root: str, run_id: str | None, broker_url: str, inspect_timeout: float,
             stale_after: float, scanners: dict | None = None) -> dict:
     """One run's full status (RUN given) or the one-line-per-run overview; a JSON-ready dict."""
-    from app import dead_messages, fleet
+    from app import dead_messages
     from app.manifest import load
-    from app.status import RunScanner, list_runs, summarise
+    from app.ops import fleet
+    from app.ops.status import RunScanner, list_runs, summarise
     from app.storage import RunStore, Storage
 
     scanners = {} if scanners is None else scanners
@@ -76,7 +77,7 @@ def status(run_id, storage, broker, as_json, watch, interval, inspect_timeout, s
     import orjson
     from rich.console import Console
 
-    from app.status_view import render
+    from app.ops.status_view import render
 
     url = BrokerSettings.from_env(broker).url
     scanners: dict = {}
@@ -111,7 +112,7 @@ def status(run_id, storage, broker, as_json, watch, interval, inspect_timeout, s
 @click.option("--queue", "queues", multiple=True, help="Extra queues whose length to export (repeatable).")
 def metrics(port, addr, storage, broker, runs, queues):
     """Serve Prometheus metrics computed on each scrape: queue lengths, shards, tokens/s, stub rate, busy time."""
-    from app.metrics import serve
+    from app.ops.metrics import serve
 
     url = BrokerSettings.from_env(broker).url
     server, _thread = serve(addr, port, storage, url, list(runs), list(queues))

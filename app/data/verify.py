@@ -4,7 +4,7 @@ Why: the failures that hurt drafter training are silent (all-zero states from a 
 copy, a shard that never ran). Every check here needs only the run itself: markers name files with sizes and
 sha256, hidden files carry per-part CRCs, records carry the ids the states must belong to, and the producer's
 counts must add up with what the workers wrote. `--reference N` additionally recomputes N samples' states
-with plain transformers (app/reference.py), independent of vLLM's capture path. A run with a lossy
+with plain transformers (app/data/reference.py), independent of vLLM's capture path. A run with a lossy
 `--states-dtype` promises a bound on each token's relative error: every lossy sample's recorded error is held
 to it (app/states_bound.py), and the reference comparison allows it on top of the capture tolerance.
 
@@ -16,7 +16,7 @@ not the dataset that was asked for, and the report's first line says how many sa
 `--sample N` (or a fraction, `--sample 0.01`) is verify at a real run's scale (~60-130 TB of states for 914K
 samples of a 27B target): markers, sizes, records, masks, the hidden files' indexes and the accounting are checked
 for every shard, and the states of only N samples, spread over workers and shards, are decoded
-(app/verify_sampled.py); the report says what was and was not read.
+(app/data/verify_sampled.py); the report says what was and was not read.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ import numpy as np
 import orjson
 import zstandard
 
+from app.data.run_reader import RunReader, ShardInfo
 from app.hidden_file import CorruptHiddenFile, HiddenFileReader, bf16_to_float32
 from app.ids import shard_id as shard_name
 from app.jsonl_zst import iter_jsonl_zst
-from app.run_reader import RunReader, ShardInfo
 from app.states_bound import promise, reference_excess, sample_problem
 
 REFERENCE_MAX_ABS = 0.05  # bf16 noise between vLLM's kernels and transformers' eager forward (docs/measured-facts.md: ~0.002)
@@ -310,7 +310,7 @@ def _check_records(res: ShardResult, reader: RunReader, info: ShardInfo, raw: by
                    hreader: HiddenFileReader | None, decode: bool = True) -> None:
     import io
 
-    from app.verify_sampled import check_index_entry
+    from app.data.verify_sampled import check_index_entry
 
     m = info.marker
     hidden_size = (reader.settings.get("model") or {}).get("hidden_size")
@@ -445,7 +445,7 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
                                     severity=gap if short_by_missing else "error"))
     sampled = None
     if sample is not None:
-        from app.verify_sampled import decode_sample
+        from app.data.verify_sampled import decode_sample
 
         sampled = decode_sample(reader, [r for r in results if r.state == "done"], sample)
     for res in sorted(results, key=lambda r: r.shard):
@@ -484,7 +484,7 @@ def _reference_check(reader: RunReader, pool: list[tuple[str, str]], n: int, pro
         problems.append(Problem("reference_unavailable", None, None, f"model folder {model_path!r} not found here"))
         return {"checked": 0}
     try:
-        from app.reference import ReferenceCapture
+        from app.data.reference import ReferenceCapture
 
         ref = ReferenceCapture(model_path, reader.layers)
     except Exception as exc:  # a model folder that is gone or unloadable here

@@ -1,7 +1,7 @@
 """Hidden-state exports that a trainer's own reader loads as they are: the part every such format shares.
 
 A format subclass says which layers it needs and how one sample is written; this base streams the run's
-shards through it and keeps the export resumable like the text formats (app/export.py):
+shards through it and keeps the export resumable like the text formats (app/data/export.py):
 
 - Samples are numbered 0, 1, 2, ... over the whole export in the order they are written (SpecForge's
   `data_{i}`, speculators' row `i` and `hs_{i}`). A shard's first number is the count of samples exported
@@ -21,15 +21,15 @@ from __future__ import annotations
 import io
 from collections import Counter
 
-from app.errors import RegenError
-from app.export_states import (
+from app.data.export_states import (
     ExportLayers,
     choose_layers,
     covered_sample,
     supervised_counts,
     supervision_problem,
 )
-from app.run_reader import RunReader, ShardInfo
+from app.data.run_reader import RunReader, ShardInfo
+from app.errors import RegenError
 from app.storage import Storage
 
 
@@ -117,8 +117,8 @@ class StateExport:
 
 
 def formats() -> dict[str, type[StateExport]]:
-    from app.export_specforge import SpecForgeDFlash, SpecForgeEagle3
-    from app.export_speculators import Speculators
+    from app.data.export_specforge import SpecForgeDFlash, SpecForgeEagle3
+    from app.data.export_speculators import Speculators
 
     return {c.name: c for c in (SpecForgeDFlash, SpecForgeEagle3, Speculators)}
 

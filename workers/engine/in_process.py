@@ -7,11 +7,11 @@ the manifest's `enable_thinking`), so `prompt_token_ids + output token_ids` are 
 and produced; nothing is ever re-tokenised.
 
 Settings chosen from the model's config (prefix caching, hybrids, multimodal wrappers) are in
-workers/engine_settings.py; the operator's own (`--vllm-arg`) in app/vllm_args.py, applied last.
+workers/engine/settings.py; the operator's own (`--vllm-arg`) in app/vllm_args.py, applied last.
 
 CPU specifics (docs/measured-facts.md): chunked prefill off (per-request seeds crash it), `gpu_memory_utilization` is a
 fraction of RAM (~0.1), and the engine core runs in-process (start-up 5-7 s instead of ~40 s of spawning), in a
-process of the worker's that does nothing else (workers/engine_host.py), so no side work holds its GIL.
+process of the worker's that does nothing else (workers/engine/process.py), so no side work holds its GIL.
 In-process, the capture connector writes a request's states on a *later* engine step, so the loop keeps
 stepping until the file exists; with a separate engine-core process it waits on vLLM's file lock instead.
 """
@@ -55,7 +55,7 @@ class EngineOptions:
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
     in_process: bool = True
-    # The engine (built in-process) lives in a child process of the worker (workers/engine_host.py), so the
+    # The engine (built in-process) lives in a child process of the worker (workers/engine/process.py), so the
     # worker's side work never holds the GIL the engine's steps need. The CPU preset turns it on.
     host_process: bool = False
     scratch_dir: str = "/tmp/regen-capture"
@@ -202,12 +202,12 @@ def llm_kwargs(options: EngineOptions) -> dict:
         }
         kwargs["kv_transfer_config"] = {
             "kv_connector": "CpuCapableHiddenStatesConnector",
-            "kv_connector_module_path": "workers.capture_connector",
+            "kv_connector_module_path": "workers.engine.capture_connector",
             "kv_role": "kv_producer",
             "kv_connector_extra_config": {"shared_storage_path": options.scratch_dir},
         }
     from app.vllm_args import parse_vllm_args
-    from workers.engine_settings import model_engine_settings
+    from workers.engine.settings import model_engine_settings
 
     kwargs.update(model_engine_settings(options.model, options.device, bool(options.capture_layers)))
     kwargs.update(options.extra)
@@ -294,8 +294,8 @@ class Engine:
 
         options = self.options
         if options.capture_layers:
-            from workers.capture_connector import check_vllm_version
-            from workers.engine_settings import check_hybrid_capture_vllm
+            from workers.engine.capture_connector import check_vllm_version
+            from workers.engine.settings import check_hybrid_capture_vllm
 
             check_vllm_version()
             check_hybrid_capture_vllm(options.model)
@@ -350,7 +350,7 @@ class Engine:
                     on_results: Callable[[list[GenResult]], None]) -> EngineSpan | None:
         """As `run`, but `on_results` gets every result of this batch that one delivery round hands on, at once.
 
-        The engine host's way (workers/engine_host.py): one pipe message per round instead of one per sample.
+        The engine host's way (workers/engine/process.py): one pipe message per round instead of one per sample.
         """
         check_capture_requests(self.options, requests)
         if not requests:

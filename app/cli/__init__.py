@@ -1,4 +1,7 @@
-"""The `regen` console script: one click group; each subcommand lives next to the code it drives.
+"""The `regen` console script: one click group, the only place where commands are assembled.
+
+Each module here holds the commands of one floor below it: `produce` (producer/), `worker` and `run` (workers/;
+`run` drives the producer too), `ops` (app/ops/), `data` (app/data/).
 
 Errors regen raises on purpose (`RegenError`) are printed as one line and exit with status 2; a traceback
 means a bug. Subcommands are imported lazily enough that `regen --help` never imports vLLM or torch.
@@ -30,11 +33,11 @@ def main() -> None:
 
 
 def _register() -> None:
-    from app.data_cli import commands as data_commands
-    from app.ops_cli import commands as ops_commands
-    from producer.cli import commands as producer_commands
-    from workers.cli import commands as worker_commands
-    from workers.run_job import run  # drives both the producer and the workers, so it is assembled here
+    from app.cli.data import commands as data_commands
+    from app.cli.ops import commands as ops_commands
+    from app.cli.produce import commands as producer_commands
+    from app.cli.run import run  # drives both the producer and the workers, so it is assembled here
+    from app.cli.worker import commands as worker_commands
 
     for command in (*producer_commands, *worker_commands, run, *ops_commands, *data_commands):
         main.add_command(command)
@@ -42,6 +45,3 @@ def _register() -> None:
 
 _register()
 
-
-if __name__ == "__main__":
-    main()

@@ -42,7 +42,7 @@ class RegenCollector(Collector):
 
     def _statuses(self, now: float) -> list[dict]:
         from app.manifest import load
-        from app.status import RunScanner, list_runs, summarise
+        from app.ops.status import RunScanner, list_runs, summarise
         from app.storage import RunStore
 
         out = []
@@ -55,7 +55,7 @@ class RegenCollector(Collector):
         return out
 
     def collect(self):
-        from app.fleet import queue_lengths
+        from app.ops.fleet import queue_lengths
 
         with self._lock:
             statuses = self._statuses(time.time())

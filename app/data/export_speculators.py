@@ -20,7 +20,7 @@ import struct
 import numpy as np
 import orjson
 
-from app.export_trainers import StateExport
+from app.data.export_trainers import StateExport
 
 
 def safetensors_bytes(tensors: dict[str, tuple[str, tuple[int, ...], bytes]]) -> bytes:

@@ -66,8 +66,8 @@ def choose(results, sample: float, seed: int = 0) -> list[tuple[object, str]]:
 
 def decode_sample(reader, results, sample: float) -> dict:
     """Decode and check the chosen samples' states (problems go to their shard's result); what was read."""
+    from app.data.verify import _check_states
     from app.hidden_file import HiddenFileReader
-    from app.verify import _check_states
 
     hidden_size = (reader.settings.get("model") or {}).get("hidden_size")
     chosen = choose(results, sample)

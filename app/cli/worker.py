@@ -4,114 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 
 import click
 
 from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, BrokerSettings
 from app.errors import ConfigError
+from workers.plan import manifest_engine_args, settings_from_run, worker_configs
 
 log = logging.getLogger("regen.worker")
-
-
-def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: list[int] | None, storage: str | None,
-                   name: str | None, max_attempts: int, engine_overrides: dict, max_crashes: int = 10,
-                   tensor_parallel_size: int | None = None, shard_size: int = DEFAULT_SHARD_SIZE,
-                   task_slots: int | None = None, encode_threads: int | None = None):
-    """One (WorkerConfig, CUDA_VISIBLE_DEVICES) per child process.
-
-    `tensor_parallel_size` None: the smallest size that fits the model's weights (devices.choose_tensor_parallel).
-    `task_slots` None: from the engine's max_num_seqs and the shard size (devices.task_slots_for).
-    `encode_threads` None: from the device and the host's cores per worker (devices.encode_threads_for).
-    """
-    from workers.context import WorkerConfig
-    from workers.devices import (
-        choose_tensor_parallel,
-        detect_gpus,
-        encode_threads_for,
-        preset_for,
-        task_slots_for,
-    )
-
-    host = socket.gethostname()
-    if cpu:
-        devices, tp = [("cpu", None, "cpu")], 1
-    else:
-        found = detect_gpus()
-        if gpus:
-            wanted = [g.strip() for g in gpus.split(",") if g.strip()]
-            by_index = {d.index: d for d in found}
-            missing = [g for g in wanted if g not in by_index]
-            if missing:
-                raise ConfigError(f"--gpus {gpus}: no such GPU {', '.join(missing)} (nvidia-smi sees "
-                                  f"{', '.join(by_index) or 'none'})")
-            found = [by_index[g] for g in wanted]
-        if not found:
-            raise ConfigError("no GPU found (nvidia-smi); use --cpu to run on the CPU")
-        classes = sorted({d.device_class for d in found})
-        if len(classes) > 1:  # presets and tensor-parallel groups assume one kind of GPU per worker set
-            raise ConfigError(f"GPUs {', '.join(d.index for d in found)} mix {' and '.join(classes)}: start one "
-                              "`regen worker --gpus ...` per kind")
-        if tensor_parallel_size:
-            tp = tensor_parallel_size
-        else:
-            utilization = preset_for(found[0].device_class, engine_overrides)["gpu_memory_utilization"]
-            choice = choose_tensor_parallel(model, found, utilization)
-            tp = choice.size
-            log.info("%s: %s", model, choice.describe())
-        if tp < 1 or len(found) % tp:
-            raise ConfigError(f"{len(found)} GPUs cannot be split into tensor-parallel groups of {tp}")
-        devices = []
-        for k in range(0, len(found), tp):
-            group = found[k:k + tp]
-            devices.append(("-".join(d.index for d in group), ",".join(d.index for d in group),
-                            group[0].device_class))
-    configs = []
-    for label, visible, device_class in devices:
-        engine = preset_for(device_class, engine_overrides)
-        if device_class != "cpu":
-            engine["tensor_parallel_size"] = tp
-        prefix = name or ("cpu" if visible is None else f"gpu{label}")
-        configs.append((WorkerConfig(model=model, device="cpu" if visible is None else "cuda",
-                                     device_class=device_class, capture_layers=layers, storage=storage,
-                                     hostname=f"{prefix}@{host}", max_attempts=max_attempts, engine=engine,
-                                     task_slots=task_slots or task_slots_for(engine["max_num_seqs"], shard_size, device_class),
-                                     encode_threads=encode_threads or encode_threads_for(device_class, len(devices))),
-                        visible))
-    return configs
-
-
-def settings_from_run(storage: str, run_id: str, queues: str) -> tuple[str, list[int] | None, int, int]:
-    """Model path, capture layers this worker's engine needs, a max_model_len and the shard size from a run
-    manifest."""
-    from app import manifest as manifest_mod
-    from app.storage import RunStore, Storage
-
-    m = manifest_mod.load(RunStore(Storage(storage), run_id))["settings"]
-    qs = {q.strip() for q in queues.split(",")}
-    mode = m["capture_mode"]
-    needs_capture = (mode == "inline" and qs - {DEFAULT_CAPTURE_QUEUE}) or (mode == "staged"
-                                                                           and DEFAULT_CAPTURE_QUEUE in qs)
-    layers = m["layers"]["vllm_ids"] if needs_capture and m.get("layers") else None
-    wanted = int(m["max_prompt_tokens"]) + int(m["sampling"]["max_tokens"])
-    max_len = min(wanted, _model_max_len(m["model"]["path"]) or wanted)
-    return m["model"]["path"], layers, max_len, int(m["shard_size"])
-
-
-def manifest_engine_args(storage: str, run_id: str) -> dict:
-    """The vLLM arguments a run's manifest gives every worker (`regen produce --vllm-arg`)."""
-    from app import manifest as manifest_mod
-    from app.storage import RunStore, Storage
-
-    return dict(manifest_mod.load(RunStore(Storage(storage), run_id))["settings"].get("engine_args") or {})
-
-
-def _model_max_len(path: str) -> int | None:
-    """The model's own context limit (vLLM refuses a larger max_model_len)."""
-    from app.model_info import read_text_config
-
-    value = read_text_config(path).get("max_position_embeddings")
-    return int(value) if value else None
 
 
 @click.command("worker")
@@ -230,10 +130,10 @@ def resume_run(run_id, storage, broker, queue):
         click.echo(f"run {run_id}: pause cleared (was: {pause.get('reason')})")
     else:
         click.echo(f"run {run_id}: not paused")
-    from producer.cli import reconcile_command
+    from app.cli.produce import reconcile_command
 
     click.get_current_context().invoke(reconcile_command, run_id=run_id, storage=storage, broker=broker,
                                        queue=queue, max_pending=None)
 
 
-commands = [worker, tiny_model, resume_run]  # `regen run` (workers/run_job.py) is added by app/cli.py
+commands = [worker, tiny_model, resume_run]  # `regen run` (app/cli/run.py) is added by app/cli/__init__.py

@@ -1,0 +1,96 @@
+"""The project's layout rules, read from every import statement of its modules (lazy ones inside functions too):
+
+- the shared base (`app/*.py`) imports only the base;
+- `producer/`, `workers/`, `app/data/` and `app/ops/` import the base and themselves, never each other;
+- `app/cli/` is the only place that imports them all;
+- no two modules import each other, directly or through others, at import time (module-level imports).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("app", "producer", "workers")
+MAY_IMPORT = {
+    "base": {"base"},
+    "producer": {"base", "producer"},
+    "workers": {"base", "workers"},
+    "data": {"base", "data"},
+    "ops": {"base", "ops"},
+    "cli": {"base", "producer", "workers", "data", "ops", "cli"},
+}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            out[name] = path
+    return out
+
+
+def floor(module: str) -> str:
+    for prefix, name in (("app.cli", "cli"), ("app.data", "data"), ("app.ops", "ops")):
+        if module == prefix or module.startswith(prefix + "."):
+            return name
+    return "base" if module.split(".")[0] == "app" else module.split(".")[0]
+
+
+def imports(path: Path, known: dict[str, Path], top_level_only: bool = False) -> list[tuple[str, int]]:
+    """(module imported, line) for each of the project's modules `path` imports."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    out = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                     for a in node.names]
+        else:
+            continue
+        out += [(n, node.lineno) for n in names if n in known and n not in PACKAGES]
+    return out
+
+
+def test_the_layout_has_the_floors_it_names():
+    known = modules()
+    floors = {floor(m) for m in known}
+    assert floors == set(MAY_IMPORT), floors
+    assert len(known) > 60  # the walk found the project, not an empty folder
+
+
+def test_every_import_runs_downward_or_within_its_floor():
+    known = modules()
+    upward = [f"{m} ({known[m].relative_to(ROOT)}:{line}) imports {target}"
+              for m in sorted(known) for target, line in imports(known[m], known)
+              if floor(target) not in MAY_IMPORT[floor(m)]]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_module_imports_itself_back_at_import_time():
+    known = modules()
+    graph = {m: {t for t, _ in imports(known[m], known, top_level_only=True)} for m in known}
+    loops = []
+    for start in sorted(graph):  # a depth-first walk from each module back to itself
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    loops.append(" -> ".join([*path, start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    assert not loops, "\n".join(sorted(set(loops)))
+
+
+@pytest.mark.parametrize("module,allowed", [("app.storage", False), ("producer.produce", False),
+                                            ("app.cli.run", True)])
+def test_the_rules_tell_a_module_that_may_import_everything_from_one_that_may_not(module, allowed):
+    assert ("workers" in MAY_IMPORT[floor(module)]) is allowed
