@@ -34,11 +34,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from app.quality import states_problem  # noqa: E402
-from app.states_codec import DEFAULT_LOSSY, LOSSY_CODECS  # noqa: E402
-from workers.context import scratch_root  # noqa: E402
-from workers.engine.in_process import _read_capture_file  # noqa: E402
-from workers.generate import check_and_encode  # noqa: E402
+from app.quality import states_problem
+from app.states_codec import DEFAULT_LOSSY, LOSSY_CODECS
+from workers.context import scratch_root
+from workers.engine.in_process import _read_capture_file
+from workers.generate import check_and_encode
 
 
 def copying_read(path: str) -> tuple[np.ndarray, np.ndarray]:

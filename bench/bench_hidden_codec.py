@@ -45,16 +45,16 @@ import zstandard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from app.data.reference import ReferenceCapture  # noqa: E402
-from app.hidden_file import (  # noqa: E402
+from app.data.reference import ReferenceCapture
+from app.hidden_file import (
     HiddenFileReader,
     HiddenFileWriter,
     bf16_to_float32,
     encode_sample,
     float32_to_bf16,
 )
-from app.states_codec import bound, layer_errors, row_errors  # noqa: E402
-from tests.activations import realistic_activations  # noqa: E402
+from app.states_codec import bound, layer_errors, row_errors
+from tests.support.activations import realistic_activations
 
 REPEATS = 3
 BUDGET_S = 4.0

@@ -26,11 +26,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.data.export_speculators import safetensors_bytes  # noqa: E402
-from app.hidden_file import encode_sample, float32_to_bf16  # noqa: E402
-from app.records import loss_mask  # noqa: E402
-from app.storage import RunStore, Storage  # noqa: E402
-from workers.shard_output import publish_shard  # noqa: E402
+from app.data.export_speculators import safetensors_bytes
+from app.hidden_file import encode_sample, float32_to_bf16
+from app.records import loss_mask
+from app.storage import RunStore, Storage
+from workers.shard_output import publish_shard
 
 
 def write_run(root: Path, args) -> tuple[list[Path], list[Path]]:

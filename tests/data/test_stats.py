@@ -1,0 +1,66 @@
+"""`regen stats` on a crafted run with 87% stubs: the terminal summary and the HTML report both show it."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+
+from click.testing import CliRunner
+
+from app.cli import main
+from app.data.run_reader import RunReader
+from app.data.stats import collect, plots
+from tests.support.synthetic_run import Spec, build_run, ok_records, stub_count
+
+
+def stubby(tmp_path):
+    # 100 samples, 87 of them stubs (`<think></think>OK.`), 1 worker-rejected.
+    return build_run(tmp_path / "s", Spec(shards=10, shard_size=10, stub_fraction=0.87))
+
+
+def test_stub_rate_in_terminal_and_html(tmp_path):
+    built = stubby(tmp_path)
+    assert stub_count(built) == 87 and len(ok_records(built)) == 100
+    report = tmp_path / "report.html"
+    result = CliRunner().invoke(main, ["stats", "synth", "--storage", str(tmp_path / "s"), "--html", str(report)],
+                                catch_exceptions=False, terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "stub-or-empty: 87.0% of samples (87 of 100; pause threshold 20%)" in result.output
+    page = report.read_text()
+    assert re.search(r'color:#cc3311[^>]*>stub-or-empty: 87\.0% of samples', page)
+    assert "<td>a.jsonl</td><td>50</td>" in page and "<td>b.jsonl</td><td>50</td>" in page
+    assert "<td>flag empty_reasoning</td><td>87</td><td>87.0%</td>" in page
+    assert "<td>flag stub_answer</td><td>79</td><td>79.0%</td>" in page  # 8 stubs are also truncated
+    images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert len(images) == 3 and all(base64.b64decode(i).startswith(b"\x89PNG") for i in images)
+
+
+def test_numbers(tmp_path):
+    built = stubby(tmp_path)
+    st = collect(RunReader(str(tmp_path / "s"), "synth"))
+    ok = ok_records(built)
+    assert st.total.ok == 100 and st.total.stubs == 87 and st.stub_alarm
+    assert st.prompt == [r["num_prompt_tokens"] for r in ok]
+    assert st.reasoning == [r["num_output_tokens"] - r["num_answer_tokens"] for r in ok]
+    assert st.mask_sum == [r["num_output_tokens"] for r in ok]
+    assert st.total.finish["length"] == sum(1 for r in ok if r["finish_reason"] == "length")
+    assert {s: g.ok for s, g in st.sources.items()} == {"a.jsonl": 50, "b.jsonl": 50}
+    assert len(st.speed) == 10 and {w for w, _, _ in st.speed} == {"w0", "w1"}
+    pngs = plots(st)
+    (tmp_path / "hist.png").write_bytes(pngs["token_histograms"])
+    assert set(pngs) == {"token_histograms", "finish_and_flags", "speed"}
+
+
+def test_healthy_run_is_green_and_json(tmp_path):
+    build_run(tmp_path / "s", Spec(stub_fraction=0.1))
+    result = CliRunner().invoke(main, ["stats", "synth", "--storage", str(tmp_path / "s"), "--json"])
+    data = json.loads(result.output)
+    assert data["ok"] == 12 and data["stub_alarm"] is False and 0 < data["stub_rate"] < 0.2
+
+
+def test_in_progress_run_reads_done_shards(tmp_path):
+    built = build_run(tmp_path / "s")
+    built.storage.delete(built.store.done_path("shard-000002"))
+    st = collect(RunReader(str(tmp_path / "s"), "synth"))
+    assert st.shards_done == 2 and st.shards_total == 3 and st.total.ok == 8

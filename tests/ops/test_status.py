@@ -1,0 +1,130 @@
+"""`regen status`: numbers from storage markers, queue length from Redis, live workers from Celery."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from app.cli import main
+from tests.support.polling import wait_for
+from tests.support.redis_db import OPS_BROKER
+from tests.support.status_run import (
+    DEAD,
+    DONE,
+    FAILED,
+    PAUSE_REASON,
+    RUNNING,
+    STATUS_QUEUE,
+    TOTAL_SHARDS,
+    build_status_run,
+)
+
+BROKER = OPS_BROKER
+
+
+def _status(*args: str) -> dict:
+    result = CliRunner().invoke(main, ["status", *args, "--broker", BROKER, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_status_json_matches_what_storage_and_redis_hold(tmp_path, redis7):
+    built = build_status_run(str(tmp_path))
+    redis7.lpush(STATUS_QUEUE, b"m1", b"m2")  # two messages waiting (contents do not matter to LLEN)
+    s = _status("r1", "--storage", str(tmp_path), "--inspect-timeout", "0")
+
+    markers = [built["store"].done_marker(sh) for sh in DONE]
+    assert s["shards"] == {"total": TOTAL_SHARDS, "done": 3, "queued": 2, "running": 1, "failed": 1, "stale": 0,
+                           "dead": 1, "remaining": TOTAL_SHARDS - 4, "waiting": TOTAL_SHARDS - 4 - 2}
+    assert s["samples"]["done"] == sum(m["samples"] for m in markers) == 11
+    assert s["samples"]["ok"] == 11 and s["samples"]["stubs"] == 3
+    assert s["stub_rate"] == round(3 / 11, 6)
+    assert s["tokens"] == {"prompt": sum(m["prompt_tokens"] for m in markers),
+                           "generated": sum(m["generated_tokens"] for m in markers),
+                           "generation_seconds": 6.5}
+    by_worker = {w["name"]: w for w in s["workers"]}
+    assert by_worker["gpu0@hostA"]["generated_tokens"] == 4 * 50 + 4 * 40
+    assert by_worker["gpu0@hostA"]["tokens_per_s"] == round(360 / 3.5, 3)
+    assert by_worker["gpu1@hostA"]["tokens_per_s"] == round(90 / 3.0, 3)
+    assert s["rates"]["engine_tokens_per_s"] == round(360 / 3.5, 3) + round(90 / 3.0, 3)
+    # Wall window: earliest (finished - generation_seconds) to the last finished.
+    finished = {sh: m["finished"] for sh, m in zip(DONE, markers, strict=True)}
+    from app.ops.status import parse_time
+
+    start = min(parse_time(finished[sh]) - DONE[sh][5] for sh in DONE)
+    wall = max(parse_time(f) for f in finished.values()) - start
+    assert s["rates"]["wall_seconds"] == round(wall, 3)
+    assert s["rates"]["wall_tokens_per_s"] == round(450 / wall, 3)
+    assert s["eta_seconds"] == round((TOTAL_SHARDS - 4) / (3 / wall), 1)
+    assert s["paused"]["reason"] == PAUSE_REASON
+    assert [f["shard"] for f in s["failed"]] == [FAILED]
+    assert "hunter2" not in json.dumps(s) and "redis://:***@broker" in s["failed"][0]["last_error"]
+    assert s["dead"] == [{"shard": DEAD, "reason": "PermanentError: prompt too long"}]
+    assert by_worker["gpu1@hostA"]["current_shard"] == RUNNING and by_worker["gpu1@hostA"]["source"] == "storage"
+    assert by_worker["gpu0@hostA"]["current_shard"] is None
+    assert s["workers"][0]["online"] is None  # not asked
+    assert s["broker"]["url"] == BROKER and s["broker"]["error"] is None
+
+
+def test_an_old_attempt_without_marker_or_error_counts_as_stale(tmp_path, redis7):
+    from workers.shard_output import record_attempt
+
+    built = build_status_run(str(tmp_path))
+    record_attempt(built["store"], "shard-000006", "old", "gpu0@hostA", started="2020-01-01T00:00:00+00:00")
+    s = _status("r1", "--storage", str(tmp_path), "--inspect-timeout", "0")
+    assert s["shards"]["stale"] == 1 and s["shards"]["running"] == 1 and s["shards"]["waiting"] == 1
+
+
+def test_without_a_run_status_lists_every_run_one_line_each(tmp_path, redis7):
+    build_status_run(str(tmp_path), "r1")
+    build_status_run(str(tmp_path), "r2")
+    (tmp_path / "not-a-run").mkdir()
+    s = _status("--storage", str(tmp_path))
+    assert [r["run"] for r in s["runs"]] == ["r1", "r2"]
+    assert s["runs"][0]["done"] == 3 and s["runs"][0]["paused"] == PAUSE_REASON
+    plain = CliRunner().invoke(main, ["status", "--storage", str(tmp_path), "--broker", BROKER])
+    assert plain.exit_code == 0 and "r1" in plain.output and "r2" in plain.output
+
+
+def test_status_masks_the_broker_password_and_survives_an_unreachable_broker(tmp_path):
+    build_status_run(str(tmp_path))
+    url = "redis://:hunter2@127.0.0.1:1/0"  # nothing listens on port 1
+    for extra in (["--json"], []):
+        result = CliRunner().invoke(main, ["status", "r1", "--storage", str(tmp_path), "--broker", url, *extra])
+        assert result.exit_code == 0, result.output
+        assert "hunter2" not in result.output and "redis://:***@127.0.0.1:1/0" in result.output
+    s = json.loads(CliRunner().invoke(main, ["status", "r1", "--storage", str(tmp_path), "--broker", url,
+                                             "--json"]).stdout)
+    assert s["broker"]["error"] and s["shards"]["done"] == 3 and s["shards"]["queued"] is None
+
+
+def test_unknown_or_invalid_run_is_one_line_and_exit_2(tmp_path):
+    for run in ("nope", "../etc", "/abs"):
+        result = CliRunner().invoke(main, ["status", run, "--storage", str(tmp_path), "--broker", BROKER])
+        assert result.exit_code == 2, result.output
+        assert result.output.count("\n") == 1 and result.output.startswith("regen: error:")
+
+
+def test_a_live_worker_reports_the_shard_it_runs(tmp_path, redis7):
+    """A threads-pool worker answers inspect mid-task; status shows its current shard from the broker."""
+    from tests.support.celery_app import CeleryTestWorker, app
+
+    build_status_run(str(tmp_path))
+    release = tmp_path / "release"
+    with CeleryTestWorker(tmp_path / "worker.log", STATUS_QUEUE + "-live", "gpu7@testhost", pool="threads") as worker:
+        worker.wait_ready()
+        app.send_task("regen_test.hold", kwargs={"run_id": "r1", "storage": str(tmp_path),
+                                                 "shard_id": "shard-000007", "release": str(release)},
+                      queue=STATUS_QUEUE + "-live")
+
+        def live():
+            s = _status("r1", "--storage", str(tmp_path), "--inspect-timeout", "1")
+            w = {w["name"]: w for w in s["workers"]}.get("gpu7@testhost")
+            return s if w and w["current_shard"] == "shard-000007" else None
+
+        s = wait_for(live, 30, "status to show the live worker's shard")
+        release.write_text("go")
+        w = {w["name"]: w for w in s["workers"]}
+        assert w["gpu7@testhost"]["online"] is True and w["gpu7@testhost"]["source"] == "broker"
+        assert w["gpu0@hostA"]["online"] is False  # known from storage, silent on the broker

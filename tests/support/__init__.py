@@ -1,0 +1,1 @@
+"""What the tests share, one module per real component: Redis, models, worker processes, engines, runs."""

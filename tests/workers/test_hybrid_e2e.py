@@ -1,0 +1,159 @@
+"""The whole fleet on the tiny hybrid (Qwen3.5: Gated DeltaNet + full attention), both checkpoint shapes.
+
+One `regen worker --cpu` on the text-only shape serves the produce/worker tests (tests/support/workers.py);
+`regen run --cpu` runs each shape end to end on its own. Captured states are compared with transformers at a
+linear-attention layer (vLLM ids 1, 2) and at the full-attention layer (4, before the final norm).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from app.cli import main
+from app.hidden_file import bf16_to_float32
+from app.storage import RunStore, Storage
+from tests.support.faults import (
+    assert_redone_elsewhere,
+    in_flight_shard,
+    in_flight_shards,
+    prompts_beyond_the_slots,
+    report,
+)
+from tests.support.polling import wait_for
+from tests.support.redis_db import HYBRID_BROKER, redis_or_fail, redis_url
+from tests.support.runs import produce, prompts_file, run_states, wait_run_done, wait_run_done_after_kills
+from tests.support.workers import (
+    HYBRID_KINDS,
+    HYBRID_LAYERS,
+    OPERATOR_ARG,
+    engine_host_pid,
+    process_gone,
+    worker_env,
+)
+from workers.shard_output import attempt_errors
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+MAX_ABS = 0.05  # bf16 noise between vLLM's CPU kernels and transformers (measured ~0.001 on this model)
+RUN_BROKER = redis_url(10)  # `regen run`'s own workers: apart from the session's hybrid worker
+
+
+def assert_states_match_transformers(model: Path, states: dict, n: int = 6) -> float:
+    from app.data.reference import ReferenceCapture
+
+    ref = ReferenceCapture(str(model), [1, 2, 4])
+    worst = 0.0
+    for token_ids, got in list(states.values())[:n]:
+        want = ref.capture(token_ids.tolist())
+        diff = np.abs(bf16_to_float32(got) - bf16_to_float32(want))
+        per_layer = diff.max(axis=(0, 2))  # linear, linear, full attention
+        assert (per_layer < MAX_ABS).all(), per_layer
+        assert (np.abs(bf16_to_float32(got)).max(axis=(0, 2)) > 0).all()
+        worst = max(worst, float(diff.max()))
+    ref.close()
+    return worst
+
+
+def verify_ok(storage: Path, run_id: str, reference: int = 4) -> dict:
+    result = CliRunner().invoke(main, ["verify", run_id, "--storage", str(storage), "--reference", str(reference),
+                                       "--json"], catch_exceptions=False)
+    report_ = json.loads(result.output[result.output.index("{"):])
+    assert result.exit_code == 0 and report_["ok"], result.output[-3000:]
+    assert report_["reference"]["checked"] == reference
+    return report_
+
+
+@pytest.fixture(scope="module")
+def hybrid_storage(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hybrid-storage")
+
+
+@pytest.fixture(scope="module")
+def hybrid_inline(hybrid_worker, hybrid_storage, tiny_hybrid, tmp_path_factory):
+    inputs = prompts_file(tmp_path_factory.mktemp("hybrid-inputs"))
+    state = produce(hybrid_storage, "hybrid-inline", [inputs], tiny_hybrid, "--layers", HYBRID_LAYERS,
+                    broker=HYBRID_BROKER)
+    wait_run_done(hybrid_storage, "hybrid-inline")
+    return state
+
+
+def test_a_hybrid_runs_states_equal_transformers_at_linear_and_full_attention_layers(hybrid_inline, hybrid_storage,
+                                                                                    tiny_hybrid):
+    manifest = json.loads((hybrid_storage / "hybrid-inline" / "run.json").read_text())
+    assert manifest["settings"]["layers"]["kinds"] == HYBRID_KINDS
+    assert manifest["settings"]["model"]["layer_types"][:4] == ["linear_attention"] * 3 + ["full_attention"]
+    assert manifest["software"]["vllm"] == __import__("vllm").__version__
+    worst = assert_states_match_transformers(tiny_hybrid, run_states(hybrid_storage, "hybrid-inline"))
+    print(f"hybrid inline: max |vLLM - transformers| {worst:.4f}")
+    verify_ok(hybrid_storage, "hybrid-inline")
+
+
+def test_a_hybrid_staged_capture_equals_transformers_too(hybrid_worker, hybrid_storage, tiny_hybrid,
+                                                         tmp_path):
+    inputs = prompts_file(tmp_path, n_synthetic=6, with_formats=False)
+    produce(hybrid_storage, "hybrid-staged", [inputs], tiny_hybrid, "--layers", HYBRID_LAYERS, "--capture",
+            "staged", broker=HYBRID_BROKER)
+    wait_run_done(hybrid_storage, "hybrid-staged")
+    wait_run_done(hybrid_storage, "hybrid-staged", marker="captured")
+    assert_states_match_transformers(tiny_hybrid, run_states(hybrid_storage, "hybrid-staged", staged=True))
+    verify_ok(hybrid_storage, "hybrid-staged")
+
+
+def test_the_operators_vllm_setting_reaches_the_engine_and_its_attempt_records(hybrid_inline, hybrid_worker,
+                                                                               hybrid_storage):
+    # the engine's own config holds the value (logged from its VllmConfig once built), not just the command line
+    assert "vLLM settings from --vllm-arg, as the engine holds them: max_num_batched_tokens=6144" in hybrid_worker.text()
+    store = RunStore(Storage(str(hybrid_storage)), "hybrid-inline")
+    for shard in sorted(store.done_shards()):
+        for attempt in attempt_errors(store, shard):
+            assert attempt["engine"] == {"vllm": __import__("vllm").__version__, "vllm_args": [OPERATOR_ARG]}
+
+
+def test_a_hybrid_shard_survives_a_sigkill_of_its_worker(hybrid_worker, hybrid_storage, tiny_hybrid,
+                                                         tmp_path):
+    inputs = prompts_beyond_the_slots(hybrid_worker, tmp_path)
+    state = produce(hybrid_storage, "hybrid-sigkill", [inputs], tiny_hybrid, "--layers", HYBRID_LAYERS,
+                    "--max-tokens", "48", broker=HYBRID_BROKER)
+    store = RunStore(Storage(str(hybrid_storage)), "hybrid-sigkill")
+    starts = hybrid_worker.text().count("engine self-test passed")
+    wait_for(lambda: in_flight_shard(store), 240, "a shard in flight", interval=0.05)
+    child = hybrid_worker.child_pids()[0]
+    engine = engine_host_pid(child)
+    os.kill(child, signal.SIGKILL)
+    killed = in_flight_shards(store)
+    wait_for(lambda: process_gone(engine), 30, f"engine process {engine} to end with its worker")
+    hybrid_worker.wait_ready(count=starts + 1)  # the supervisor's fresh worker redoes the killed shards
+    wait_run_done_after_kills(hybrid_storage, "hybrid-sigkill", broker=HYBRID_BROKER)
+    assert_redone_elsewhere(store, killed, child)
+    report(hybrid_storage, "hybrid-sigkill", state["counts"]["enqueued"])
+    assert not store.dead_shards()
+    assert_states_match_transformers(tiny_hybrid, run_states(hybrid_storage, "hybrid-sigkill"), n=3)
+
+
+@pytest.mark.parametrize("shape,capture", [("text-only", "inline"), ("multimodal", "staged")])
+def test_regen_run_completes_on_both_hybrid_checkpoint_shapes(shape, capture, tiny_hybrid, tiny_hybrid_mm,
+                                                              hybrid_redis, tmp_path):
+    model = tiny_hybrid if shape == "text-only" else tiny_hybrid_mm
+    redis_or_fail(RUN_BROKER).flushdb()  # nothing left from an earlier session's runs
+    inputs = prompts_file(tmp_path, n_synthetic=8, with_formats=False)
+    storage = tmp_path / "storage"
+    env = {**worker_env(RUN_BROKER), "REGEN_VISIBILITY_TIMEOUT": "60"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "app.cli", "run", str(inputs), "--model", str(model), "--cpu", "--run", "h",
+         "--storage", str(storage), "--broker", RUN_BROKER, "--layers", HYBRID_LAYERS, "--capture", capture,
+         "--max-tokens", "24", "--shard-size", "4", "--max-model-len", "2048", "--vllm-arg", OPERATOR_ARG,
+         "--timeout", "400"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert assert_states_match_transformers(model, run_states(storage, "h", staged=capture == "staged")) < MAX_ABS
+    verify_ok(storage, "h", reference=2)
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / ".regen" / "logs" / "h").glob("*.log"))
+    assert "max_num_batched_tokens=6144" in logs
