@@ -1,7 +1,7 @@
 """Session-wide fixtures for the end-to-end tests: real Redis, one tiny Qwen3, one real worker process.
 
 vLLM takes seconds to start even on the tiny model, so one `regen worker --cpu` process (a real supervisor
-with a real solo-pool Celery child) serves every end-to-end test of the session. Its engine captures vLLM
+with a real thread-pool Celery child and its engine process) serves every end-to-end test of the session. Its engine captures vLLM
 layers 1 to 4 (the `eagle3` preset on the 4-layer model: three auxiliary layers and the last one, before the
 final norm, which every trainer format can be exported from), so every run the tests produce uses those layers.
 
