@@ -73,25 +73,11 @@ CPU_SPARE_SLOTS = 4  # on top of task_slots_for's: see its docstring
 
 def task_slots_for(max_num_seqs: int, shard_size: int, device_class: str = "") -> int:
     """Celery task slots one worker runs: enough shards to fill the engine's batch, one more queued behind them,
-    and one more being written.
+    and one more being written; a CPU worker gets four more.
 
-    The queued shard is what keeps the batch full: a sample that finishes early is replaced at the next step, as
-    in `LLM.generate` over a whole list. With only as many slots as fill the batch plus the one being written, the
-    batch ran short from a shard's end until its slot had written it, acked it and fetched the next. Measured on
-    the CPU preset (64 sequences, shards of 64), 2 slots against 3 in one harness: ~59 against ~62 of 64 sequences
-    in the engine per step, fleet/direct 0.885 against 0.934 (median of 8 rounds), longest engine gap 57 against
-    28 ms. A B200 (512 sequences) with 2 slots of 64-sample shards would have run a quarter of its batch.
-
-    A CPU worker gets four more. Its side threads only get a thin share of the cores the engine keeps busy
-    (workers/scheduling.py), so a finished shard waits longer to be written and acked, and a task's start
-    (storage checks, its attempt record, rendering) took 0.3-0.9 s under load; the spare slots let the next
-    shards start, render their prompts and queue in the engine meanwhile. Measured with 512-prompt passes: with
-    3 slots the engine still stood idle 0-66 ms before most shards, with 5 at most 45 ms, mostly not at all.
-    Seven (bench/bench_fleet.py, one worker of each kind in the same rounds, three runs): ahead of a 5-slot worker
-    in all three, by 1.6% and 3.5% (512-prompt passes, 12 rounds each) and 5.1% (1024-prompt passes, 8 rounds),
-    each within what one process's own lasting speed differs here, but in both bench positions; engine gaps no
-    longer than 5 slots' (at most 30 against 24 ms in 1024-prompt passes). Ten left no gap in 120, but ran at
-    0.95 of a 7-slot worker in the same rounds. A queued shard costs the CPU worker only its prompts' memory.
+    Why: the queued shard keeps the batch full while a finished one is written and acked, and a CPU worker's side
+    threads get only a thin share of the cores, so its next shards need spare slots to start and render meanwhile
+    (measurements: docs/performance.md, 2026-11-30).
     """
     return -(-max_num_seqs // max(1, shard_size)) + 2 + (CPU_SPARE_SLOTS if device_class == "cpu" else 0)
 

@@ -77,7 +77,7 @@ def test_sigterm_mid_shard_finishes_it_and_does_not_redo_it(cpu_worker, e2e_stor
     restarts_before = cpu_worker.text().count("engine self-test passed")
     shard = wait_for(lambda: in_flight_shard(store), 240, "a shard in flight", interval=0.05)
     child = cpu_worker.child_pids()[0]
-    os.kill(child, signal.SIGTERM)  # Celery warm shutdown of the solo worker
+    os.kill(child, signal.SIGTERM)  # Celery warm shutdown of the worker process
     wait_for(lambda: store.is_done(shard), 120, f"{shard} to finish after SIGTERM")
     assert "exited with 0" in wait_for(lambda: "exited with 0" in cpu_worker.text() and cpu_worker.text(), 120,
                                        "the warm-shut-down worker to exit cleanly")

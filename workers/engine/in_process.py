@@ -88,7 +88,7 @@ class GenResult:
     captured_token_ids: np.ndarray | None = None
     captured_states: np.ndarray | None = None  # uint16 bf16 bit patterns [T, L, H]
     seconds: float = 0.0
-    # An engine host's engine leaves the capture file for the worker process to read and remove (engine_host.py).
+    # An engine host's engine leaves the capture file for the worker process to read and remove (process.py).
     capture_path: str | None = None
 
 
@@ -334,8 +334,9 @@ class Engine:
 
     # -- generation -------------------------------------------------------------------------------------
     # The engine thread ------------------------------------------------------------------------------
-    # Tasks run in Celery's thread pool (two at a time), so one shard can be written to storage while the
-    # next one is already generating. vLLM is driven by one dedicated thread; tasks hand it jobs and wait.
+    # Tasks run in Celery's thread pool (as many slots as fill the batch, one queued and one being written:
+    # workers/devices.task_slots_for), so a shard is written to storage while the next ones generate. vLLM is
+    # driven by one dedicated thread; tasks hand it jobs and wait.
     def run(self, requests: list[GenRequest], on_done: Callable[[GenResult], None]) -> EngineSpan | None:
         """Generate every request (continuous batching) and call `on_done` as each one finishes.
 
