@@ -28,9 +28,14 @@ def temporaries(run_dir: Path) -> list[str]:
 
 
 def in_flight_shards(store: RunStore) -> set[str]:
-    """Shards with a started attempt and no completion marker (the worker is inside them, or was killed in them)."""
+    """Shards with a started attempt and no completion marker (the worker is inside them, or was killed in them).
+
+    Started means an attempt record is in place: a shard's attempts folder appears while its first record is still
+    being written (temporary, fsync, rename), and a kill in that window leaves a folder but no attempt."""
     done = store.done_shards()
-    return {shard for shard in store.storage.listdir(store.rel("attempts")) if shard not in done and "." not in shard}
+    return {shard for shard in store.storage.listdir(store.rel("attempts"))
+            if shard not in done and "." not in shard
+            and any(n.endswith(".json") and not n.startswith(".") for n in store.storage.listdir(store.attempts_dir(shard)))}
 
 
 def in_flight_shard(store: RunStore, besides: set[str] = frozenset()) -> str | None:
@@ -50,7 +55,7 @@ def assert_redone_elsewhere(store: RunStore, shards: set[str], pid: int) -> None
         records = {r.get("attempt"): r for r in attempt_errors(store, shard)}
         if records[marker["attempt"]].get("pid") == pid:
             continue
-        assert any(r.get("pid") == pid for r in records.values()), (shard, records)  # the attempt that was lost
+        assert any(r.get("pid") == pid for r in records.values()), (shard, pid, records)  # the attempt cut short
         redone.add(shard)
     assert redone, f"every shard in flight at the kill ({sorted(shards)}) was finished by the process killed"
 
