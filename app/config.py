@@ -1,4 +1,5 @@
-"""Broker URL and other process-wide settings, read from flags or the environment.
+"""The broker's settings and the defaults producer, workers and Flower share (the environment is read in
+app/settings.py).
 
 The broker URL may carry a password (`redis://:secret@host:6379/0`) or use TLS (`rediss://`); it is passed
 through untouched, and every place that prints it uses `mask_url` so the password never reaches a log line.
@@ -6,7 +7,6 @@ through untouched, and every place that prints it uses `mask_url` so the passwor
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
@@ -32,18 +32,6 @@ def mask_text(text: str) -> str:
     return mask_url(text)
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError as exc:
-        from app.errors import ConfigError
-
-        raise ConfigError(f"{name}={raw!r} is not an integer") from exc
-
-
 @dataclass(frozen=True)
 class BrokerSettings:
     """Everything Celery needs to reach the broker; one instance is shared by producer, workers and Flower."""
@@ -55,13 +43,11 @@ class BrokerSettings:
 
     @classmethod
     def from_env(cls, url: str | None = None, visibility_timeout: int | None = None) -> BrokerSettings:
-        restore = os.environ.get("REGEN_UNACKED_RESTORE_INTERVAL")
-        return cls(
-            url=url or os.environ.get("REGEN_BROKER_URL") or DEFAULT_BROKER_URL,
-            visibility_timeout=visibility_timeout
-            or _env_int("REGEN_VISIBILITY_TIMEOUT", DEFAULT_VISIBILITY_TIMEOUT),
-            unacked_restore_interval=int(restore) if restore else None,
-        )
+        """This process's broker settings (app/settings.py: `REGEN_BROKER_URL` and the timeouts), with a URL or
+        timeout given on a command line winning."""
+        from app.settings import current
+
+        return current().broker_for(url, visibility_timeout)
 
     @property
     def masked_url(self) -> str:

@@ -16,15 +16,14 @@ import functools
 import os
 import socket
 
+from app.settings import current
+
 LEASE_HEARTBEATS = 4
 
 
 def heartbeat_seconds() -> float:
-    """How often a worker renews its attempts' leases (`REGEN_HEARTBEAT_S`, default 30 s)."""
-    try:
-        return max(0.5, float(os.environ.get("REGEN_HEARTBEAT_S") or 30))
-    except ValueError:
-        return 30.0
+    """How often a worker renews its attempts' leases (`REGEN_HEARTBEAT_S`, default 30 s; app/settings.py)."""
+    return current().heartbeat_s
 
 
 def lease_seconds() -> float:

@@ -23,8 +23,8 @@ Layout of a run, relative to the storage root (all names deterministic):
     {run}/PAUSED.json                            present while the run is paused (reason inside)
 
 Object stores need options every host must share (an S3 endpoint, a profile): `REGEN_STORAGE_OPTIONS` holds
-them as JSON, e.g. `{"client_kwargs": {"endpoint_url": "http://minio:9000"}}`, and is read for every URL root
-(never for local paths), so a worker on another host opens the same bucket as the producer did.
+them as JSON, e.g. `{"client_kwargs": {"endpoint_url": "http://minio:9000"}}` (app/settings.py reads it), and they
+apply to every URL root (never to local paths), so a worker on another host opens the same bucket as the producer did.
 """
 
 from __future__ import annotations
@@ -38,22 +38,9 @@ from collections.abc import Iterator
 import fsspec
 import orjson
 
-from app.errors import ConfigError, RetryableError
+from app.errors import RetryableError
 from app.ids import validate_id
-
-
-def env_storage_options() -> dict:
-    """Storage options from `REGEN_STORAGE_OPTIONS` (JSON object); empty when unset."""
-    raw = os.environ.get("REGEN_STORAGE_OPTIONS", "").strip()
-    if not raw:
-        return {}
-    try:
-        options = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise ConfigError(f"REGEN_STORAGE_OPTIONS is not valid JSON: {exc}") from None
-    if not isinstance(options, dict):
-        raise ConfigError("REGEN_STORAGE_OPTIONS must be a JSON object")
-    return options
+from app.settings import current
 
 
 class Storage:
@@ -62,7 +49,7 @@ class Storage:
     def __init__(self, root: str, **storage_options):
         self.url = root
         if "://" in root and not root.startswith("file://"):
-            storage_options = {**env_storage_options(), **storage_options}
+            storage_options = {**current().storage_options, **storage_options}
         self.fs, self.root = fsspec.core.url_to_fs(root, **storage_options)
         self.is_local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
         if self.is_local:

@@ -1,34 +1,65 @@
-"""The Celery app as a worker process sees it: tasks registered, the engine closed at shutdown.
+"""The Celery app as a worker process sees it: `build_worker_app(settings)` registers the tasks, guards the
+transport (workers/message_guard.py) and connects the worker's signals (engine built, heap frozen, watchers
+started, engine closed at shutdown).
 
-`python -m workers.worker_main` (started by `regen worker`) builds the engine, then runs a worker on this
-app. Started any other way (`celery -A workers.celery_worker worker --pool solo`), the engine is built in
-`worker_process_init` instead.
+Importing this module does none of that: an app and its signal handlers exist only once an entry point asks.
+`python -m workers.worker_main` (started by `regen worker`) builds the engine, then calls `build_worker_app`.
+Celery's own command line (`celery -A workers.celery_worker worker --pool solo`) asks this module for its
+`celery` attribute, which is built on that first access from the environment's settings; the engine is then
+built in `worker_process_init`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 
+from celery import Celery
 from celery.signals import worker_process_init, worker_process_shutdown, worker_ready, worker_shutdown
 
 from app.celery_app import create_app
+from app.settings import Settings, install
 from workers.message_guard import install as guard_messages
 from workers.tasks import register
 
 log = logging.getLogger("regen.worker")
 
-celery = create_app()
-guard_messages(celery)  # a message that cannot be decoded is set aside, not fatal (workers/message_guard.py)
-register(celery)
-if os.environ.get("REGEN_BENCH_TASKS") == "1":  # the fleet bench's in-worker baseline (workers/bench_task.py)
-    from workers.bench_task import register_bench
 
-    register_bench(celery)
+def build_worker_app(settings: Settings) -> Celery:
+    """The worker's Celery app on `settings.broker`: tasks registered (the fleet bench's too with
+    `REGEN_BENCH_TASKS=1`), undecodable messages set aside instead of fatal, the worker's signals connected."""
+    celery = create_app(settings.broker)
+    guard_messages(celery)
+    register(celery)
+    if settings.bench_tasks:  # the fleet bench's in-worker baseline (workers/bench_task.py)
+        from workers.bench_task import register_bench
+
+        register_bench(celery)
+    connect_worker_signals(celery)
+    return celery
 
 
-@worker_process_init.connect
+def connect_worker_signals(celery: Celery) -> None:
+    """Connect the handlers below, once per process (Celery's signals are process-wide; `dispatch_uid` keeps a
+    second call from connecting them twice)."""
+    worker_process_init.connect(_build_engine, weak=False, dispatch_uid="regen.build_engine")
+    worker_ready.connect(_freeze_heap, weak=False, dispatch_uid="regen.freeze_heap")
+    worker_ready.connect(functools.partial(_start_watchers, celery), weak=False, dispatch_uid="regen.watchers")
+    worker_shutdown.connect(_close_engine, weak=False, dispatch_uid="regen.close_engine")
+    worker_process_shutdown.connect(_close_engine, weak=False, dispatch_uid="regen.close_engine.process")
+
+
+def __getattr__(name: str) -> Celery:
+    """`celery`: the app Celery's command line finds here (`celery -A workers.celery_worker`), built on first
+    access with this process's settings read from the environment."""
+    if name != "celery":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    app = globals()["celery"] = build_worker_app(install(Settings.from_env()))
+    return app
+
+
 def _build_engine(**_):
     from workers.context import WorkerContext
 
@@ -40,7 +71,6 @@ def _build_engine(**_):
         os._exit(70)
 
 
-@worker_ready.connect
 def _freeze_heap(**_):
     """Once the consumer runs, this process's start-up heap is frozen out of full collections (workers/heap.py)."""
     from workers.heap import freeze_startup_heap
@@ -48,8 +78,7 @@ def _freeze_heap(**_):
     log.info("worker process: %d start-up objects frozen out of garbage collection", freeze_startup_heap())
 
 
-@worker_ready.connect
-def _start_watchers(**_):
+def _start_watchers(celery: Celery, **_):
     """The engine watchdog (workers/engine/watch.py), and the sweep of this host's dead attempts' temporaries
     (workers/inflight.py; in a thread: storage may be slow to answer)."""
     import threading
@@ -63,8 +92,6 @@ def _start_watchers(**_):
                      daemon=True).start()
 
 
-@worker_shutdown.connect
-@worker_process_shutdown.connect
 def _close_engine(**_):
     from workers.context import WorkerContext
 

@@ -1,7 +1,8 @@
 """What one worker process holds for its whole life: the engine, the model's identity and its settings.
 
-Built once in `worker_process_init` (never per task) from `REGEN_WORKER_CONFIG`, a JSON object the
-supervisor (`regen worker`) puts in the child's environment together with `CUDA_VISIBLE_DEVICES`.
+Built once per process (never per task) from `REGEN_WORKER_CONFIG`, a JSON object the supervisor (`regen worker`)
+puts in the child's environment together with `CUDA_VISIBLE_DEVICES` (workers/process_env.py), and which the
+child's settings carry (app/settings.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 
 from app.model_info import ModelInfo, read_model_info
 from app.quality import StubWindow
+from app.settings import Settings
+from app.settings import current as current_settings
 from workers.scheduling import ENV as SIDE_THREADS_ENV
 from workers.scheduling import POLICY_NAMES, lower_priority, name_thread, side_threads_policy
 
@@ -41,13 +44,13 @@ class WorkerConfig:
     self_test: bool = True
 
     @classmethod
-    def from_env(cls) -> WorkerConfig:
-        raw = os.environ.get("REGEN_WORKER_CONFIG")
-        if not raw:
+    def from_settings(cls, settings: Settings) -> WorkerConfig:
+        """The config `regen worker` handed this child process (`REGEN_WORKER_CONFIG`)."""
+        if not settings.worker_config:
             from app.errors import ConfigError
 
             raise ConfigError("REGEN_WORKER_CONFIG is not set: start workers with `regen worker`")
-        return cls(**json.loads(raw))
+        return cls(**json.loads(settings.worker_config))
 
     def to_env(self) -> str:
         return json.dumps(self.__dict__)
@@ -69,7 +72,7 @@ def scratch_root(need_bytes: int = 0) -> str:
     """
     from app.errors import ConfigError
 
-    explicit = os.environ.get("REGEN_SCRATCH")
+    explicit = current_settings().scratch
     if explicit:
         os.makedirs(explicit, exist_ok=True)
     candidates = [explicit] if explicit else [p for p in (SHM, tempfile.gettempdir()) if os.path.isdir(p)]
@@ -113,7 +116,7 @@ class WorkerContext:
         if cls.current is None:
             with cls._building:
                 if cls.current is None:
-                    cls.current = WorkerContext(WorkerConfig.from_env())
+                    cls.current = WorkerContext(WorkerConfig.from_settings(current_settings()))
         return cls.current
 
     def __init__(self, config: WorkerConfig):

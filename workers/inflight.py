@@ -28,12 +28,14 @@ from dataclasses import dataclass, field
 import orjson
 
 from app.liveness import heartbeat_seconds, identity, process_alive
+from app.settings import current
 
 log = logging.getLogger("regen.inflight")
 
 
 def state_dir() -> str:
-    return os.environ.get("REGEN_STATE_DIR") or f"/var/tmp/regen-{os.getuid()}"
+    """This host's local journal folder (`REGEN_STATE_DIR`, default /var/tmp/regen-UID; app/settings.py)."""
+    return current().state_dir
 
 
 @dataclass(eq=False)

@@ -20,6 +20,8 @@ import logging
 import os
 import threading
 
+from app.settings import current
+
 log = logging.getLogger("regen.worker")
 
 ENV = "REGEN_SIDE_THREADS"
@@ -33,8 +35,9 @@ POLICY_NAMES = {IDLE: "SCHED_IDLE", BATCH: f"SCHED_BATCH at nice {BATCH_NICE}"}
 def side_threads_policy(device: str) -> str | None:
     """How this worker's side threads yield to the engine: IDLE, BATCH, or None (the normal policy).
 
-    By default SCHED_BATCH at nice 19 on the CPU only; `REGEN_SIDE_THREADS=idle|batch|normal` chooses."""
-    choice = os.environ.get(ENV, "").strip().lower()
+    By default SCHED_BATCH at nice 19 on the CPU only; `REGEN_SIDE_THREADS=idle|batch|normal` chooses (read
+    with the process's settings, app/settings.py)."""
+    choice = current().side_threads
     if choice in (IDLE, BATCH):
         return choice
     if choice == "normal":

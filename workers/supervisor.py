@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from app.config import mask_url
 from workers.context import WorkerConfig
+from workers.process_env import worker_child_env
 
 log = logging.getLogger("regen.supervisor")
 
@@ -46,18 +47,7 @@ class Supervisor:
         self.stopping = threading.Event()
         self.children: list[Child] = []
         for config, visible in configs:
-            env = dict(os.environ)
-            env.update(extra_env or {})
-            env["REGEN_WORKER_CONFIG"] = config.to_env()
-            env["REGEN_BROKER_URL"] = broker_url
-            env["REGEN_QUEUES"] = queues
-            env.setdefault("HF_HUB_OFFLINE", "1")
-            env.setdefault("PYTHONUNBUFFERED", "1")
-            if visible is None:
-                env["CUDA_VISIBLE_DEVICES"] = ""
-            else:
-                env["CUDA_VISIBLE_DEVICES"] = visible
-            self.children.append(Child(config, env))
+            self.children.append(Child(config, worker_child_env(config, visible, broker_url, queues, extra_env)))
 
     def _start(self, child: Child) -> None:
         out = None

@@ -58,11 +58,10 @@ DEFER_SECONDS = 30  # a copy of a shard this process runs (same message) is look
 
 def missing_run_retries() -> int:
     """Retries (5, 10, 20 ... s apart) of a task whose run is not on storage (`REGEN_MISSING_RUN_RETRIES`,
-    default 5, about 2.5 minutes in all): long enough for a late NFS mount, not forever."""
-    try:
-        return max(0, int(os.environ.get("REGEN_MISSING_RUN_RETRIES") or 5))
-    except ValueError:
-        return 5
+    default 5, about 2.5 minutes in all; app/settings.py): long enough for a late NFS mount, not forever."""
+    from app.settings import current
+
+    return current().missing_run_retries
 
 
 def _backoff(retries: int) -> int:

@@ -1,8 +1,9 @@
 """Entry point of one worker process (one per GPU, or one on the CPU).
 
-Started by `regen worker` with CUDA_VISIBLE_DEVICES and REGEN_WORKER_CONFIG already set, so nothing touches
-CUDA before the device is pinned. The engine is built and self-tested *before* the Celery consumer starts,
-so a broken engine never takes a shard (exit 70: the supervisor restarts it with backoff).
+Started by `regen worker` with CUDA_VISIBLE_DEVICES and REGEN_WORKER_CONFIG already set (workers/process_env.py),
+so nothing touches CUDA before the device is pinned. It reads its settings once (app/settings.py); the engine is
+built and self-tested *before* the Celery app is built with them (workers/celery_worker.build_worker_app) and its
+consumer starts, so a broken engine never takes a shard (exit 70: the supervisor restarts it with backoff).
 
 Pool: Celery's thread pool, every slot feeding the one engine thread (workers/engine/in_process.py; on the CPU that engine
 lives in a child process of this one, workers/engine/process.py); `regen worker` sizes
@@ -21,26 +22,28 @@ import sys
 
 
 def main() -> None:
-    queues = os.environ.get("REGEN_QUEUES", "regen")
-    logging.basicConfig(level=os.environ.get("REGEN_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    from workers.context import WorkerContext
+    from app.settings import Settings, install
 
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
+        settings = install(Settings.from_env())  # this process's settings, read once (app/settings.py)
+        logging.getLogger().setLevel(settings.log_level)
+        from workers.context import WorkerContext
+
         config = WorkerContext.get().config
-    except BaseException:  # an engine that cannot start must not consume shards
+    except BaseException:  # an engine that cannot start (or a malformed setting) must not consume shards
         logging.getLogger("regen.worker").exception("worker start-up failed")
         sys.stderr.flush()
         os._exit(70)
-    from workers.celery_worker import celery
+    from workers.celery_worker import build_worker_app
 
-    celery.worker_main([
+    build_worker_app(settings).worker_main([
         "worker",
         "--pool=threads",
         f"--concurrency={config.task_slots}",
         f"--hostname={config.hostname}",
-        f"--queues={queues}",
-        f"--loglevel={os.environ.get('REGEN_LOG_LEVEL', 'INFO')}",
+        f"--queues={settings.queues}",
+        f"--loglevel={settings.log_level}",
         "--without-mingle",
         "--task-events",
     ])

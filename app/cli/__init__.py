@@ -3,8 +3,10 @@
 Each module here holds the commands of one floor below it: `produce` (producer/), `worker` and `run` (workers/;
 `run` drives the producer too), `ops` (app/ops/), `data` (app/data/).
 
-Errors regen raises on purpose (`RegenError`) are printed as one line and exit with status 2; a traceback
-means a bug. Subcommands are imported lazily enough that `regen --help` never imports vLLM or torch.
+Each command runs with its settings read from the environment once, on first use, so `--help` reads nothing
+(app/settings.py); shared flags are defined once in app/cli/options.py. Errors regen raises on purpose
+(`RegenError`) are printed as one line and exit with status 2; a traceback means a bug. Subcommands are
+imported lazily enough that `regen --help` never imports vLLM or torch.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import click
 
 from app.config import mask_text
 from app.errors import RegenError
+from app.settings import scope as settings_scope
 
 
 class RegenGroup(click.Group):
     def invoke(self, ctx):
         try:
-            return super().invoke(ctx)
+            with settings_scope():  # the command's settings: the environment, read once on first use
+                return super().invoke(ctx)
         except RegenError as exc:
             click.echo(f"regen: error: {mask_text(str(exc))}", err=True)
             sys.exit(2)

@@ -11,7 +11,9 @@ import sys
 import click
 import orjson
 
-_storage = click.option("--storage", envvar="REGEN_STORAGE", required=True, help="Storage root [env REGEN_STORAGE].")
+from app.cli.options import STORAGE_HELP, storage_option
+
+_storage = storage_option(required=True, help=STORAGE_HELP)
 
 
 def _console(stderr: bool = False):

@@ -12,7 +12,9 @@ import time
 
 import click
 
-from app.config import DEFAULT_VISIBILITY_TIMEOUT, BrokerSettings, mask_url
+from app.cli.options import BROKER_HELP, STORAGE_HELP, broker_option, storage_option
+from app.config import DEFAULT_VISIBILITY_TIMEOUT, mask_url
+from app.settings import current
 
 
 def collect(storage_root: str, run_id: str | None, broker_url: str, inspect_timeout: float,
@@ -63,8 +65,8 @@ def _run_line(s: dict) -> dict:
 
 @click.command("status")
 @click.argument("run_id", required=False)
-@click.option("--storage", envvar="REGEN_STORAGE", required=True, help="Storage root [env REGEN_STORAGE].")
-@click.option("--broker", envvar="REGEN_BROKER_URL", default=None, help="Broker URL [env REGEN_BROKER_URL].")
+@storage_option(required=True, help=STORAGE_HELP)
+@broker_option(help=BROKER_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print one complete JSON object instead of tables.")
 @click.option("--watch", is_flag=True, help="Refresh every --interval seconds until Ctrl-C.")
 @click.option("--interval", type=click.FloatRange(min=0.5), default=5.0, show_default=True)
@@ -79,7 +81,7 @@ def status(run_id, storage, broker, as_json, watch, interval, inspect_timeout, s
 
     from app.ops.status_view import render
 
-    url = BrokerSettings.from_env(broker).url
+    url = current().broker_for(broker).url
     scanners: dict = {}
 
     def snapshot() -> dict:
@@ -106,15 +108,15 @@ def status(run_id, storage, broker, as_json, watch, interval, inspect_timeout, s
 @click.command("metrics")
 @click.option("--port", type=click.IntRange(0, 65535), default=9808, show_default=True)
 @click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
-@click.option("--storage", envvar="REGEN_STORAGE", required=True, help="Storage root [env REGEN_STORAGE].")
-@click.option("--broker", envvar="REGEN_BROKER_URL", default=None, help="Broker URL [env REGEN_BROKER_URL].")
+@storage_option(required=True, help=STORAGE_HELP)
+@broker_option(help=BROKER_HELP)
 @click.option("--run", "runs", multiple=True, help="Runs to export (repeatable) [default: every run under the root].")
 @click.option("--queue", "queues", multiple=True, help="Extra queues whose length to export (repeatable).")
 def metrics(port, addr, storage, broker, runs, queues):
     """Serve Prometheus metrics computed on each scrape: queue lengths, shards, tokens/s, stub rate, busy time."""
     from app.ops.metrics import serve
 
-    url = BrokerSettings.from_env(broker).url
+    url = current().broker_for(broker).url
     server, _thread = serve(addr, port, storage, url, list(runs), list(queues))
     click.echo(f"regen metrics: http://{addr}:{server.server_port}/metrics (broker {mask_url(url)})", err=True)
     try:

@@ -20,6 +20,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from app.cli.options import broker_option, model_option, storage_option
 from app.config import DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
 from app.errors import ConfigError
 from app.manifest import CAPTURE_MODES
@@ -51,10 +52,8 @@ def _broker_options(f):
     f = click.option("--max-pending", type=click.IntRange(min=0), default=None,
                      help="Wait while more than N shards wait in the queue (Redis brokers).")(f)
     f = click.option("--queue", default=DEFAULT_QUEUE, show_default=True, help="Celery queue to publish to.")(f)
-    f = click.option("--broker", envvar="REGEN_BROKER_URL", default=None,
-                     help="Broker URL [env REGEN_BROKER_URL; default redis://127.0.0.1:6379/0].")(f)
-    f = click.option("--storage", envvar="REGEN_STORAGE", default=None,
-                     help="Storage root (path or URL) [env REGEN_STORAGE].")(f)
+    f = broker_option(help="Broker URL [env REGEN_BROKER_URL; default redis://127.0.0.1:6379/0].")(f)
+    f = storage_option(help="Storage root (path or URL) [env REGEN_STORAGE].")(f)
     return f
 
 
@@ -62,7 +61,7 @@ def _broker_options(f):
 @click.argument("inputs", nargs=-1)
 @click.option("--run", "run_id", default=None, help="Run id [default: the first input's file name].")
 @_broker_options
-@click.option("--model", envvar="REGEN_MODEL", default=None, help="Local target-model folder (config + tokenizer).")
+@model_option(help="Local target-model folder (config + tokenizer).")
 @click.option("--shard-size", type=click.IntRange(min=1), default=DEFAULT_SHARD_SIZE, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS, show_default=True,
               help="Response token cap per turn.")

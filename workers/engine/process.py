@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from app.errors import EngineDead, EngineLost
+from app.settings import Settings, current, install
 from workers.engine.in_process import (
     Engine,
     EngineOptions,
@@ -63,7 +64,7 @@ class EngineHost:
         self.options = options
         context = multiprocessing.get_context("spawn")  # fork would copy this process's threads' locks
         self._conn, child_end = context.Pipe()
-        self._proc = context.Process(target=_serve, args=(options, child_end, os.getpid()),
+        self._proc = context.Process(target=_serve, args=(options, child_end, os.getpid(), current()),
                                      name="regen-engine-host", daemon=False)
         self._proc.start()
         child_end.close()
@@ -240,15 +241,17 @@ def _exit_status(code: int | None) -> str:
 
 
 # The child process ----------------------------------------------------------------------------------------
-def _serve(options: EngineOptions, conn, parent_pid: int) -> None:
-    """The engine host's main: build the engine, then run what the worker sends until told to stop."""
+def _serve(options: EngineOptions, conn, parent_pid: int, settings: Settings) -> None:
+    """The engine host's main: build the engine, then run what the worker sends until told to stop. It runs
+    under the worker's settings (app/settings.py), handed over rather than read again."""
+    install(settings)
     _die_with_parent(parent_pid)
     name_thread(PROCESS_NAME)  # the main thread's name is the process's: `ps`, `top` and tests tell it apart
     # Ctrl-C reaches the whole process group and `regen worker` may signal it too: the worker decides when its
     # engine stops (a warm shutdown finishes its shards first), and its death takes this process with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=os.environ.get("REGEN_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(levelname)s %(name)s[engine host]: %(message)s")
     try:
         engine = Engine(replace(options, host_process=False), read_captures=False)

@@ -1,0 +1,104 @@
+"""Settings are read once, in one place: every variable's default and parsing, the process's installed settings,
+and the code's rule that no other module reads the environment (app/settings.py)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from app.config import DEFAULT_BROKER_URL, DEFAULT_VISIBILITY_TIMEOUT, BrokerSettings
+from app.errors import ConfigError
+from app.settings import Settings, current, install, scope
+
+ROOT = Path(__file__).resolve().parents[2]
+CODE = [p for package in ("app", "producer", "workers") for p in sorted((ROOT / package).rglob("*.py"))]
+
+
+def test_an_empty_environment_gives_every_default():
+    s = Settings.from_env({})
+    assert s.broker == BrokerSettings(DEFAULT_BROKER_URL, DEFAULT_VISIBILITY_TIMEOUT, None)
+    assert (s.storage_options, s.heartbeat_s, s.scratch, s.side_threads, s.missing_run_retries) == ({}, 30.0, None, "", 5)
+    assert (s.log_level, s.queues, s.worker_config, s.bench_tasks) == ("INFO", "regen", None, False)
+    assert s.state_dir == f"/var/tmp/regen-{os.getuid()}" == Settings().state_dir
+
+
+def test_each_variable_reaches_its_field():
+    s = Settings.from_env({
+        "REGEN_BROKER_URL": "redis://:pw@h:1/2", "REGEN_VISIBILITY_TIMEOUT": "60",
+        "REGEN_UNACKED_RESTORE_INTERVAL": "5", "REGEN_STORAGE_OPTIONS": '{"anon": true}', "REGEN_HEARTBEAT_S": "0.1",
+        "REGEN_STATE_DIR": "/x/state", "REGEN_SCRATCH": "/x/scratch", "REGEN_SIDE_THREADS": " IDLE ",
+        "REGEN_MISSING_RUN_RETRIES": "-3", "REGEN_LOG_LEVEL": "DEBUG", "REGEN_QUEUES": "regen,regen.capture",
+        "REGEN_WORKER_CONFIG": '{"model": "m"}', "REGEN_BENCH_TASKS": "1"})
+    assert s.broker == BrokerSettings("redis://:pw@h:1/2", 60, 5)
+    assert s.storage_options == {"anon": True}
+    assert s.heartbeat_s == 0.5 and s.missing_run_retries == 0  # clamped, as the lease and retry loops need
+    assert (s.state_dir, s.scratch, s.side_threads, s.log_level) == ("/x/state", "/x/scratch", "idle", "DEBUG")
+    assert (s.queues, s.worker_config, s.bench_tasks) == ("regen,regen.capture", '{"model": "m"}', True)
+    assert s.broker_for("redis://other/0").url == "redis://other/0" and s.broker_for(None).url == s.broker.url
+    assert s.broker_for(visibility_timeout=7).visibility_timeout == 7
+
+
+def test_unparsable_numbers_fall_back_where_they_always_did_and_fail_where_they_always_did():
+    assert Settings.from_env({"REGEN_HEARTBEAT_S": "soon", "REGEN_MISSING_RUN_RETRIES": "many"}).heartbeat_s == 30.0
+    with pytest.raises(ConfigError, match="REGEN_VISIBILITY_TIMEOUT='4h' is not an integer"):
+        Settings.from_env({"REGEN_VISIBILITY_TIMEOUT": "4h"})
+    with pytest.raises(ConfigError, match="REGEN_STORAGE_OPTIONS is not valid JSON"):
+        Settings.from_env({"REGEN_STORAGE_OPTIONS": "{endpoint"})
+    with pytest.raises(ConfigError, match="REGEN_STORAGE_OPTIONS must be a JSON object"):
+        Settings.from_env({"REGEN_STORAGE_OPTIONS": "[1]"})
+
+
+def test_a_scope_reads_the_environment_once_and_ends_with_its_block(monkeypatch):
+    monkeypatch.setenv("REGEN_HEARTBEAT_S", "7")
+    with scope():
+        monkeypatch.setenv("REGEN_HEARTBEAT_S", "8")  # not read yet: the first current() reads
+        first = current()
+        monkeypatch.setenv("REGEN_HEARTBEAT_S", "9")
+        assert current() is first and first.heartbeat_s == 8
+        with scope(Settings(heartbeat_s=3)):
+            assert current().heartbeat_s == 3
+        assert current() is first
+    assert current().heartbeat_s == 9  # outside every scope: the environment as it is now
+
+
+def test_installed_settings_are_the_processs_and_broker_settings_follow_them(monkeypatch):
+    import app.settings as settings_module
+
+    monkeypatch.setattr(settings_module, "_scopes", [])  # this test's process-wide state, restored after it
+    monkeypatch.setenv("REGEN_VISIBILITY_TIMEOUT", "99")
+    install(Settings.from_env())
+    monkeypatch.setenv("REGEN_VISIBILITY_TIMEOUT", "11")
+    assert BrokerSettings.from_env().visibility_timeout == 99
+    assert BrokerSettings.from_env("redis://given/0", 5) == BrokerSettings("redis://given/0", 5, None)
+
+
+def _environ_uses(path: Path) -> list[tuple[int, str]]:
+    """(line, what) for each `os.environ`, `os.getenv`, `os.putenv` or bare `environ` in a module."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "putenv", "unsetenv"):
+            out.append((node.lineno, node.attr))
+        elif isinstance(node, ast.Name) and node.id in ("environ", "getenv"):
+            out.append((node.lineno, node.id))
+    return out
+
+
+def test_only_the_settings_module_reads_the_environment_and_only_process_env_writes_it():
+    allowed = {ROOT / "app" / "settings.py", ROOT / "workers" / "process_env.py"}
+    found = [f"{p.relative_to(ROOT)}:{line} {what}" for p in CODE if p not in allowed for line, what in _environ_uses(p)]
+    assert not found, "\n".join(found)
+
+
+def test_flags_that_read_a_variable_are_declared_in_one_module():
+    declared = [f"{p.relative_to(ROOT)}" for p in CODE if "envvar=" in p.read_text()]
+    assert declared == ["app/cli/options.py"]
+
+
+def test_every_variable_the_code_names_is_documented():
+    names = {n for p in CODE for n in re.findall(r"\bREGEN_[A-Z0-9_]+\b", p.read_text())}
+    documented = set(re.findall(r"`(REGEN_[A-Z0-9_]+)`", (ROOT / "docs" / "configuration.md").read_text()))
+    assert len(names) > 15 and names <= documented, sorted(names - documented)
