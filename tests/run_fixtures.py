@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from app.hidden_file import encode_sample
+from app.ledger import dead_letter, record_attempt, record_attempt_error
 from app.storage import RunStore, Storage
 from tests.redis_urls import redis_url
-from workers.shard_output import dead_letter, publish_shard, record_attempt, record_attempt_error
+from workers.shard_output import publish_shard
 
 QUEUE = "regen-status-test"
 DONE = {  # shard -> (worker, samples, stubs, prompt tokens per sample, generated tokens per sample, seconds)

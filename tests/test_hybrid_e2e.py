@@ -20,6 +20,7 @@ from click.testing import CliRunner
 
 from app.cli import main
 from app.hidden_file import bf16_to_float32
+from app.ledger import attempt_errors
 from app.storage import RunStore, Storage
 from tests.conftest import redis_or_fail, wait_for, worker_env
 from tests.e2e_helpers import (
@@ -49,7 +50,6 @@ from tests.test_faults import (
     prompts_beyond_the_slots,
     report,
 )
-from workers.shard_output import attempt_errors
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
