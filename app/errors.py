@@ -41,7 +41,7 @@ class EngineDead(RegenError):
 
 class EngineLost(EngineDead):
     """The engine's process vanished (a signal, the OOM killer) without an error of its own: a crash of the
-    machine around a shard, counted as such (workers/shard_output.record_attempt), not as the shard's failure."""
+    machine around a shard, counted as such (app/ledger.record_attempt), not as the shard's failure."""
 
 
 class InvalidTask(RegenError):

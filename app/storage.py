@@ -17,7 +17,7 @@ Layout of a run, relative to the storage root (all names deterministic):
     {run}/captured/{shard}.json                  staged capture's marker: names the hidden file to read
     {run}/attempts/{shard}/{attempt}.json        one file per delivery that started the shard
     {run}/dead/{shard}.json                      dead letter: the shard failed too often, with its errors
-                                                 (the staged capture stage uses `{shard}.capture` as its key)
+                                                 (`{shard}` is a stage key throughout: app/ledger.stage_key)
     {run}/archive/{key}/{stamp}/                 a retried dead letter (`dead.json`) and its attempts, kept
                                                  for the record by `regen retry-dead`
     {run}/PAUSED.json                            present while the run is paused (reason inside)
@@ -195,7 +195,8 @@ class Storage:
 
 
 class RunStore:
-    """The paths and markers of one run inside a Storage; the only place that knows the run layout."""
+    """The paths and markers of one run inside a Storage; the only place that knows the run layout (what is
+    written at those paths, and when, is app/ledger.py's)."""
 
     def __init__(self, storage: Storage, run_id: str):
         self.storage = storage
@@ -244,6 +245,9 @@ class RunStore:
     def attempts_dir(self, shard: str) -> str:
         return self.rel("attempts", validate_id(shard, "shard id"))
 
+    def attempt_path(self, key: str, attempt: str) -> str:
+        return f"{self.attempts_dir(key)}/{attempt}.json"
+
     def archive_dir(self, key: str, stamp: str) -> str:
         """Where `regen retry-dead` keeps a dead letter and its attempts once it re-sends the shard."""
         return self.rel("archive", validate_id(key, "shard id"), validate_id(stamp, "archive stamp"))
@@ -271,11 +275,5 @@ class RunStore:
         return self._markers("captured")
 
     def dead_shards(self) -> set[str]:
-        """Dead-lettered keys: shard ids, and `{shard}.capture` for the staged capture stage."""
+        """Dead-lettered stage keys (app/ledger.py reads them back into shard and stage)."""
         return self._markers("dead")
-
-    def pause_state(self) -> dict | None:
-        try:
-            return self.storage.read_json(self.pause_path)
-        except FileNotFoundError:
-            return None

@@ -23,6 +23,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from app import ledger
 from app.errors import ConfigError
 from app.ids import validate_id
 from app.manifest import load, open_or_create
@@ -110,7 +111,7 @@ def plain_input_bytes(paths: list[str]) -> int:
     return sum(os.path.getsize(p) * (4 if p.lower().endswith(".zst") else 1) for p in paths)
 
 
-def _storage_url(storage: Storage) -> str:
+def storage_url_for_workers(storage: Storage) -> str:
     """What workers get: an absolute path for local storage (a relative one means nothing on another host)."""
     return storage.root if storage.is_local else storage.url
 
@@ -170,13 +171,13 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
         check_producer_settings(state and state.get("producer_settings"), producer_settings(opts), run_id)
         if state and state.get("complete"):
             return ProduceResult(run_id, "already_produced", Accounting(**_counts_only(state["counts"])), paths,
-                                 storage_url=_storage_url(store.storage))
+                                 storage_url=storage_url_for_workers(store.storage))
     if opts.dry_run:
         return _dry_run(opts, run_id, paths, model, layers, progress)
 
-    storage_url = _storage_url(store.storage)
+    storage_url = storage_url_for_workers(store.storage)
     done = store.done_shards()
-    dead = {k for k in store.dead_shards() if not k.endswith(".capture")}
+    dead = ledger.dead(store, ledger.GENERATE)
     only = opts.only_shards
     acc = Accounting()
     started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
@@ -200,7 +201,7 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
             acc.shards_sent += 1
             acc.samples_sent += len(shard.samples)
         if opts.resume and only is None and settings["capture_mode"] == "staged":
-            resend_missing_captures(store, sender.app, storage_url)
+            send_captures(store, sender.app, storage_url, settings, ledger.missing_captures(store))
     acc.check_identity()
     write_produce_state(store, producer_settings=psettings, accounting=acc, complete=True, queue=opts.queue,
                         started=started)
@@ -208,18 +209,17 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
     return ProduceResult(run_id, "produced", acc, paths, storage_url=storage_url)
 
 
-def resend_missing_captures(store: RunStore, app, storage_url: str) -> int:
-    """Staged runs: a shard generated but never captured (its capture message was lost) gets one again."""
+def send_captures(store: RunStore, app, storage_url: str, settings: dict, shards: list[str]) -> int:
+    """Send a staged capture task for each of `shards` (generated, not captured) on the run's capture queue:
+    `--resume` for captures whose message was lost, `regen retry-dead` for dead-lettered ones."""
     from app.celery_app import CAPTURE_TASK
     from app.config import DEFAULT_CAPTURE_QUEUE
 
-    captured = store.captured_shards()
-    dead = store.dead_shards()
-    missing = sorted(s for s in store.done_shards() if s not in captured and f"{s}.capture" not in dead)
-    for shard in missing:
+    queue = settings.get("capture_queue", DEFAULT_CAPTURE_QUEUE)
+    for shard in shards:
         app.send_task(CAPTURE_TASK, kwargs={"run_id": store.run_id, "storage": storage_url, "shard_id": shard},
-                      queue=DEFAULT_CAPTURE_QUEUE)
-    return len(missing)
+                      queue=queue)
+    return len(shards)
 
 
 def _counts_only(counts: dict | None) -> dict:

@@ -4,9 +4,9 @@ Why not delete `dead/*.json` by hand: the dead letter and the attempts are the r
 the attempts would still count against it (the first new delivery would dead-letter it again at once). So each
 chosen dead letter is archived with every attempt record of its key under `{run}/archive/{key}/{stamp}/`
 (`dead.json`, `attempts/*.json`), then the attempts and the letter are removed, letter last: a retry cut short
-leaves the shard dead, and running the command again finishes it. Then the shards are re-sent: generation
-shards through `produce --resume` restricted to them (the inputs are re-read; shards are deterministic), a
-staged capture key (`{shard}.capture`) as a capture task for its done shard.
+leaves the shard dead, and running the command again finishes it (app/ledger.archive_dead). Then the shards are
+re-sent: generation shards through `produce --resume` restricted to them (the inputs are re-read; shards are
+deterministic), a staged capture's key as a capture task for its done shard.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ from dataclasses import dataclass, field, replace
 
 from app.errors import ConfigError
 from app.ids import validate_id
+from app.ledger import CAPTURE, GENERATE, archive_dead, split_key
 from app.storage import RunStore, Storage
 from producer.run_setup import ProduceOptions
-
-CAPTURE_SUFFIX = ".capture"
 
 
 @dataclass
@@ -27,23 +26,6 @@ class RetryResult:
     archived: dict[str, str] = field(default_factory=dict)  # key -> archive folder
     sent: int = 0
     captures: int = 0
-
-
-def archive_dead(store: RunStore, key: str, stamp: str) -> str:
-    """Move `key`'s dead letter and attempt records under `archive/{key}/{stamp}/`; return that folder."""
-    from workers.shard_output import sweep_temporaries
-
-    storage = store.storage
-    folder = store.archive_dir(key, stamp)
-    storage.write_json(f"{folder}/dead.json", storage.read_json(store.dead_path(key)))
-    sweep_temporaries(store, key, stale_after=None)  # what its dead attempts left half-written
-    names = [n for n in storage.listdir(store.attempts_dir(key)) if n.endswith(".json") and not n.startswith(".")]
-    for name in names:
-        storage.write_bytes(f"{folder}/attempts/{name}", storage.read_bytes(f"{store.attempts_dir(key)}/{name}"))
-    for name in names:
-        storage.delete(f"{store.attempts_dir(key)}/{name}")
-    storage.delete(store.dead_path(key))
-    return folder
 
 
 def retry_dead(opts: ProduceOptions, shards: list[str]) -> RetryResult:
@@ -63,18 +45,25 @@ def retry_dead(opts: ProduceOptions, shards: list[str]) -> RetryResult:
     result = RetryResult()
     if not chosen:
         return result
-    _preflight(store, opts, any(not k.endswith(CAPTURE_SUFFIX) for k in chosen))
+    by_stage = {stage: [shard for shard, s in map(split_key, chosen) if s == stage] for stage in (GENERATE, CAPTURE)}
+    _preflight(store, opts, bool(by_stage[GENERATE]))
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
     for key in chosen:
         result.archived[key] = archive_dead(store, key, stamp)
-    generate = frozenset(k for k in chosen if not k.endswith(CAPTURE_SUFFIX))
-    if generate:
+    if by_stage[GENERATE]:
         from producer.produce import produce
 
-        result.sent = produce(replace(opts, resume=True, only_shards=generate)).accounting.shards_sent
-    captures = [k[: -len(CAPTURE_SUFFIX)] for k in chosen if k.endswith(CAPTURE_SUFFIX)]
-    if captures:
-        result.captures = _send_captures(store, opts, captures)
+        only = frozenset(by_stage[GENERATE])
+        result.sent = produce(replace(opts, resume=True, only_shards=only)).accounting.shards_sent
+    if by_stage[CAPTURE]:
+        from app.celery_app import create_app
+        from app.config import BrokerSettings
+        from app.manifest import load
+        from producer.produce import send_captures, storage_url_for_workers
+
+        app = create_app(BrokerSettings.from_env(opts.broker))
+        result.captures = send_captures(store, app, storage_url_for_workers(store.storage), load(store)["settings"],
+                                        by_stage[CAPTURE])
     return result
 
 
@@ -100,17 +89,3 @@ def _preflight(store: RunStore, opts: ProduceOptions, resends_inputs: bool) -> N
     except Exception as exc:  # kombu's OperationalError and the socket errors under it
         raise ConfigError(f"broker {broker.masked_url} does not answer ({exc}); nothing was archived") from exc
 
-
-def _send_captures(store: RunStore, opts: ProduceOptions, shards: list[str]) -> int:
-    from app.celery_app import CAPTURE_TASK, create_app
-    from app.config import DEFAULT_CAPTURE_QUEUE, BrokerSettings
-    from app.manifest import load
-
-    settings = load(store)["settings"]
-    storage_url = store.storage.root if store.storage.is_local else store.storage.url
-    app = create_app(BrokerSettings.from_env(opts.broker))
-    queue = settings.get("capture_queue", DEFAULT_CAPTURE_QUEUE)
-    for shard in shards:
-        app.send_task(CAPTURE_TASK, kwargs={"run_id": store.run_id, "storage": storage_url, "shard_id": shard},
-                      queue=queue)
-    return len(shards)

@@ -181,7 +181,7 @@ def report(store, storage: Path, run_id: str, args, faults: Counter, elapsed: fl
     from app.data.run_reader import RunReader
     from app.data.verify import verify_run
     from app.jsonl_zst import loads_jsonl_zst
-    from workers.shard_output import attempt_errors
+    from app.ledger import attempt_errors
 
     ids: Counter = Counter()
     for shard in store.done_shards():

@@ -37,7 +37,7 @@ class WorkerConfig:
     storage: str | None = None  # overrides the storage URL in messages (hosts may mount NFS elsewhere)
     hostname: str = field(default_factory=socket.gethostname)
     max_attempts: int = 5  # failed attempts (the shard's own errors) before a dead letter
-    max_crashes: int = 10  # processes that died holding the shard before a dead letter (workers/shard_output.py)
+    max_crashes: int = 10  # processes that died holding the shard before a dead letter (app/ledger.py)
     engine: dict = field(default_factory=dict)
     task_slots: int = 3  # Celery thread-pool slots (workers/devices.task_slots_for)
     encode_threads: int = 2  # threads checking and compressing hidden states (workers/devices.encode_threads_for)
@@ -173,7 +173,7 @@ class WorkerContext:
 
     @functools.cached_property
     def engine_record(self) -> dict:
-        """What attempt records say about this worker's engine (workers/shard_output.py)."""
+        """What attempt records say about this worker's engine (app/ledger.record_attempt)."""
         from app.manifest import software_versions
 
         return {"vllm": software_versions()["vllm"], "vllm_args": list(self.config.engine.get("vllm_args") or [])}

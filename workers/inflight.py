@@ -23,12 +23,21 @@ import contextlib
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 
 import orjson
 
+from app.ledger import (
+    MARKER_TEMPORARY_AGE,
+    renew_lease,
+    split_key,
+    sweep_marker_temporaries,
+    sweep_temporaries,
+)
 from app.liveness import heartbeat_seconds, identity, process_alive
 from app.settings import current
+from app.storage import RunStore, Storage
 
 log = logging.getLogger("regen.inflight")
 
@@ -45,7 +54,6 @@ class Claim:
     store: object | None = None  # RunStore, once the attempt is recorded
     attempt: str | None = None
     journal: str | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)  # lease renewals vs the attempt's own writes
 
 
 class InFlight:
@@ -95,37 +103,35 @@ class InFlight:
                 self._beat.start()
 
     def _beat_loop(self) -> None:
-        from workers.shard_output import renew_lease
-
+        """Renew every claimed attempt's lease; the ledger serialises a renewal with the attempt's own record
+        writes (a renewal of an attempt that recorded its error meanwhile leaves the record as it is)."""
         interval = heartbeat_seconds()
         while True:
             threading.Event().wait(interval)
             with self._lock:
                 claims = [c for c in self._claims.values() if c.attempt is not None]
             for c in claims:
-                with c.lock:
-                    if self._claims.get(c.key) is not c:  # ended meanwhile
-                        continue
-                    try:
-                        renew_lease(c.store, c.key[2], c.attempt)
-                    except Exception as exc:  # storage trouble: the attempt itself will meet it too
-                        log.warning("lease of %s/%s not renewed: %s", c.key[1], c.key[2], exc)
+                if self._claims.get(c.key) is not c:  # ended meanwhile
+                    continue
+                try:
+                    renew_lease(c.store, c.key[2], c.attempt)
+                except Exception as exc:  # storage trouble: the attempt itself will meet it too
+                    log.warning("lease of %s/%s not renewed: %s", c.key[1], c.key[2], exc)
 
 
 def sweep_dead_attempts(stale_after: float | None) -> int:
     """Remove the temporaries of this host's attempts whose process is gone; return how many files went.
 
-    Run at a worker's start (in a thread: storage may be slow). A journal entry whose storage cannot be reached
-    stays for the next start."""
-    from app.storage import RunStore, Storage
-    from workers.shard_output import sweep_temporaries
-
+    Run at a worker's start (in a thread: storage may be slow). Each dead attempt's shard folders are swept, then
+    each run's marker folders once for all its dead attempts' shards (the only marker-folder pass a worker makes);
+    a marker temporary too young to tell from a live duplicate's is looked at again once it is old enough. A
+    journal entry whose storage cannot be reached stays for the next start."""
     folder = os.path.join(state_dir(), "attempts")
     try:
         names = sorted(os.listdir(folder))
     except OSError:
         return 0
-    removed = 0
+    runs: dict[tuple[str, str], list[tuple[str, dict]]] = {}
     for name in names:
         path = os.path.join(folder, name)
         try:
@@ -135,17 +141,46 @@ def sweep_dead_attempts(stale_after: float | None) -> int:
             with contextlib.suppress(OSError):
                 os.unlink(path)
             continue
-        if process_alive(entry.get("pid"), entry.get("pid_start")):
-            continue
+        if not process_alive(entry.get("pid"), entry.get("pid_start")):
+            runs.setdefault((entry.get("storage"), entry.get("run_id")), []).append((path, entry))
+    removed, waiting = 0, []
+    for entries in runs.values():
         try:
-            store = RunStore(Storage(entry["storage"]), entry["run_id"])
+            store = RunStore(Storage(entries[0][1]["storage"]), entries[0][1]["run_id"])
+        except Exception as exc:
+            log.warning("could not sweep the dead attempts of run %s: %s", entries[0][1].get("run_id"), exc)
+            continue
+        swept, young = _sweep_run(store, entries, stale_after)
+        removed += swept
+        if young:
+            waiting.append((store, young))
+    if waiting:  # what a process killed seconds ago left in the marker folders: old enough after the wait
+        time.sleep(MARKER_TEMPORARY_AGE + 1)
+        for store, shards in waiting:
+            with contextlib.suppress(Exception):
+                removed += sweep_marker_temporaries(store, shards)[0]
+    if removed:
+        log.info("removed %d temporaries of this host's dead attempts", removed)
+    return removed
+
+
+def _sweep_run(store: RunStore, entries: list[tuple[str, dict]], stale_after: float | None) -> tuple[int, set]:
+    """Sweep one run's dead attempts (journal entries, removed once swept), then its marker folders once;
+    return (files removed, the shards whose marker temporaries were too young to remove yet)."""
+    removed, shards = 0, set()
+    for path, entry in entries:
+        try:
             removed += sweep_temporaries(store, entry["key"], stale_after)
         except Exception as exc:
             log.warning("could not sweep dead attempt %s of %s/%s: %s", entry.get("attempt"), entry.get("run_id"),
                         entry.get("key"), exc)
             continue
+        shards.add(split_key(entry["key"])[0])
         with contextlib.suppress(OSError):
             os.unlink(path)
-    if removed:
-        log.info("removed %d temporaries of this host's dead attempts", removed)
-    return removed
+    try:
+        swept, young = sweep_marker_temporaries(store, shards)
+    except Exception as exc:  # tidying only: the shard folders are swept
+        log.warning("could not sweep the marker folders of run %s: %s", store.run_id, exc)
+        return removed, set()
+    return removed + swept, shards if young else set()

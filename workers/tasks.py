@@ -1,25 +1,24 @@
 """The Celery tasks a worker runs, and the rules that make at-least-once delivery safe.
 
-Order inside `generate_shard`, and why:
+Order inside `generate_shard` (and `capture_shard`), and why:
 0. Arguments that cannot be a shard (wrong names or types, ids that could escape the storage root) -> recorded
    in the dead-message list (app/dead_messages.py) and acked; nothing else is touched.
-1. Another delivery of the same shard already runs in this process -> this one starts no attempt
+1. The engine already died (another slot saw it) -> the shard is re-published, the process exits for a restart.
+2. Another delivery of the same shard already runs in this process -> this one starts no attempt
    (workers/inflight.py: a different message is acked, the running one covers the shard; the same message,
    restored by the visibility timeout, is deferred with Celery's retry).
-2. Completion marker exists -> return at once (redelivery, a re-run, or a duplicate publish).
-3. Dead-lettered -> return (the shard failed too often; `regen status` shows why, `regen retry-dead` re-sends).
-4. Run paused -> drop the message (ack, no requeue); `regen resume-run` re-sends every shard without a
-   marker, so nothing is lost and paused shards do not bounce through Redis.
-5. The run is not on storage -> a few retries with backoff (storage mounted late), then recorded in the
-   dead-message list and acked, instead of retrying forever without an attempt record.
-6. Manifest mismatch (other model, layers or capture mode) -> refused, the error recorded as an attempt.
-7. Record this attempt on storage; at `max_attempts` failures of its own, or `max_crashes` processes that died
-   holding it, the shard is dead-lettered with every attempt (workers/shard_output.record_attempt).
-8. Generate, write outputs under attempt-specific names, create the completion marker exclusively.
-9. An engine that died: re-publish the shard, then exit the process *without* acking; the supervisor
-   restarts the worker (a new engine), and Redis' copy of the message is a harmless duplicate.
-Other failures (storage errors, bugs) are recorded on the attempt and retried with Celery's retry machinery
-(exponential backoff); the attempt count on storage, not Celery's retry count, decides the dead letter.
+3. The guards, in order (workers/task_guards.py, each testable alone): skip done, skip dead, drop when paused
+   (ack, no requeue: `regen resume-run` re-sends), require the run (not on storage -> a few retries with backoff,
+   then recorded in the dead-message list and acked), count the attempt (dead-letter past `max_attempts`
+   failures of its own or `max_crashes` processes that died holding it), check the manifest (another model or
+   layers -> the error recorded on the attempt, rejected with requeue).
+4. Generate, write outputs under attempt-specific names, create the completion marker exclusively; a generated
+   shard's records feed the run's stub window (pause on stubs).
+5. A failure is settled on storage (`settle_failure`): an engine that died -> re-publish the shard, then exit the
+   process *without* acking; the supervisor restarts the worker (a new engine), and Redis' copy of the message
+   is a harmless duplicate. A PermanentError -> dead-lettered at once. Other failures (storage errors, bugs) ->
+   retried with Celery's retry machinery (exponential backoff); the attempt count on storage, not Celery's
+   retry count, decides the dead letter.
 """
 
 from __future__ import annotations
@@ -32,24 +31,16 @@ import threading
 import time
 
 from celery import Task
-from celery.exceptions import Reject
 
 from app import dead_messages
 from app.celery_app import CAPTURE_TASK, GENERATE_TASK
-from app.errors import EngineDead, EngineLost, InvalidId, InvalidTask, ManifestMismatch, PermanentError
-from app.quality import StubWindow, is_stub
+from app.errors import InvalidId, InvalidTask
+from app.ledger import CAPTURE, GENERATE, stage_key
 from app.storage import RunStore, Storage
 from workers.context import WorkerContext
-from workers.inflight import Claim, InFlight
-from workers.shard_output import (
-    dead_letter,
-    hidden_file_stream,
-    new_attempt_id,
-    publish_shard,
-    record_attempt,
-    record_attempt_end,
-    record_attempt_error,
-)
+from workers.inflight import InFlight
+from workers.shard_output import hidden_file_stream, publish_shard
+from workers.task_guards import Delivery, Worker, pause_on_stubs, run_guards, settle_failure
 
 log = logging.getLogger("regen.tasks")
 RETRYABLE = (OSError, TimeoutError)
@@ -69,32 +60,8 @@ def _backoff(retries: int) -> int:
     return min(300, 5 * 2**retries)
 
 
-def check_manifest(ctx: WorkerContext, manifest: dict, stage: str) -> None:
-    settings = manifest["settings"]
-    problems = []
-    if settings["model"]["fingerprint"] != ctx.model.fingerprint:
-        problems.append(f"model fingerprint {settings['model']['fingerprint']} != loaded {ctx.model.fingerprint} "
-                        f"({ctx.model.path})")
-    needs_capture = settings["capture_mode"] == "inline" if stage == "generate" else True
-    if needs_capture:
-        want = settings["layers"]["vllm_ids"]
-        have = list(ctx.engine.options.capture_layers or [])
-        if want != have:
-            problems.append(f"capture layers (vLLM ids) {want} != engine's {have}")
-    if problems:
-        raise ManifestMismatch(f"run {manifest['run_id']}: worker {ctx.worker_name} refuses shard: "
-                               + "; ".join(problems))
-
-
 def _store(ctx: WorkerContext, storage_url: str, run_id: str) -> RunStore:
     return RunStore(Storage(ctx.config.storage or storage_url), run_id)
-
-
-def _manifest(ctx: WorkerContext, store: RunStore) -> dict:
-    key = f"{store.storage.url}|{store.run_id}"
-    if key not in ctx.manifests:
-        ctx.manifests[key] = store.storage.read_json(store.manifest_path)
-    return ctx.manifests[key]
 
 
 _dying = threading.Lock()
@@ -144,66 +111,6 @@ _inflight = _Running()
 _claims = InFlight()
 
 
-def _begin(task: Task, stage: str, ctx: WorkerContext, store: RunStore, shard_id: str, claim: Claim):
-    """Steps 2-7 above; returns (manifest, attempt) or None when there is nothing to do."""
-    run_id = store.run_id
-    key = shard_id if stage == "generate" else f"{shard_id}.capture"
-    done = store.is_done(shard_id) if stage == "generate" else store.storage.exists(store.captured_path(shard_id))
-    if done:
-        log.info("%s/%s: already done, skipping", run_id, shard_id)
-        return None
-    if store.storage.exists(store.dead_path(key)):
-        log.info("%s/%s: dead-lettered, skipping (regen retry-dead %s re-sends it)", run_id, shard_id, run_id)
-        return None
-    pause = store.pause_state()
-    if pause:
-        log.warning("%s paused (%s): dropping %s; resume-run re-sends it", run_id, pause.get("reason"), shard_id)
-        raise Reject("run paused", requeue=False)
-    try:
-        manifest = _manifest(ctx, store)
-    except FileNotFoundError:
-        raise InvalidTask(f"run {run_id} is not on storage {store.storage.url} (no run.json)") from None
-    attempt = new_attempt_id()
-    stale_after = _visibility_timeout(task.app)
-    counted = record_attempt(store, key, attempt, ctx.worker_name, stale_after=stale_after, stage=stage)
-    _claims.started(claim, store, attempt)
-    limits = ctx.config.max_attempts, ctx.config.max_crashes
-    if (counted.failures >= limits[0] or counted.crashes >= limits[1]) \
-            and not (stage == "generate" and store.is_done(shard_id)):
-        reason = (f"{counted.failures} attempts failed (limit {limits[0]})" if counted.failures >= limits[0] else
-                  f"{counted.crashes} worker processes died holding it (limit {limits[1]})")
-        with claim.lock:
-            record_attempt_end(store, key, attempt, f"not run, dead-lettered: {reason}")
-        dead_letter(store, key, f"{reason}: {counted.records - 1} attempts without success")
-        log.error("%s/%s dead-lettered: %s", run_id, shard_id, reason)
-        return None
-    try:
-        check_manifest(ctx, manifest, stage)
-    except ManifestMismatch as exc:
-        with claim.lock:
-            record_attempt_error(store, key, attempt, str(exc))
-        log.error("%s", exc)
-        raise Reject(str(exc), requeue=True) from None
-    return manifest, attempt
-
-
-def _after_records(ctx: WorkerContext, store: RunStore, manifest: dict, records: list[dict]) -> None:
-    """Feed the stub window; pause the run when the recent stub-or-empty rate crosses the threshold."""
-    q = manifest["settings"].get("quality", {})
-    window = ctx.windows.setdefault(store.run_id, StubWindow(int(q.get("pause_window", 256))))
-    for r in records:
-        if r.get("status") == "ok":
-            window.add(is_stub(r["flags"]))
-    threshold = float(q.get("pause_stub_rate", 0.2))
-    pausing = threshold < 1.0 and window.should_pause(threshold, int(q.get("pause_min_samples", 32)))
-    if pausing and not store.pause_state():
-        reason = (f"stub-or-empty rate {window.rate:.0%} over the last {len(window.values)} samples on "
-                  f"{ctx.worker_name} crossed the threshold {threshold:.0%}")
-        store.storage.write_json(store.pause_path, {"reason": reason, "rate": window.rate,
-                                                    "window": len(window.values), "by": ctx.worker_name})
-        log.error("run %s paused: %s", store.run_id, reason)
-
-
 def _delivery_tag(task: Task) -> str | None:
     return (getattr(task.request, "properties", None) or {}).get("delivery_tag")
 
@@ -220,9 +127,9 @@ def _set_aside(task: Task, reason: str, kwargs: dict) -> str:
 
 
 def _run_attempt(task: Task, stage: str, kwargs: dict, work) -> str:
-    """The steps of the module docstring around `work(ctx, store, manifest, attempt) -> result`, for both stages."""
+    """The steps of the module docstring around `work(ctx, delivery) -> result`, for both stages."""
     run_id, storage, shard_id = kwargs["run_id"], kwargs["storage"], kwargs["shard_id"]
-    key = shard_id if stage == "generate" else f"{shard_id}.capture"
+    key = stage_key(shard_id, stage)
     _inflight.add()
     claim = None
     try:
@@ -240,25 +147,19 @@ def _run_attempt(task: Task, stage: str, kwargs: dict, work) -> str:
                 raise task.retry(countdown=DEFER_SECONDS)
             log.info("%s/%s: another copy of it runs in this process; this copy is dropped", run_id, key)
             return "held"
-        begun = _begin(task, stage, ctx, store, shard_id, claim)
-        if begun is None:
-            return "skipped"
-        manifest, attempt = begun
+        delivery = Delivery(store, shard_id, stage, Worker.of(ctx), _visibility_timeout(task.app), _claims, claim,
+                            ctx.manifests, ctx.windows)
+        stopped = run_guards(delivery)
+        if stopped is not None:
+            return stopped
         try:
-            return work(ctx, store, manifest, attempt)
-        except EngineDead as exc:
-            with claim.lock:
-                record_attempt_error(store, key, attempt, str(exc),
-                                     kind="crash" if isinstance(exc, EngineLost) else "error")
-            _exit_for_restart(task, kwargs, str(exc))
-        except PermanentError as exc:
-            with claim.lock:
-                record_attempt_error(store, key, attempt, str(exc))
-            dead_letter(store, key, str(exc))
-            return "dead"
-        except Exception as exc:  # storage trouble or a bug: retried; the attempt count dead-letters it
-            with claim.lock:
-                record_attempt_error(store, key, attempt, f"{type(exc).__name__}: {exc}")
+            return work(ctx, delivery)
+        except Exception as exc:
+            then = settle_failure(delivery, exc)
+            if then == "restart":
+                _exit_for_restart(task, kwargs, str(exc))
+            if then == "dead":
+                return "dead"
             raise task.retry(exc=exc, countdown=_backoff(task.request.retries)) from exc
     except InvalidId as exc:
         return _set_aside(task, str(exc), kwargs)
@@ -318,9 +219,10 @@ def register(celery) -> None:
     def generate_shard(self, run_id: str, storage: str, shard_id: str, samples: list[dict]):
         task_started = time.time()
 
-        def work(ctx, store, manifest, attempt):
+        def work(ctx, delivery):
             from workers.generate import generate_shard as run_generation
 
+            store, manifest, attempt = delivery.store, delivery.manifest, delivery.attempt
             inline = manifest["settings"]["capture_mode"] == "inline"
             with hidden_file_stream(store, shard_id, attempt) if inline else contextlib.nullcontext() as stream:
                 records, summary = run_generation(ctx, manifest, run_id, shard_id, samples, stream)
@@ -335,17 +237,18 @@ def register(celery) -> None:
             if manifest["settings"]["capture_mode"] == "staged" and won:
                 self.app.send_task(CAPTURE_TASK, kwargs={"run_id": run_id, "storage": storage, "shard_id": shard_id},
                                    queue=manifest["settings"].get("capture_queue", "regen.capture"))
-            _after_records(ctx, store, manifest, records)
+            pause_on_stubs(delivery, records)
             return "done" if won else "duplicate"
 
         kwargs = {"run_id": run_id, "storage": storage, "shard_id": shard_id, "samples": samples}
-        return _run_attempt(self, "generate", kwargs, work)
+        return _run_attempt(self, GENERATE, kwargs, work)
 
     @celery.task(name=CAPTURE_TASK, bind=True, acks_late=True, max_retries=None, base=GuardedTask)
     def capture_shard(self, run_id: str, storage: str, shard_id: str):
-        def work(ctx, store, manifest, attempt):
+        def work(ctx, delivery):
             from workers.capture_stage import capture_shard as run_capture
 
-            return "done" if run_capture(ctx, store, manifest, shard_id, attempt) else "duplicate"
+            won = run_capture(ctx, delivery.store, delivery.manifest, shard_id, delivery.attempt)
+            return "done" if won else "duplicate"
 
-        return _run_attempt(self, "capture", {"run_id": run_id, "storage": storage, "shard_id": shard_id}, work)
+        return _run_attempt(self, CAPTURE, {"run_id": run_id, "storage": storage, "shard_id": shard_id}, work)

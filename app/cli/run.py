@@ -26,6 +26,7 @@ from app.cli.options import (
 )
 from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, mask_url
 from app.embedded_broker import broker_for_run
+from app.ledger import pause_state, split_key
 from app.storage import RunStore, Storage
 
 
@@ -33,7 +34,7 @@ def _progress_counts(store: RunStore, staged: bool) -> tuple[int, int]:
     done = store.done_shards()
     if staged:
         done = done & store.captured_shards()
-    dead = {d.split(".")[0] for d in store.dead_shards()}
+    dead = {split_key(key)[0] for key in store.dead_shards()}
     return len(done), len(dead - done)
 
 
@@ -154,7 +155,7 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
                         raise click.ClickException(
                             f"worker {failing[0].config.hostname} failed to start {len(failing[0].exits)} times "
                             f"(exit {failing[0].exits[-1]}); see {sup.log_dir}")
-                    paused = store.pause_state()
+                    paused = pause_state(store)
                     if paused:
                         break
                     if timeout and time.monotonic() - started > timeout:

@@ -130,12 +130,11 @@ def tiny_model(out_dir, num_layers, arch, multimodal):
 @click.option("--queue", default=DEFAULT_QUEUE, show_default=True)
 def resume_run(run_id, storage, broker, queue):
     """Clear a run's pause and re-send every shard that has no completion marker."""
+    from app.ledger import clear_pause
     from app.storage import RunStore, Storage
 
-    store = RunStore(Storage(storage), run_id)
-    pause = store.pause_state()
+    pause = clear_pause(RunStore(Storage(storage), run_id))
     if pause:
-        store.storage.delete(store.pause_path)
         click.echo(f"run {run_id}: pause cleared (was: {pause.get('reason')})")
     else:
         click.echo(f"run {run_id}: not paused")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from app import ledger
 from app.hidden_file import HiddenFileReader
 from app.ids import shard_id
 from app.jsonl_zst import iter_jsonl_zst
@@ -68,10 +69,14 @@ class RunReader:
         return sorted(names | self.store.done_shards() | self.dead_generate_shards())
 
     def dead_generate_shards(self) -> set[str]:
-        return {s for s in self.store.dead_shards() if not s.endswith(".capture")}
+        return ledger.dead(self.store, ledger.GENERATE)
 
     def dead_capture_shards(self) -> set[str]:
-        return {s[: -len(".capture")] for s in self.store.dead_shards() if s.endswith(".capture")}
+        return ledger.dead(self.store, ledger.CAPTURE)
+
+    def dead_letter(self, shard: str) -> dict | None:
+        """Why generation gave up on the shard (reason, every attempt); None when it was not dead-lettered."""
+        return ledger.read_dead_letter(self.store, shard)
 
     def done_shards(self) -> list[str]:
         return sorted(self.store.done_shards())

@@ -466,9 +466,10 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
 
 def _dead_reason(reader: RunReader, name: str) -> str:
     try:
-        return str(reader.storage.read_json(reader.store.dead_path(name)).get("reason", "?"))[:200]
-    except (FileNotFoundError, orjson.JSONDecodeError):
+        letter = reader.dead_letter(name)
+    except orjson.JSONDecodeError:
         return "?"
+    return "?" if letter is None else str(letter.get("reason", "?"))[:200]
 
 
 def _reference_check(reader: RunReader, pool: list[tuple[str, str]], n: int, problems: list[Problem]) -> dict:

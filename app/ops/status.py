@@ -1,8 +1,8 @@
 """What a run has done, read from its storage markers alone; `regen status` and `regen metrics` share it.
 
 Why storage and not Redis: Redis delivers at least once and forgets a message when it is acked, so only the
-markers know what is done (datatrove's `jobs_status` reads markers the same way). Each shard (or `{shard}.capture`
-for the staged capture stage) is in exactly one state, decided in this order:
+markers know what is done (datatrove's `jobs_status` reads markers the same way). Each shard's stage key (app/ledger.py:
+the shard itself, and its own key for the staged capture stage) is in exactly one state, decided in this order:
 
     done       its completion marker exists (`done/` or, for capture, `captured/`)
     dead       it was dead-lettered (`dead/`)
@@ -27,9 +27,8 @@ import orjson
 from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_VISIBILITY_TIMEOUT, mask_text
 from app.errors import InvalidId
 from app.ids import validate_id
+from app.ledger import CAPTURE, GENERATE, pause_state, stage_key, stage_of
 from app.storage import RunStore, Storage
-
-CAPTURE_SUFFIX = ".capture"
 
 
 def parse_time(value: str | None) -> float | None:
@@ -124,7 +123,7 @@ class RunScanner:
         storage, store = self.store.storage, self.store
         storage.fs.invalidate_cache()  # object-store listings are cached per process; others write them
         scan = RunScan(store.run_id, self._read_json(store.manifest_path), self._read_json(store.produce_path),
-                       store.pause_state())
+                       pause_state(store))
         scan.done = {_stem(p): m for p, m in self._read_dir(store.rel("done"), cache_all=True).items()}
         scan.dead = {_stem(p): m for p, m in self._read_dir(store.rel("dead"), cache_all=True).items()}
         scan.captured = store.captured_shards()
@@ -142,8 +141,9 @@ def _stem(path: str) -> str:
 
 def shard_states(scan: RunScan, now: float, stale_after: float, capture: bool = False) -> dict[str, str]:
     """State of every shard (or capture key) that has left a trace on storage; see the module docstring."""
-    done = {f"{s}{CAPTURE_SUFFIX}" for s in scan.captured} if capture else set(scan.done)
-    keys = {k for k in (*scan.attempts, *scan.dead, *done) if k.endswith(CAPTURE_SUFFIX) == capture}
+    stage = CAPTURE if capture else GENERATE
+    done = {stage_key(s, CAPTURE) for s in scan.captured} if capture else set(scan.done)
+    keys = {k for k in (*scan.attempts, *scan.dead, *done) if stage_of(k) == stage}
     states = {}
     for key in keys:
         attempts = scan.attempts.get(key, [])
@@ -264,7 +264,7 @@ def summarise(scan: RunScan, now: float, stale_after: float = DEFAULT_VISIBILITY
         "paused": scan.pause,
         "failed": [_failure(k, scan.attempts[k]) for k, s in sorted(states.items()) if s == "failed"],
         "dead": [{"shard": k, "reason": mask_text(str(v.get("reason")))} for k, v in sorted(scan.dead.items())
-                 if not k.endswith(CAPTURE_SUFFIX)],
+                 if stage_of(k) == GENERATE],
         # How to bring them back after a fix (the letters and their attempts are archived, the shards re-sent).
         "retry_dead": f"regen retry-dead {scan.run_id}" if scan.dead else None,
         "workers": [_public_worker(w) for _, w in sorted(workers.items())],

@@ -68,7 +68,7 @@ def test_status_json_matches_what_storage_and_redis_hold(tmp_path, redis7):
 
 
 def test_an_old_attempt_without_marker_or_error_counts_as_stale(tmp_path, redis7):
-    from workers.shard_output import record_attempt
+    from app.ledger import record_attempt
 
     built = build_status_run(str(tmp_path))
     record_attempt(built["store"], "shard-000006", "old", "gpu0@hostA", started="2020-01-01T00:00:00+00:00")

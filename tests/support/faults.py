@@ -7,9 +7,9 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from app.ledger import attempt_errors
 from app.storage import RunStore
 from tests.support.runs import prompts_file, run_records
-from workers.shard_output import attempt_errors
 
 
 def report(storage: Path, run_id: str, expected: int) -> Counter:

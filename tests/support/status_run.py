@@ -12,8 +12,9 @@ import datetime as dt
 import numpy as np
 
 from app.hidden_file import encode_sample
+from app.ledger import dead_letter, record_attempt, record_attempt_error
 from app.storage import RunStore, Storage
-from workers.shard_output import dead_letter, publish_shard, record_attempt, record_attempt_error
+from workers.shard_output import publish_shard
 
 STATUS_QUEUE = "regen-status-test"
 DONE = {  # shard -> (worker, samples, stubs, prompt tokens per sample, generated tokens per sample, seconds)

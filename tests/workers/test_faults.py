@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from app import dead_messages
 from app.cli import main
+from app.ledger import attempt_errors, new_attempt_id, pause_state
 from app.storage import RunStore, Storage
 from tests.support.faults import (
     assert_redone_elsewhere,
@@ -31,7 +32,6 @@ from tests.support.ports import free_port
 from tests.support.redis_db import E2E_BROKER
 from tests.support.runs import produce, prompts_file, run_records, wait_run_done, wait_run_done_after_kills
 from tests.support.workers import E2E_LAYERS, WorkerProcess, engine_host_pid, process_gone, worker_env
-from workers.shard_output import attempt_errors, new_attempt_id
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -109,7 +109,7 @@ def test_a_run_of_stubs_is_paused_after_its_first_shards(stub_worker, e2e_storag
     produce(e2e_storage, "stubs", [inputs], model, "--queue", "regen-stub", "--pause-min-samples", "8",
             "--pause-window", "16")
     store = RunStore(Storage(str(e2e_storage)), "stubs")
-    pause = wait_for(store.pause_state, 180, "the run to be paused")
+    pause = wait_for(lambda: pause_state(store), 180, "the run to be paused")
     assert "stub-or-empty rate 100%" in pause["reason"]
     wait_for(lambda: e2e_redis.llen("regen-stub") == 0, 60, "the paused run's queue to drain")
     # Shards the worker had begun before the pause still finish (the worker overlaps several); wait for them, or
@@ -128,7 +128,7 @@ def test_a_run_of_stubs_is_paused_after_its_first_shards(stub_worker, e2e_storag
     counts = store.storage.read_json(store.produce_path)["counts"]
     assert counts["shards_sent"] == missing and counts["shards_skipped_done"] == 10 - missing
     # The checkpoint is still broken, so the worker pauses the run again on the first re-sent shard.
-    assert wait_for(store.pause_state, 120, "the run to pause again")
+    assert wait_for(lambda: pause_state(store), 120, "the run to pause again")
 
 
 def test_a_poison_shard_is_dead_lettered_and_the_rest_completes(cpu_worker, e2e_storage, tiny_qwen3, tmp_path):

@@ -20,6 +20,7 @@ from click.testing import CliRunner
 
 from app.cli import main
 from app.hidden_file import bf16_to_float32
+from app.ledger import attempt_errors
 from app.storage import RunStore, Storage
 from tests.support.faults import (
     assert_redone_elsewhere,
@@ -39,7 +40,6 @@ from tests.support.workers import (
     process_gone,
     worker_env,
 )
-from workers.shard_output import attempt_errors
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 MAX_ABS = 0.05  # bf16 noise between vLLM's CPU kernels and transformers (measured ~0.001 on this model)

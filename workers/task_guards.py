@@ -1,0 +1,200 @@
+"""The guards a shard's delivery passes before and after its work, in order; each one small and testable alone.
+
+In the spirit of dramatiq's middleware: the task (workers/tasks.py) runs `BEFORE` in order, and the first guard
+that has an answer ends the delivery there (a result string, or Celery's `Reject`); the work runs only when every
+guard passed. Around the work, `pause_on_stubs` follows a generated shard's records and `settle_failure` decides
+what a failed attempt leaves on storage and what the task does next. Every guard reads and writes the shard
+ledger (app/ledger.py); none knows Celery beyond `Reject`, so each runs on a plain `Delivery`.
+
+    skip_done         its completion marker exists (a redelivery, a re-run, a duplicate publish) -> "skipped"
+    skip_dead         it was dead-lettered (`regen retry-dead` re-sends it) -> "skipped"
+    drop_when_paused  the run is paused -> Reject(requeue=False); `regen resume-run` re-sends every shard
+                      without a marker, so nothing is lost and paused shards do not bounce through Redis
+    require_run       the run's manifest, read once per process; a run not on storage -> InvalidTask
+    count_attempt     record this attempt; at `max_attempts` failures of its own or `max_crashes` processes that
+                      died holding it, dead-letter it -> "skipped"
+    check_manifest    another model, other layers -> the error recorded on the attempt, Reject(requeue=True)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from celery.exceptions import Reject
+
+from app import ledger
+from app.errors import EngineDead, EngineLost, InvalidTask, ManifestMismatch, PermanentError
+from app.quality import StubWindow, is_stub
+from app.storage import RunStore
+from workers.inflight import Claim, InFlight
+
+log = logging.getLogger("regen.tasks")
+
+
+@dataclass(frozen=True)
+class Worker:
+    """What the guards need to know of the worker process (workers/context.WorkerContext holds it all)."""
+
+    name: str
+    model_fingerprint: str
+    model_path: str
+    capture_layers: list[int]  # the engine's (vLLM ids); empty when it captures nothing
+    max_attempts: int = 5
+    max_crashes: int = 10
+    engine: dict | None = None  # what attempt records say about the engine
+
+    @classmethod
+    def of(cls, ctx) -> Worker:
+        return cls(ctx.worker_name, ctx.model.fingerprint, ctx.model.path,
+                   list(ctx.engine.options.capture_layers or []), ctx.config.max_attempts, ctx.config.max_crashes,
+                   ctx.engine_record)
+
+
+@dataclass
+class Delivery:
+    """One delivery of one shard at one stage, as the guards see and fill it."""
+
+    store: RunStore
+    shard: str
+    stage: str  # ledger.GENERATE or ledger.CAPTURE
+    worker: Worker
+    stale_after: float  # the broker's visibility timeout: the lease of attempt records written without one
+    claims: InFlight
+    claim: Claim
+    manifests: dict = field(default_factory=dict)  # the process's cache of run manifests
+    windows: dict = field(default_factory=dict)  # the process's stub windows, by run
+    manifest: dict | None = None  # set by require_run
+    attempt: str | None = None  # set by count_attempt
+
+    @property
+    def key(self) -> str:
+        return ledger.stage_key(self.shard, self.stage)
+
+    @property
+    def run_id(self) -> str:
+        return self.store.run_id
+
+
+Guard = Callable[[Delivery], "str | None"]
+
+
+def skip_done(d: Delivery) -> str | None:
+    if ledger.is_finished(d.store, d.key):
+        log.info("%s/%s: already done, skipping", d.run_id, d.shard)
+        return "skipped"
+    return None
+
+
+def skip_dead(d: Delivery) -> str | None:
+    if ledger.is_dead(d.store, d.key):
+        log.info("%s/%s: dead-lettered, skipping (regen retry-dead %s re-sends it)", d.run_id, d.shard, d.run_id)
+        return "skipped"
+    return None
+
+
+def drop_when_paused(d: Delivery) -> None:
+    pause = ledger.pause_state(d.store)
+    if pause:
+        log.warning("%s paused (%s): dropping %s; resume-run re-sends it", d.run_id, pause.get("reason"), d.shard)
+        raise Reject("run paused", requeue=False)
+
+
+def require_run(d: Delivery) -> None:
+    """The run's manifest, read once per process (it never changes); before any attempt is recorded, so a run
+    that is not on storage (yet: a late NFS mount) is retried by the task without counting against its shards."""
+    cache_key = f"{d.store.storage.url}|{d.run_id}"
+    if cache_key not in d.manifests:
+        try:
+            d.manifests[cache_key] = d.store.storage.read_json(d.store.manifest_path)
+        except FileNotFoundError:
+            raise InvalidTask(f"run {d.run_id} is not on storage {d.store.storage.url} (no run.json)") from None
+    d.manifest = d.manifests[cache_key]
+
+
+def count_attempt(d: Delivery) -> str | None:
+    """Record this attempt (its lease renewed from now on); dead-letter the shard when its earlier attempts
+    used up either limit. A shard that got done meanwhile (a duplicate published it) is never dead-lettered."""
+    d.attempt = ledger.new_attempt_id()
+    engine = {"engine": d.worker.engine} if d.worker.engine is not None else {}
+    counted = ledger.record_attempt(d.store, d.key, d.attempt, d.worker.name, stale_after=d.stale_after, **engine,
+                                    stage=d.stage)
+    d.claims.started(d.claim, d.store, d.attempt)
+    limits = d.worker.max_attempts, d.worker.max_crashes
+    if counted.failures < limits[0] and counted.crashes < limits[1]:
+        return None
+    if d.stage == ledger.GENERATE and d.store.is_done(d.shard):
+        return None
+    reason = (f"{counted.failures} attempts failed (limit {limits[0]})" if counted.failures >= limits[0] else
+              f"{counted.crashes} worker processes died holding it (limit {limits[1]})")
+    ledger.record_attempt_end(d.store, d.key, d.attempt, f"not run, dead-lettered: {reason}")
+    ledger.dead_letter(d.store, d.key, f"{reason}: {counted.records - 1} attempts without success")
+    log.error("%s/%s dead-lettered: %s", d.run_id, d.shard, reason)
+    return "skipped"
+
+
+def check_manifest(d: Delivery) -> None:
+    """The shard is this worker's: the run's model and, where this stage captures, its layers."""
+    settings = d.manifest["settings"]
+    problems = []
+    if settings["model"]["fingerprint"] != d.worker.model_fingerprint:
+        problems.append(f"model fingerprint {settings['model']['fingerprint']} != loaded {d.worker.model_fingerprint} "
+                        f"({d.worker.model_path})")
+    needs_capture = settings["capture_mode"] == "inline" if d.stage == ledger.GENERATE else True
+    if needs_capture:
+        want = settings["layers"]["vllm_ids"]
+        if want != d.worker.capture_layers:
+            problems.append(f"capture layers (vLLM ids) {want} != engine's {d.worker.capture_layers}")
+    if problems:
+        exc = ManifestMismatch(f"run {d.manifest['run_id']}: worker {d.worker.name} refuses shard: "
+                               + "; ".join(problems))
+        ledger.record_attempt_error(d.store, d.key, d.attempt, str(exc))
+        log.error("%s", exc)
+        raise Reject(str(exc), requeue=True)
+
+
+BEFORE: tuple[Guard, ...] = (skip_done, skip_dead, drop_when_paused, require_run, count_attempt, check_manifest)
+
+
+def run_guards(d: Delivery, guards: tuple[Guard, ...] = BEFORE) -> str | None:
+    """Run `guards` in order; the first answer (a result string) ends the delivery, None lets the work run."""
+    for guard in guards:
+        result = guard(d)
+        if result is not None:
+            return result
+    return None
+
+
+def pause_on_stubs(d: Delivery, records: list[dict]) -> None:
+    """Feed the run's stub window; pause the run when the recent stub-or-empty rate crosses its threshold."""
+    q = d.manifest["settings"].get("quality", {})
+    window = d.windows.setdefault(d.run_id, StubWindow(int(q.get("pause_window", 256))))
+    for r in records:
+        if r.get("status") == "ok":
+            window.add(is_stub(r["flags"]))
+    threshold = float(q.get("pause_stub_rate", 0.2))
+    pausing = threshold < 1.0 and window.should_pause(threshold, int(q.get("pause_min_samples", 32)))
+    if pausing and not ledger.pause_state(d.store):
+        reason = (f"stub-or-empty rate {window.rate:.0%} over the last {len(window.values)} samples on "
+                  f"{d.worker.name} crossed the threshold {threshold:.0%}")
+        ledger.pause_run(d.store, reason, rate=window.rate, window=len(window.values), by=d.worker.name)
+        log.error("run %s paused: %s", d.run_id, reason)
+
+
+def settle_failure(d: Delivery, exc: Exception) -> str:
+    """Record why the attempt failed; return what the task does next:
+    - "restart": the engine died. EngineLost (its process vanished under a signal) counts as a crash, any other
+      engine death as the shard's failure; the task re-publishes the shard and exits for a fresh engine.
+    - "dead": a PermanentError repeats on every attempt, so the shard is dead-lettered at once.
+    - "retry": storage trouble or a bug; Celery retries with backoff, the attempt count dead-letters it."""
+    if isinstance(exc, EngineDead):
+        kind = "crash" if isinstance(exc, EngineLost) else "error"
+        ledger.record_attempt_error(d.store, d.key, d.attempt, str(exc), kind=kind)
+        return "restart"
+    if isinstance(exc, PermanentError):
+        ledger.record_attempt_error(d.store, d.key, d.attempt, str(exc))
+        ledger.dead_letter(d.store, d.key, str(exc))
+        return "dead"
+    ledger.record_attempt_error(d.store, d.key, d.attempt, f"{type(exc).__name__}: {exc}")
+    return "retry"
