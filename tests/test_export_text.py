@@ -22,7 +22,7 @@ from app.records import loss_mask, rejected_record, turn_sample_id
 from app.storage import RunStore, Storage
 from producer.accounting import Accounting, write_produce_state
 from producer.normalise import normalise
-from workers.generate import summarise
+from workers.generate import shard_summary
 from workers.shard_output import publish_shard
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "chat"
@@ -119,7 +119,7 @@ def write_run(root: Path, shards: list[list[dict]], *, regenerate: str = "last",
     for k, records in enumerate(shards):
         sid = f"shard-{k:06d}"
         records = [{"run_id": "txt", "shard_id": sid, "index": i, **r} for i, r in enumerate(records)]
-        summary = summarise(records, 1.0, ctx)
+        summary = shard_summary(records, 1.0, ctx)
         total += summary["samples"]
         publish_shard(store, sid, f"a{k}", records, None, summary)
     acc = Accounting(read=total, enqueued=total, duplicates=0, shards=len(shards))

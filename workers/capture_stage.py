@@ -23,7 +23,9 @@ if TYPE_CHECKING:
     from workers.context import WorkerContext
 
 
-def capture_shard(ctx: WorkerContext, store: RunStore, manifest: dict, shard_id: str, attempt: str) -> bool:
+def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_id: str, attempt: str) -> bool:
+    """Capture the states of a finished shard's ok records into the attempt's file; True if this attempt's
+    capture marker won (another attempt's may have been written first: then this one's file is removed)."""
     marker = store.done_marker(shard_id)
     records = loads_jsonl_zst(store.storage.read_bytes(marker["files"]["records"]["path"]))
     layers = manifest["settings"]["layers"]["vllm_ids"]

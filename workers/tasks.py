@@ -320,7 +320,7 @@ def register(celery) -> None:
         task_started = time.time()
 
         def work(ctx, store, manifest, attempt):
-            from workers.generate import generate_shard as run_generation
+            from workers.generate import generate_records as run_generation
 
             inline = manifest["settings"]["capture_mode"] == "inline"
             with hidden_file_stream(store, shard_id, attempt) if inline else contextlib.nullcontext() as stream:
@@ -345,7 +345,7 @@ def register(celery) -> None:
     @celery.task(name=CAPTURE_TASK, bind=True, acks_late=True, max_retries=None, base=GuardedTask)
     def capture_shard(self, run_id: str, storage: str, shard_id: str):
         def work(ctx, store, manifest, attempt):
-            from workers.capture_stage import capture_shard as run_capture
+            from workers.capture_stage import capture_records as run_capture
 
             return "done" if run_capture(ctx, store, manifest, shard_id, attempt) else "duplicate"
 
