@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from app.quality import states_problem
 from app.states_codec import DEFAULT_LOSSY, LOSSY_CODECS
 from workers.context import scratch_root
-from workers.engine.in_process import _read_capture_file
+from workers.engine.capture_file import read_capture_file
 from workers.generate import check_and_encode
 
 
@@ -87,7 +87,7 @@ def drain(paths: list[str], threads: int, layer_ids: list[int], stored: str = "b
     with ThreadPoolExecutor(max_workers=threads) as pool:
         futures = []
         for i, path in enumerate(paths):
-            token_ids, states = _read_capture_file(path)
+            token_ids, states = read_capture_file(path)
             futures.append(pool.submit(check_and_encode, f"s{i}", token_ids.tolist(), token_ids, states, layer_ids, 3,
                                        stored=stored))
         for f in futures:
@@ -116,9 +116,9 @@ def main() -> None:
               f"in {folder}")
         per = {name: [] for name in ("map", "copy", "torch", "check", "encode", "lossy")}
         for path in paths:
-            for name, reader in (("map", _read_capture_file), ("copy", copying_read), ("torch", torch_read)):
+            for name, reader in (("map", read_capture_file), ("copy", copying_read), ("torch", torch_read)):
                 per[name].append(timed(reader, path))
-            token_ids, states = _read_capture_file(path)
+            token_ids, states = read_capture_file(path)
             per["check"].append(timed(states_problem, states))
             per["encode"].append(timed(check_and_encode, "s", token_ids.tolist(), token_ids, states, layer_ids, 3)
                                  - per["check"][-1])

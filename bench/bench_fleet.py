@@ -14,7 +14,7 @@ storage (the marker file's mtime), so the worker's start-up is not counted, but 
 last shards: ending at the last shard's engine end, as before, let a worker whose side threads wait for the
 engine to run dry (SCHED_IDLE) leave most of a short pass's side work outside the window. The worker's task slots let the next shards generate while the previous one is
 written, so the engine's idle time is the gaps in the union of the shards' engine spans; it is printed too.
-A shard's span is the engine's own (workers/engine/in_process.py `EngineSpan`: when vLLM took its requests, when its last
+A shard's span is the engine's own (workers/engine/request.py `EngineSpan`: when vLLM took its requests, when its last
 one finished there). Spans taken on the task's side, as before, ended only once the last result had crossed the
 pipe and been checked by the worker's starved side threads, which on this 2-core box is after the next shard had
 already started: they printed "0 ms" while the engine stood idle 35-80 ms before most shards.
@@ -115,7 +115,7 @@ os.dup2(2, 1)
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, {str(REPO)!r})
 from workers.context import scratch_root
-from workers.engine.in_process import EngineOptions
+from workers.engine.options import EngineOptions
 o = EngineOptions(model={model!r}, capture_layers=tuple({LAYERS!r}), max_model_len={MAX_PROMPT_TOKENS + max_tokens},
                   scratch_dir=os.path.join(scratch_root(), f"regen-bench-{tag}-{{os.getpid()}}"))
 def round_prompts(r):
@@ -169,7 +169,7 @@ def direct_child(model: str, max_tokens: int, scratch: str, tag: str = "direct")
     return _Child(_child_prelude(model, max_tokens, scratch, tag) + f"""
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
-from workers.engine.in_process import llm_kwargs
+from workers.engine.llm_arguments import llm_kwargs
 llm = LLM(**llm_kwargs(o))
 def params(n):
     return [SamplingParams(temperature=0.6, top_p=0.95, max_tokens={max_tokens}, seed=i,
@@ -189,12 +189,13 @@ serve(run_once)
 
 
 def engine_only_child(model: str, max_tokens: int, shard_size: int, scratch: str) -> _Child:
-    """The worker's `Engine` class alone (no Celery, no records): shards of `shard_size` from two threads, like
+    """The worker's `InProcessEngine` class alone (no Celery, no records): shards of `shard_size` from two threads, like
     two task slots, capture files read and removed. Separates what the engine class costs from what
     the rest of the worker costs."""
     return _Child(_child_prelude(model, max_tokens, scratch, "engine") + f"""
-from workers.engine.in_process import Engine, GenRequest
-engine = Engine(o)
+from workers.engine.in_process import InProcessEngine
+from workers.engine.request import GenRequest
+engine = InProcessEngine(o)
 def requests(ids, first):
     return [GenRequest(str(first + i), p, {{"temperature": 0.6, "top_p": 0.95, "max_tokens": {max_tokens},
                                            "seed": first + i}}, capture=True) for i, p in enumerate(ids)]
@@ -444,7 +445,7 @@ def main() -> None:
                     help="also time LLM.generate on each worker's own engine (in its engine process) every round: "
                          "the fleet against direct with that process's own difference taken out")
     ap.add_argument("--engine-only", action="store_true",
-                    help="also run the worker's Engine class alone each round (no Celery, no records), to tell what the "
+                    help="also run the worker's InProcessEngine class alone each round (no Celery, no records), to tell what the "
                          "engine class costs from what the rest of the worker costs")
     ap.add_argument("--ab-env", action="append", default=[], metavar="KEY=VALUE",
                     help="also run a worker with these environment settings (repeatable), one pass per round, to "
@@ -612,7 +613,7 @@ def main() -> None:
             line += (f"; LLM.generate on a worker's engine {_median(cpu_per_ktok['in worker']):.0f} ms (its engine "
                      f"thread and team)")
         if cpu_per_ktok["engine class"]:
-            line += f"; the Engine class alone {_median(cpu_per_ktok['engine class']):.0f} ms (its whole process)"
+            line += f"; the InProcessEngine class alone {_median(cpu_per_ktok['engine class']):.0f} ms (its whole process)"
         print(line)
         drain = [d for d, _ in drains]
         print(f"drain after the engine's last end of a pass (its last shard's side work, inside the window): median "

@@ -6,7 +6,7 @@ direct calls on the very engine the worker's shards run on takes that per-proces
 comparison; the bench still times a separate direct process too, so a slow worker engine cannot hide behind it.
 
 The task runs the prompts (token ids, so no chat template) with the sampling a shard of the bench's run gets,
-on the engine thread between shards (`Engine.call`; on the CPU in the engine host's process), times `generate`
+on the engine thread between shards (`Engine.call`; on the CPU in the engine process), times `generate`
 alone, removes the capture files outside the timed window, and writes {"tokens", "seconds"} to `result_path`
 (a file the bench polls; workers keep no task results). Nothing is written to any run. Registered only where `REGEN_BENCH_TASKS=1` (the bench's own
 worker): a message naming a file to write has no place on a production queue.
@@ -21,7 +21,9 @@ import orjson
 
 from app.celery_app import BENCH_DIRECT_TASK
 from workers.context import WorkerContext
-from workers.engine.in_process import GenRequest, remove_capture_file, sampling_params
+from workers.engine.capture_file import remove_capture_file
+from workers.engine.llm_arguments import sampling_params
+from workers.engine.request import GenRequest
 
 
 def direct_generate(ctx: WorkerContext, prompts: list[list[int]], sampling: dict) -> tuple[int, float]:
@@ -33,7 +35,7 @@ def direct_generate(ctx: WorkerContext, prompts: list[list[int]], sampling: dict
 
 
 def timed_generate(llm, requests: list[GenRequest]) -> tuple[int, float]:
-    """On the engine thread (of an engine host's process too, so a module-level function): `LLM.generate`
+    """On the engine thread (of an engine process too, so a module-level function): `LLM.generate`
     over `requests`, timed alone; capture files are removed after the timed window."""
     from vllm.inputs import TokensPrompt
 

@@ -9,17 +9,23 @@ a trainer reads the same way.
 from __future__ import annotations
 
 import datetime as dt
+from typing import TYPE_CHECKING
 
 import orjson
 
 from app.jsonl_zst import loads_jsonl_zst
 from app.storage import RunStore
-from workers.engine.in_process import GenRequest
+from workers.engine.request import GenRequest
 from workers.generate import encode_into, states_dtype
 from workers.shard_output import hidden_file_stream
 
+if TYPE_CHECKING:
+    from workers.context import WorkerContext
 
-def capture_shard(ctx, store: RunStore, manifest: dict, shard_id: str, attempt: str) -> bool:
+
+def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_id: str, attempt: str) -> bool:
+    """Capture the states of a finished shard's ok records into the attempt's file; True if this attempt's
+    capture marker won (another attempt's may have been written first: then this one's file is removed)."""
     marker = store.done_marker(shard_id)
     records = loads_jsonl_zst(store.storage.read_bytes(marker["files"]["records"]["path"]))
     layers = manifest["settings"]["layers"]["vllm_ids"]

@@ -17,6 +17,7 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from app.model_info import ModelInfo, read_model_info
 from app.quality import StubWindow
@@ -24,6 +25,9 @@ from app.settings import Settings
 from app.settings import current as current_settings
 from workers.scheduling import ENV as SIDE_THREADS_ENV
 from workers.scheduling import POLICY_NAMES, lower_priority, name_thread, side_threads_policy
+
+if TYPE_CHECKING:
+    from workers.engine.interface import Engine
 
 log = logging.getLogger("regen.worker")
 
@@ -120,7 +124,7 @@ class WorkerContext:
         return cls.current
 
     def __init__(self, config: WorkerConfig):
-        from workers.engine.in_process import Engine, EngineOptions
+        from workers.engine.options import EngineOptions
 
         self.config = config
         self.model: ModelInfo = read_model_info(config.model)
@@ -136,14 +140,18 @@ class WorkerContext:
                                 options.dtype)
         options.scratch_dir = os.path.join(scratch_root(need), f"regen-capture-{os.getpid()}")
         _remove_stale_scratch(os.path.dirname(options.scratch_dir))
+        self.engine: Engine
         if options.host_process:
-            from workers.engine.process import PROCESS_NAME, EngineHost
+            from workers.engine.process import PROCESS_NAME, EngineProcess
 
-            self.engine = EngineHost(options)
+            engine_process = EngineProcess(options)
             log.info("engine runs in its own process, %s (pid %d); --no-engine-host keeps it in this one",
-                     PROCESS_NAME, self.engine.pid)
+                     PROCESS_NAME, engine_process.pid)
+            self.engine = engine_process
         else:
-            self.engine = Engine(options)
+            from workers.engine.in_process import InProcessEngine
+
+            self.engine = InProcessEngine(options)
         import atexit
 
         atexit.register(self.close)

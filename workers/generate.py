@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,7 +26,10 @@ from app.quality import (
     think_closed,
 )
 from app.records import conversation_id, loss_mask, rejected_record
-from workers.engine.in_process import GenRequest, GenResult
+from workers.engine.request import GenRequest, GenResult
+
+if TYPE_CHECKING:
+    from workers.context import WorkerContext
 
 
 def render_prompt(tokenizer, messages: list[dict], tools, thinking: bool) -> list[int]:
@@ -52,7 +56,7 @@ class ShardGeneration:
     and run the engine once; multi-turn runs (workers/multiturn.py) add one per regenerated turn, round by round.
     """
 
-    def __init__(self, ctx, manifest: dict, run_id: str, shard_id: str, hidden_out=None):
+    def __init__(self, ctx: WorkerContext, manifest: dict, run_id: str, shard_id: str, hidden_out=None):
         settings = manifest["settings"]
         self.ctx, self.run_id, self.shard_id = ctx, run_id, shard_id
         self.sampling = dict(settings["sampling"])
@@ -151,7 +155,7 @@ class ShardGeneration:
             self.records[i]["flags"].extend(problems)
             self.records[i]["hidden"] = {"index": position, "n_tokens": n_tokens, "layers": self.layers}
         records = self.records if order is None else [self.records[i] for i in order]
-        summary = summarise(records, self.gen_seconds, self.ctx)
+        summary = shard_summary(records, self.gen_seconds, self.ctx)
         # When the engine took this shard's requests and finished its last one (the engine's clock, not this
         # thread's, which hears of the end later): the gaps between shards' spans are the engine's idle time.
         summary["engine_started"] = round(min(s[0] for s in self.spans), 4)
@@ -159,7 +163,8 @@ class ShardGeneration:
         return records, summary
 
 
-def generate_shard(ctx, manifest: dict, run_id: str, shard_id: str, samples: list[dict], hidden_out=None):
+def generate_records(ctx: WorkerContext, manifest: dict, run_id: str, shard_id: str, samples: list[dict],
+                     hidden_out=None):
     """Return (records, summary) for one shard; with inline capture each sample's states go into `hidden_out`
     (a `workers.shard_output.HiddenFileStream`) as soon as they are encoded."""
     gen = ShardGeneration(ctx, manifest, run_id, shard_id, hidden_out)
@@ -211,7 +216,7 @@ def check_and_encode(sample_id: str, expected_ids: list[int], captured_ids: np.n
                                    stored=stored)
 
 
-def summarise(records: list[dict], gen_seconds: float, ctx) -> dict:
+def shard_summary(records: list[dict], gen_seconds: float, ctx: WorkerContext) -> dict:
     """A shard's counts. `samples` counts the producer's samples (conversations: a multi-turn conversation's
     turns are several records of one sample), `records` the records written, `ok` the ok records."""
     flags: dict[str, int] = {}

@@ -220,7 +220,7 @@ def register(celery) -> None:
         task_started = time.time()
 
         def work(ctx, delivery):
-            from workers.generate import generate_shard as run_generation
+            from workers.generate import generate_records as run_generation
 
             store, manifest, attempt = delivery.store, delivery.manifest, delivery.attempt
             inline = manifest["settings"]["capture_mode"] == "inline"
@@ -246,7 +246,7 @@ def register(celery) -> None:
     @celery.task(name=CAPTURE_TASK, bind=True, acks_late=True, max_retries=None, base=GuardedTask)
     def capture_shard(self, run_id: str, storage: str, shard_id: str):
         def work(ctx, delivery):
-            from workers.capture_stage import capture_shard as run_capture
+            from workers.capture_stage import capture_records as run_capture
 
             won = run_capture(ctx, delivery.store, delivery.manifest, shard_id, delivery.attempt)
             return "done" if won else "duplicate"

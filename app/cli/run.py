@@ -38,7 +38,7 @@ def _progress_counts(store: RunStore, staged: bool) -> tuple[int, int]:
     return len(done), len(dead - done)
 
 
-def summarise(store: RunStore, console: Console, seconds: float) -> dict:
+def print_run_totals(store: RunStore, console: Console, seconds: float) -> dict:
     # samples: the producer's (conversations); records: training samples (a multi-turn run has one per turn)
     totals = {"shards": 0, "samples": 0, "records": 0, "ok": 0, "rejected": 0, "generated_tokens": 0, "stubs": 0}
     flags: dict[str, int] = {}
@@ -165,7 +165,7 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
             sup.stop()
             thread.join(timeout=120)
         elapsed = time.monotonic() - started
-        summarise(store, Console(), elapsed)
+        print_run_totals(store, Console(), elapsed)
         if paused:
             raise click.ClickException(f"run {result.run_id} paused: {paused.get('reason')} "
                                        f"(inspect it, then `regen resume-run {result.run_id}`)")

@@ -23,7 +23,7 @@ from app.storage import RunStore, Storage
 from producer.accounting import Accounting, write_produce_state
 from producer.normalise import normalise
 from tests.support.paths import FIXTURES_DIR
-from workers.generate import summarise
+from workers.generate import shard_summary
 from workers.shard_output import publish_shard
 
 FIXTURES = FIXTURES_DIR / "chat"
@@ -120,7 +120,7 @@ def write_run(root: Path, shards: list[list[dict]], *, regenerate: str = "last",
     for k, records in enumerate(shards):
         sid = f"shard-{k:06d}"
         records = [{"run_id": "txt", "shard_id": sid, "index": i, **r} for i, r in enumerate(records)]
-        summary = summarise(records, 1.0, ctx)
+        summary = shard_summary(records, 1.0, ctx)
         total += summary["samples"]
         publish_shard(store, sid, f"a{k}", records, None, summary)
     acc = Accounting(read=total, enqueued=total, duplicates=0, shards=len(shards))

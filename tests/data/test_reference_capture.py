@@ -157,7 +157,8 @@ def vllm_engine(tiny_dir, tmp_path_factory):
         mp.setenv("HF_HUB_OFFLINE", "1")
         from vllm import LLM
 
-        from workers.engine.in_process import EngineOptions, llm_kwargs
+        from workers.engine.llm_arguments import llm_kwargs
+        from workers.engine.options import EngineOptions
 
         # Built from the worker's own arguments (explicit CPU KV size, chunked prefill off, capture connector).
         options = EngineOptions(model=tiny_dir, capture_layers=tuple(CAPTURE_LAYERS), max_model_len=1024,

@@ -1,7 +1,7 @@
 """Build small but real runs on tmp storage for the data-command tests: the same files a producer and workers write.
 
 Records are built like workers/generate.py builds them (flags from app.quality, summary from
-workers.generate.summarise), states are encoded with app.hidden_file.encode_sample and shards are written by
+workers.generate.shard_summary), states are encoded with app.hidden_file.encode_sample and shards are written by
 workers.shard_output.publish_shard; run.json and produce.json are written with the producer's own code.
 """
 
@@ -21,7 +21,7 @@ from app.records import loss_mask, rejected_record
 from app.states_codec import promised_bound
 from app.storage import RunStore, Storage
 from producer.accounting import Accounting, write_produce_state
-from workers.generate import summarise
+from workers.generate import shard_summary
 from workers.shard_output import publish_shard
 
 LAYERS = [1, 2, 4]
@@ -128,7 +128,7 @@ def build_run(root: Path, spec: Spec | None = None) -> Built:
                                              stored=spec.states_dtype))
                 all_states[rec["sample_id"]] = states
             records.append(rec)
-        summary = summarise(records, 1.0 + s, ctx)
+        summary = shard_summary(records, 1.0 + s, ctx)
         summary["worker"] = f"w{s % 2}"
         publish_shard(store, sid, f"att{s:04d}", records, encoded if spec.capture == "inline" else None, summary)
         if spec.capture == "staged":

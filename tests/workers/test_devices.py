@@ -82,7 +82,7 @@ def test_one_child_per_gpu_with_the_class_preset_and_overrides(fake_gpus, tmp_pa
 
 
 def test_a_cpu_worker_hosts_its_engine_in_a_process_of_its_own_unless_told_not_to(fake_gpus, tmp_path):
-    from workers.engine.in_process import EngineOptions
+    from workers.engine.options import EngineOptions
 
     model = model_dir(tmp_path, 1)
     ((cpu, _),) = configs(model, cpu=True)

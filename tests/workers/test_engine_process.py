@@ -16,15 +16,15 @@ import pytest
 
 from app.errors import EngineDead
 from tests.support.workers import process_gone
-from workers.engine.in_process import EngineOptions
-from workers.engine.process import PROCESS_NAME, EngineHost, _exit_status
+from workers.engine.options import EngineOptions
+from workers.engine.process import PROCESS_NAME, EngineProcess, exit_status
 
 
 def test_a_dead_engine_process_is_named_by_its_signal_or_exit_code():
-    assert _exit_status(-signal.SIGKILL) == "killed by SIGKILL"
-    assert _exit_status(-signal.SIGSEGV) == "killed by SIGSEGV"
-    assert _exit_status(1) == "exit code 1"
-    assert _exit_status(None) == "still running"
+    assert exit_status(-signal.SIGKILL) == "killed by SIGKILL"
+    assert exit_status(-signal.SIGSEGV) == "killed by SIGSEGV"
+    assert exit_status(1) == "exit code 1"
+    assert exit_status(None) == "still running"
 
 
 @pytest.mark.vllm
@@ -35,9 +35,9 @@ def test_an_engine_that_cannot_be_built_fails_the_worker_start_with_the_childs_e
     shutil.copytree(tiny_qwen3, broken)
     for weights in broken.glob("*.safetensors"):
         weights.unlink()
-    with pytest.raises(Exception) as caught:
-        EngineHost(EngineOptions(model=str(broken), capture_layers=None, max_model_len=512,
-                                 scratch_dir=str(tmp_path / "scratch")))
+    with pytest.raises(Exception) as caught:  # noqa: PT011 - vLLM's own error type, whichever it is
+        EngineProcess(EngineOptions(model=str(broken), capture_layers=None, max_model_len=512,
+                                    scratch_dir=str(tmp_path / "scratch")))
     assert not isinstance(caught.value, EngineDead), caught.value  # the build error itself, not "the process exited"
     assert "Cannot find any model weights" in str(caught.value), caught.value  # vLLM's loader, in the child
     assert _engine_hosts() == []  # stopped and reaped, not left behind

@@ -18,7 +18,8 @@ from app.errors import ConfigError
 from app.layers import parse_layers
 from app.model_info import read_model_info
 from app.quality import StaleRows, layer_detail, repeated_rows, states_problem
-from workers.engine.in_process import EngineOptions, llm_kwargs
+from workers.engine.llm_arguments import llm_kwargs
+from workers.engine.options import EngineOptions
 from workers.engine.settings import check_hybrid_capture_vllm, model_engine_settings
 
 MIX = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]

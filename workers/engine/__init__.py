@@ -1,1 +1,15 @@
-"""The vLLM engine a worker generates and captures with: in this process or in a child process of its own."""
+"""The vLLM engine a worker generates and captures with: in this process or in a child process of its own.
+
+interface.py          `Engine`, what both offer and what the worker's code holds
+in_process.py         `InProcessEngine`: vLLM stepped by one thread, results handed on by another
+process.py            `EngineProcess`: an `InProcessEngine` in a child process (the CPU worker's), over a pipe
+options.py            `EngineOptions`, what an engine is built from
+request.py            `GenRequest` and `GenResult`, what goes in and comes out per request
+jobs.py               `BatchJob` and `ExclusiveCall`, what a caller waits on
+llm_arguments.py      the `vllm.LLM` arguments and per-request sampling parameters
+settings.py           settings chosen from the model's config; the vLLM a hybrid target needs
+capture_connector.py  vLLM's hidden-state connector, made to work on the CPU
+capture_file.py       reading and removing the connector's per-request files
+self_test.py          the few tokens generated before a worker consumes
+watch.py              the watchdog that stops a worker whose engine died
+"""

@@ -3,8 +3,8 @@
 Why: on a CPU host the in-process engine's steps are mostly Python (the tiny test model's nearly all), so every
 bit of the worker's side work (Celery's consumer, task slots rendering prompts and writing shards, the delivery
 thread reading capture files, the encoders) that holds the GIL holds up the engine. Measured on 2 cores with the
-fleet bench: `Engine` alone in a process ran at 0.99 of `LLM.generate`, the same `Engine` inside the worker at
-0.90. The GIL is per process, so the engine moves out: this child process builds the same `Engine` in-process
+fleet bench: the in-process engine alone in a process ran at 0.99 of `LLM.generate`, the same engine inside the
+worker at 0.90. The GIL is per process, so the engine moves out: this child process builds an `InProcessEngine`
 (its own thread, capture connector, step loop) and does nothing else; the worker process keeps everything
 else. What crosses the pipe is small: a shard's prompt ids once, and per finished sample its ids, text and the
 path of its capture file, which the worker process reads (memory-mapped above 1 MiB) and removes itself, so no
@@ -13,8 +13,8 @@ finished in the same engine step, which for equal-length samples is a whole wave
 message wakes this process's delivery thread, which then takes the GIL between the engine thread's torch ops.
 The batch's last message ("done") carries the engine's span of it and ends it on the worker's side.
 
-Lifecycle: `EngineHost(options)` spawns the child and waits until its engine is built; the worker's tokenizer is
-loaded meanwhile. The child dies with the worker (PR_SET_PDEATHSIG, and a closed pipe ends it too), so a
+Lifecycle: `EngineProcess(options)` spawns the child and waits until its engine is built; the worker's tokenizer
+is loaded meanwhile. The child dies with the worker (PR_SET_PDEATHSIG, and a closed pipe ends it too), so a
 SIGKILLed worker leaves no engine behind. A child that dies (a crash, OOM) or whose engine fails makes every
 waiting batch raise `EngineDead`, and the task exits the worker without acking, as with an in-process engine.
 
@@ -35,30 +35,23 @@ from dataclasses import replace
 
 from app.errors import EngineDead, EngineLost
 from app.settings import Settings, current, install
-from workers.engine.in_process import (
-    Engine,
-    EngineOptions,
-    EngineSpan,
-    GenRequest,
-    GenResult,
-    _Exclusive,
-    _Job,
-    attach_capture,
-    check_capture_requests,
-    one_by_one,
-    remove_capture_file,
-    run_self_test,
-)
+from workers.engine.capture_file import attach_capture, remove_capture_file
+from workers.engine.in_process import InProcessEngine
+from workers.engine.interface import Engine
+from workers.engine.jobs import BatchJob, ExclusiveCall, one_by_one
+from workers.engine.options import EngineOptions
+from workers.engine.request import EngineSpan, GenRequest, GenResult, check_capture_requests
+from workers.engine.self_test import run_self_test
 from workers.scheduling import lower_priority, name_thread, side_threads_policy
 
 log = logging.getLogger("regen.engine")
 
 _PR_SET_PDEATHSIG = 1
-PROCESS_NAME = "regen-host"  # the engine host's OS-level name (15 bytes at most)
+PROCESS_NAME = "regen-host"  # the engine process's OS-level name (15 bytes at most)
 
 
-class EngineHost:
-    """`Engine`'s interface (options, tokenizer, run, call, self_test, shutdown) over an engine in a child process."""
+class EngineProcess(Engine):
+    """An `Engine` (workers/engine/interface.py) whose `InProcessEngine` runs in a child process of this one."""
 
     def __init__(self, options: EngineOptions):
         self.options = options
@@ -70,7 +63,7 @@ class EngineHost:
         child_end.close()
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._waiting: dict[int, _Job | _Exclusive] = {}
+        self._waiting: dict[int, BatchJob | ExclusiveCall] = {}
         self._next_id = 0
         self._dead: str | None = None
         self._dead_error: type[EngineDead] = EngineDead  # EngineLost when its process vanished under a signal
@@ -104,23 +97,24 @@ class EngineHost:
         return self._receiver.native_id
 
     def run(self, requests: list[GenRequest], on_done: Callable[[GenResult], None]) -> EngineSpan | None:
-        """As `Engine.run`: generate every request, call `on_done` per result in finishing order, from one thread;
-        return the child engine's span of the batch."""
+        """`Engine.run`, in the child: `on_done` runs on this process's receiving thread; the span is the
+        child engine's."""
         check_capture_requests(self.options, requests)
         if not requests:
             return None
-        return self._submit(_Job(requests, one_by_one(on_done), finish_on_last=False)).span
+        return self._submit(BatchJob(requests, one_by_one(on_done), finish_on_last=False)).span
 
     def call(self, fn: Callable, *args):
-        """As `Engine.call`, in the child: `fn` and `args` must pickle (a module-level function)."""
-        return self._submit(_Exclusive(fn, args)).result
+        """`Engine.call`, in the child: `fn` and `args` must pickle (a module-level function)."""
+        return self._submit(ExclusiveCall(fn, args)).result
 
     def self_test(self) -> float:
         return run_self_test(self)
 
-    def _submit(self, waiter: _Job | _Exclusive):
-        """Send the child a batch (`_Job`) or a call (`_Exclusive`), wait for its end; raise its error."""
-        kind, payload = ("run", waiter.requests) if isinstance(waiter, _Job) else ("call", (waiter.fn, waiter.args))
+    def _submit(self, waiter: BatchJob | ExclusiveCall):
+        """Send the child a batch (`BatchJob`) or a call (`ExclusiveCall`), wait for its end; raise its error."""
+        kind, payload = (("run", waiter.requests) if isinstance(waiter, BatchJob)
+                         else ("call", (waiter.fn, waiter.args)))
         with self._lock:
             if self._dead:
                 raise self._dead_error(self._dead)
@@ -149,7 +143,7 @@ class EngineHost:
             self._proc.join(timeout=5)
             code = self._proc.exitcode
             error = EngineLost if code is not None and code < 0 else EngineDead  # a signal: killed from outside
-            raise error(f"vLLM engine failed: the engine process exited ({_exit_status(code)})") from exc
+            raise error(f"vLLM engine failed: the engine process exited ({exit_status(code)})") from exc
 
     def _receive_loop(self) -> None:
         name_thread("regen-deliver")
@@ -186,7 +180,7 @@ class EngineHost:
                 waiter.span = payload
             waiter.finished.set()
 
-    def _deliver(self, job: _Job, result: GenResult) -> None:
+    def _deliver(self, job: BatchJob, result: GenResult) -> None:
         path, result.capture_path = result.capture_path, None
         if path is not None:
             try:
@@ -229,7 +223,8 @@ class EngineHost:
         self._conn.close()
 
 
-def _exit_status(code: int | None) -> str:
+def exit_status(code: int | None) -> str:
+    """How a child process ended, in words: "killed by SIGKILL", "exit code 1"."""
     if code is None:
         return "still running"
     if code < 0:
@@ -242,7 +237,7 @@ def _exit_status(code: int | None) -> str:
 
 # The child process ----------------------------------------------------------------------------------------
 def _serve(options: EngineOptions, conn, parent_pid: int, settings: Settings) -> None:
-    """The engine host's main: build the engine, then run what the worker sends until told to stop. It runs
+    """The engine process's main: build the engine, then run what the worker sends until told to stop. It runs
     under the worker's settings (app/settings.py), handed over rather than read again."""
     install(settings)
     _die_with_parent(parent_pid)
@@ -254,7 +249,7 @@ def _serve(options: EngineOptions, conn, parent_pid: int, settings: Settings) ->
     logging.basicConfig(level=settings.log_level,
                         format="%(asctime)s %(levelname)s %(name)s[engine host]: %(message)s")
     try:
-        engine = Engine(replace(options, host_process=False), read_captures=False)
+        engine = InProcessEngine(replace(options, host_process=False), read_captures=False)
     except BaseException as exc:
         conn.send(("failed", 0, _portable(exc)))
         return
@@ -284,7 +279,7 @@ def _serve(options: EngineOptions, conn, parent_pid: int, settings: Settings) ->
     conn.close()
 
 
-def _run_batch(engine: Engine, send, key: int, requests: list[GenRequest]) -> None:
+def _run_batch(engine: InProcessEngine, send, key: int, requests: list[GenRequest]) -> None:
     try:
         span = engine.run_batched(requests, lambda results: send(("results", key, results)))
     except BaseException as exc:
@@ -293,7 +288,7 @@ def _run_batch(engine: Engine, send, key: int, requests: list[GenRequest]) -> No
     send(("done", key, span))
 
 
-def _run_call(engine: Engine, send, key: int, payload) -> None:
+def _run_call(engine: InProcessEngine, send, key: int, payload) -> None:
     fn, args = payload
     try:
         result = engine.call(fn, *args)

