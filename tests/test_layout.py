@@ -3,7 +3,8 @@
 - the shared base (`app/*.py`) imports only the base;
 - `producer/`, `workers/`, `app/data/` and `app/ops/` import the base and themselves, never each other;
 - `app/cli/` is the only place that imports them all;
-- no two modules import each other, directly or through others, at import time (module-level imports).
+- no two modules import each other, directly or through others, at import time (module-level imports);
+- no module imports another's private (`_name`) names: what two modules share is public where it is defined.
 """
 
 from __future__ import annotations
@@ -88,6 +89,16 @@ def test_no_module_imports_itself_back_at_import_time():
                     seen.add(nxt)
                     stack.append((nxt, [*path, nxt]))
     assert not loops, "\n".join(sorted(set(loops)))
+
+
+def test_no_module_imports_another_modules_private_names():
+    known = modules()
+    private = []
+    for m in sorted(known):
+        for node in ast.walk(ast.parse(known[m].read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in known and node.module != m:
+                private += [f"{m} imports {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert not private, "\n".join(private)
 
 
 @pytest.mark.parametrize("module,allowed", [("app.storage", False), ("producer.produce", False),

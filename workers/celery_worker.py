@@ -85,10 +85,10 @@ def _start_watchers(celery: Celery, **_):
 
     from workers.engine.watch import watch_engine
     from workers.inflight import sweep_dead_attempts
-    from workers.tasks import _visibility_timeout
+    from workers.tasks import visibility_timeout
 
     watch_engine()
-    threading.Thread(target=sweep_dead_attempts, args=(_visibility_timeout(celery),), name="regen-sweep",
+    threading.Thread(target=sweep_dead_attempts, args=(visibility_timeout(celery),), name="regen-sweep",
                      daemon=True).start()
 
 

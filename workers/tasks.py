@@ -147,7 +147,7 @@ def _run_attempt(task: Task, stage: str, kwargs: dict, work) -> str:
                 raise task.retry(countdown=DEFER_SECONDS)
             log.info("%s/%s: another copy of it runs in this process; this copy is dropped", run_id, key)
             return "held"
-        delivery = Delivery(store, shard_id, stage, Worker.of(ctx), _visibility_timeout(task.app), _claims, claim,
+        delivery = Delivery(store, shard_id, stage, Worker.of(ctx), visibility_timeout(task.app), _claims, claim,
                             ctx.manifests, ctx.windows)
         stopped = run_guards(delivery)
         if stopped is not None:
@@ -176,7 +176,7 @@ def _run_attempt(task: Task, stage: str, kwargs: dict, work) -> str:
         _inflight.release_one()
 
 
-def _visibility_timeout(app) -> float:
+def visibility_timeout(app) -> float:
     """The broker's visibility timeout: a killed attempt's shard is redelivered no sooner."""
     from app.config import DEFAULT_VISIBILITY_TIMEOUT
 
@@ -230,7 +230,7 @@ def register(celery) -> None:
             t_pub = time.time()
             level = int(manifest["settings"].get("compression_level", 3))
             won = publish_shard(store, shard_id, attempt, records, stream.written if inline else None, summary,
-                                level=level, stale_after=_visibility_timeout(self.app))
+                                level=level, stale_after=visibility_timeout(self.app))
             log.info("%s/%s timings: begin %.1f ms, engine-end->publish %.1f ms, publish %.1f ms", run_id,
                      shard_id, (summary["engine_started"] - task_started) * 1000,
                      (t_pub - summary["engine_finished"]) * 1000, (time.time() - t_pub) * 1000)

@@ -40,7 +40,7 @@ STATES_DTYPE_HELP = ("How hidden states are stored: bf16 (lossless, ~1.45x small
                      "measured error is recorded; readers return bf16 either way.")
 
 # Flags that become run settings; with --resume the stored values win, so giving one is refused.
-_SETTING_FLAGS = ("shard_size", "max_tokens", "thinking", "temperature", "top_p", "top_k", "min_p", "seed",
+SETTING_FLAGS = ("shard_size", "max_tokens", "thinking", "temperature", "top_p", "top_k", "min_p", "seed",
                   "capture", "layers", "max_prompt_tokens", "max_prompt_chars", "regenerate", "model",
                   "pause_stub_rate", "pause_window", "pause_min_samples", "vllm_args", "states_dtype")
 
@@ -105,7 +105,7 @@ def produce_command(ctx: click.Context, inputs, run_id, resume_run, **options) -
     if resume_run:
         if inputs:
             raise ConfigError("--resume reads the inputs from the run; do not also give INPUTS")
-        given = [n for n in _SETTING_FLAGS if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
+        given = [n for n in SETTING_FLAGS if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
         if given:
             names = ", ".join("--" + n.replace("_", "-") for n in given)
             raise ConfigError(f"--resume uses the run's stored settings; drop {names}")

@@ -174,12 +174,12 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
 def _take_produce_settings() -> None:
     """Give `regen run` every option of `regen produce` that becomes a run setting and that it does not define
     itself (by name or by flag), as the same click objects: one definition, so the two cannot drift apart."""
-    from app.cli.produce import _SETTING_FLAGS, produce_command
+    from app.cli.produce import SETTING_FLAGS, produce_command
 
     own = {p.name for p in run.params}
     own_flags = {flag for p in run.params for flag in p.opts}
     run.params.extend(p for p in produce_command.params
-                      if p.name in _SETTING_FLAGS and p.name not in own and not own_flags & set(p.opts))
+                      if p.name in SETTING_FLAGS and p.name not in own and not own_flags & set(p.opts))
 
 
 _take_produce_settings()

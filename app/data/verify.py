@@ -214,7 +214,7 @@ def _check_record(res: ShardResult, rec: dict, run_id: str) -> bool:
     return good
 
 
-def _check_states(res: ShardResult, rec: dict, hreader: HiddenFileReader, pos: int, reader: RunReader,
+def check_states(res: ShardResult, rec: dict, hreader: HiddenFileReader, pos: int, reader: RunReader,
                   hidden_size: int | None) -> bool:
     from app.quality import STATE_PROBLEMS, StaleRows, implausible_states, layer_detail, states_problem
 
@@ -341,7 +341,7 @@ def _check_records(res: ShardResult, reader: RunReader, info: ShardInfo, raw: by
             hidx = (rec.get("hidden") or {}).get("index")
             if reader.capture_mode == "inline" and hidx != pos:
                 res.add("hidden_index", f"record says hidden index {hidx}, file has it at {pos}", sid)
-            checked = (_check_states(res, rec, hreader, pos, reader, hidden_size) if decode
+            checked = (check_states(res, rec, hreader, pos, reader, hidden_size) if decode
                        else check_index_entry(res, rec, hreader.entries[pos], reader, hidden_size))
             if checked and good:
                 res.good_samples.append(sid)

@@ -66,7 +66,7 @@ def choose(results, sample: float, seed: int = 0) -> list[tuple[object, str]]:
 
 def decode_sample(reader, results, sample: float) -> dict:
     """Decode and check the chosen samples' states (problems go to their shard's result); what was read."""
-    from app.data.verify import _check_states
+    from app.data.verify import check_states
     from app.hidden_file import HiddenFileReader
 
     hidden_size = (reader.settings.get("model") or {}).get("hidden_size")
@@ -85,7 +85,7 @@ def decode_sample(reader, results, sample: float) -> dict:
         with reader.storage.open(path) as fh:
             hreader = HiddenFileReader(fh)
             for pos, sid in sorted((hreader.by_id[s], s) for s in sids if s in hreader.by_id and s in records):
-                _check_states(res, records[sid], hreader, pos, reader, hidden_size)
+                check_states(res, records[sid], hreader, pos, reader, hidden_size)
                 decoded += 1
                 workers[res.worker or "unknown"] = workers.get(res.worker or "unknown", 0) + 1
     good = sum(len(r.good_samples) for r in results)

@@ -7,8 +7,7 @@ import json
 from click.testing import CliRunner
 
 from app.cli import main
-from app.cli.produce import _SETTING_FLAGS as SETTING_FLAGS
-from app.cli.produce import produce_command
+from app.cli.produce import SETTING_FLAGS, produce_command
 from app.cli.run import run
 from tests.support.redis_db import PRODUCER_REDIS
 
