@@ -35,9 +35,15 @@ class Architecture:
         return self.layer_types[vllm_id - 1]
 
 
+def text_config(config: dict) -> dict:
+    """The language model's settings of a parsed config.json: under `text_config` in a multimodal wrapper
+    (Qwen3.5/3.6's released checkpoints), the file itself otherwise. The one place that unwraps it."""
+    return config.get("text_config") or config
+
+
 def read_architecture(config: dict) -> Architecture:
     """The Architecture of a parsed config.json (the whole file, wrapper included)."""
-    text = config.get("text_config") or config
+    text = text_config(config)
     types = text.get("layer_types")
     if not types and text.get("full_attention_interval"):  # Qwen3-Next names the interval instead
         every = int(text["full_attention_interval"])

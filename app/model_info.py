@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from app.architecture import Architecture, read_architecture
+from app.architecture import Architecture, read_architecture, text_config
 from app.errors import ConfigError
 
 FINGERPRINT_FILES = (
@@ -50,17 +50,12 @@ class ModelInfo:
         return out
 
 
-def _text_config(config: dict) -> dict:
-    # Multimodal / hybrid configs (Qwen3.5/3.6) nest the language model's settings.
-    return config.get("text_config") or config
-
-
-def read_text_config(path: str) -> dict:
+def readtext_config(path: str) -> dict:
     """The language model's settings from `path/config.json`; {} when there is none or it does not parse
     (callers then fall back to their defaults; `read_model_info` is the check that refuses such a folder)."""
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
-            return _text_config(json.load(fh))
+            return text_config(json.load(fh))
     except (OSError, ValueError):
         return {}
 
@@ -71,7 +66,7 @@ def read_model_info(path: str) -> ModelInfo:
         raise ConfigError(f"{path}: no config.json (regen needs a local model folder; no model hub is used)")
     with open(cfg_path, encoding="utf-8") as fh:
         config = json.load(fh)
-    text = _text_config(config)
+    text = text_config(config)
     digest = hashlib.sha256()
     for name in FINGERPRINT_FILES:
         fp = os.path.join(path, name)

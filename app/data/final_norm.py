@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 
+from app.architecture import text_config
 from app.errors import RegenError
 
 NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight")
@@ -36,7 +37,7 @@ class FinalNorm:
                              "no config.json (pass the checkpoint folder with export --model)")
         with open(cfg_path, encoding="utf-8") as fh:
             config = json.load(fh)
-        text = config.get("text_config") or config
+        text = text_config(config)
         self.eps = float(text.get("rms_norm_eps", 1e-6))
         self.model_type = str(text.get("model_type") or config.get("model_type"))
         self.zero_centred = self.model_type in ZERO_CENTRED
