@@ -50,7 +50,7 @@ class ModelInfo:
         return out
 
 
-def readtext_config(path: str) -> dict:
+def read_text_config(path: str) -> dict:
     """The language model's settings from `path/config.json`; {} when there is none or it does not parse
     (callers then fall back to their defaults; `read_model_info` is the check that refuses such a folder)."""
     try:
