@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -19,6 +21,7 @@ from app.hidden_file import HiddenFileReader
 from app.jsonl_zst import loads_jsonl_zst
 from app.storage import RunStore, Storage
 from tests.support.models import build_tiny_model
+from tests.support.polling import wait_for
 from tests.support.ports import free_port
 from tests.support.producer import decode_queue, sharegpt_row, write_jsonl
 from tests.support.redis_db import redis_or_fail, redis_url
@@ -28,14 +31,28 @@ BUCKET = "regen-test"
 BROKER = redis_url(7)
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    from moto.server import ThreadedMotoServer
+def _answers(endpoint: str) -> bool:
+    import urllib.request
 
+    try:
+        with urllib.request.urlopen(endpoint, timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint(tmp_path_factory):
+    # moto's server runs in a process of its own: in this one, its Flask proxies (`current_app`, ...) would sit
+    # in sys.modules, where vLLM's CPU kernel registration probes every module attribute and trips on them,
+    # failing any engine a later test builds in-process.
     port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    log = open(tmp_path_factory.mktemp("moto") / "server.log", "wb")  # noqa: SIM115
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT)
     endpoint = f"http://127.0.0.1:{port}"
+    wait_for(lambda: server.poll() is not None or _answers(endpoint), 60, f"moto's S3 server on {endpoint}")
+    assert server.poll() is None, f"moto's server exited with {server.returncode}"
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
                                             "REGEN_STORAGE_OPTIONS")}
     os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
@@ -46,7 +63,9 @@ def s3_endpoint():
     s3fs.S3FileSystem.clear_instance_cache()
     Storage(f"s3://{BUCKET}").fs.mkdir(BUCKET)
     yield endpoint
-    server.stop()
+    server.terminate()
+    server.wait(timeout=30)
+    log.close()
     s3fs.S3FileSystem.clear_instance_cache()
     for k, v in saved.items():
         if v is None:
