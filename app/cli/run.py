@@ -7,6 +7,7 @@ record of what is done); the job ends when every shard is done or dead-lettered,
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
@@ -24,7 +25,7 @@ from app.cli.options import (
     task_slots_option,
     vllm_arg_option,
 )
-from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, mask_url
+from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, BrokerSettings, mask_url
 from app.embedded_broker import broker_for_run
 from app.ledger import pause_state, split_key
 from app.storage import RunStore, Storage
@@ -36,6 +37,47 @@ def _progress_counts(store: RunStore, staged: bool) -> tuple[int, int]:
         done = done & store.captured_shards()
     dead = {split_key(key)[0] for key in store.dead_shards()}
     return len(done), len(dead - done)
+
+
+LOST_CHECK_S = 15.0  # how often `regen run` asks whether the broker lost a shard's message
+
+
+class LostShardWatch:
+    """Re-sends the run's shards whose messages the broker lost (app/ops/fleet.lost_from_broker): a worker killed
+    between kombu's pop of a message and its unacked record leaves a shard nothing will deliver, and the run
+    would wait forever. It re-sends only what two checks LOST_CHECK_S apart both found lost (a message is
+    between the pop and the record for microseconds), through `regen reconcile`'s own path."""
+
+    def __init__(self, store: RunStore, broker_url: str, resend):
+        from app.ops.status import RunScanner
+
+        self.store, self.broker_url, self.resend = store, broker_url, resend
+        self.scanner = RunScanner(store)
+        self.seen: int | None = None
+        self.next_check = time.monotonic() + LOST_CHECK_S
+
+    def lost(self) -> int | None:
+        from app.ops import fleet
+        from app.ops.status import summarise
+
+        stale_after = BrokerSettings.from_env(self.broker_url).visibility_timeout
+        status = summarise(self.scanner.scan(), time.time(), stale_after)
+        queues = [q for q in (status.get("queue"), status.get("capture", {}).get("queue")) if q]
+        lengths, unacked, error = fleet.queue_lengths(self.broker_url, queues)
+        return None if error else fleet.lost_from_broker(status, lengths, unacked)
+
+    def poll(self) -> int:
+        """Check when due; returns how many shards it re-sent (0 most of the time)."""
+        if time.monotonic() < self.next_check:
+            return 0
+        self.next_check = time.monotonic() + LOST_CHECK_S
+        lost = self.lost()
+        confirmed = bool(lost and self.seen)
+        self.seen = None if confirmed else lost
+        if not confirmed:
+            return 0
+        self.resend()
+        return lost
 
 
 def print_run_totals(store: RunStore, console: Console, seconds: float) -> dict:
@@ -141,6 +183,13 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
         console.print(f"workers: {len(configs)} ({'cpu' if cpu else 'gpu'}); logs in {sup.log_dir}")
         staged = capture == "staged"
         paused = None
+
+        def resend() -> None:
+            again = copy.copy(opts)
+            again.resume, again.run_id, again.inputs = True, result.run_id, []
+            produce(again)
+
+        watch = LostShardWatch(store, broker_url, resend)
         try:
             with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                           TimeElapsedColumn(), console=console) as bar:
@@ -158,6 +207,10 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
                     paused = pause_state(store)
                     if paused:
                         break
+                    resent = watch.poll()
+                    if resent:
+                        console.print(f"re-sent {resent} shards the broker had lost (a worker killed between taking "
+                                      f"a message and recording it): as `regen reconcile {result.run_id}` does")
                     if timeout and time.monotonic() - started > timeout:
                         raise click.ClickException(f"timed out after {timeout:.0f}s with {done}/{shards} shards done")
                     time.sleep(0.5)

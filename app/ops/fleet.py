@@ -96,6 +96,8 @@ def overlay(status: dict, broker_url: str, lengths: dict[str, int], unacked: int
     status["shards"]["queued"] = lengths.get(status.get("queue") or "")
     if "capture" in status:
         status["capture"]["queued"] = lengths.get(status["capture"]["queue"])
+    lost = lost_from_broker(status, lengths, unacked)
+    status["lost_from_broker"] = lost and {"shards": lost, "reconcile": f"regen reconcile {status['run']}"}
     by_name = {w["name"]: w for w in status["workers"]}
     for name, info in (live or {}).items():
         w = by_name.get(name)
@@ -111,3 +113,25 @@ def overlay(status: dict, broker_url: str, lengths: dict[str, int], unacked: int
         w["online"] = None if live is None else w["name"] in live
     status["workers"] = [by_name[n] for n in sorted(by_name)]
     return status
+
+
+def lost_from_broker(status: dict, lengths: dict[str, int], unacked: int | None) -> int | None:
+    """How many of the run's shards nothing will deliver again: waiting, failed or stale on storage while Redis
+    holds no message that could be theirs (the run's queues empty, no unacked message at all).
+
+    Why it happens: kombu's Redis transport pops a message and records it as unacked only afterwards, in the
+    consumer, so a worker killed in between loses it from Redis for good. Storage is the record, so `regen
+    reconcile` re-sends such shards (a copy of a shard that is in fact still coming is harmless: storage keeps
+    one output). None when it cannot be told: the queues were not read, a message is waiting or unacked
+    anywhere (it may be one of the run's), the producer has not finished, or the run is paused.
+    """
+    if unacked is None or unacked or status.get("paused") or not status.get("produce_complete"):
+        return None
+    queues = [status.get("queue")] + ([status["capture"]["queue"]] if "capture" in status else [])
+    if any(lengths.get(q) is None or lengths[q] for q in queues):
+        return None
+    shards = status["shards"]
+    lost = (shards.get("waiting") or 0) + shards.get("failed", 0) + shards.get("stale", 0)
+    if "capture" in status:
+        lost += status["capture"].get("failed", 0) + status["capture"].get("stale", 0)
+    return lost or None

@@ -91,5 +91,9 @@ def _render_run(s: dict):
     if s.get("retry_dead"):
         parts.append(Text(f"after a fix, re-send dead-lettered shards: {s['retry_dead']} --storage {s['storage']}",
                           style="red"))
+    lost = s.get("lost_from_broker")
+    if lost:
+        parts.append(Text(f"{lost['shards']} shards are neither queued nor running (lost from the broker): "
+                          f"{lost['reconcile']} --storage {s['storage']} re-sends them", style="red"))
     parts.append(_broker_line(s["broker"]))
     return Group(*parts)

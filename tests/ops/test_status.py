@@ -128,3 +128,22 @@ def test_a_live_worker_reports_the_shard_it_runs(tmp_path, redis7):
         w = {w["name"]: w for w in s["workers"]}
         assert w["gpu7@testhost"]["online"] is True and w["gpu7@testhost"]["source"] == "broker"
         assert w["gpu0@hostA"]["online"] is False  # known from storage, silent on the broker
+
+
+def test_status_names_the_shards_the_broker_lost_and_the_command_that_re_sends_them(tmp_path, redis7):
+    from app import ledger
+
+    built = build_status_run(str(tmp_path))
+    args = ("r1", "--storage", str(tmp_path), "--inspect-timeout", "0")
+    assert _status(*args)["lost_from_broker"] is None  # paused: its shards are held back on purpose
+    ledger.clear_pause(built["store"])
+    # Nothing in Redis, and storage has 2 shards never attempted and 1 failed whose retry is not coming: lost.
+    lost = _status(*args)["lost_from_broker"]
+    assert lost == {"shards": TOTAL_SHARDS - 4 - 2 + 1, "reconcile": "regen reconcile r1"}
+    text = " ".join(CliRunner().invoke(main, ["status", *args, "--broker", BROKER]).output.split())  # unwrapped
+    assert "3 shards are neither queued nor running (lost from the broker): regen reconcile r1" in text
+    redis7.lpush(STATUS_QUEUE, b"m1")  # a message waits: it may be one of them, so nothing is called lost
+    assert _status(*args)["lost_from_broker"] is None
+    redis7.delete(STATUS_QUEUE)
+    redis7.hset("unacked", "tag", b"{}")  # one unacked anywhere: the same
+    assert _status(*args)["lost_from_broker"] is None
