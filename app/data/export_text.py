@@ -4,7 +4,7 @@ A trainer that re-tokenises text (SpecForge's online mode, LLaMA-Factory, axolot
 row, so a row must hold everything the target's template was given: the system turn, the tool definitions,
 assistant tool calls with their ids, tool responses, and the reasoning of earlier turns (the template keeps or
 drops it, as it did at generation). Re-rendering a row's conversation up to its last turn with the target's
-template gives the record's prompt ids exactly (tests/test_export_text.py).
+template gives the record's prompt ids exactly (tests/data/test_export_text.py).
 
 Rows are per conversation, not per record: a multi-turn run (`--regenerate all`) writes one record per
 regenerated turn, and the trainers supervise every assistant turn of a row, so one row per turn would train on
