@@ -14,7 +14,7 @@ Data, two sets, each run through every codec:
   The forward pass runs in float32 because this CPU has no bf16 matrix units (bf16 matmul runs at <3 GFLOP/s
   here vs ~40 in float32); the captured states are rounded to bf16, which is what the fleet stores. All 5 layers
   are captured (vLLM ids 1..5) through `app.data.reference.ReferenceCapture`.
-- `outliers`: synthetic states with what trained models add and random-init ones lack (tests/activations.py):
+- `outliers`: synthetic states with what trained models add and random-init ones lack (tests/support/activations.py):
   heavy tails, outlier channels 20-60x, norms growing with depth, the first token 100x the others (an
   attention sink), all-negative rows. Same shapes and token counts as `captured`.
 
@@ -270,7 +270,7 @@ def specforge_codec(level: int):
 
 
 def outlier_samples(like: list[Sample], n_layers: int, hidden: int) -> list[Sample]:
-    """Synthetic trained-model-like states (tests/activations.py) with `like`'s ids and lengths."""
+    """Synthetic trained-model-like states (tests/support/activations.py) with `like`'s ids and lengths."""
     rng = np.random.default_rng(1)
     return [Sample(s.sample_id, s.input_ids, s.loss_mask,
                    float32_to_bf16(realistic_activations(rng, len(s.input_ids), n_layers, hidden))) for s in like]

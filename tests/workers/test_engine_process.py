@@ -1,7 +1,7 @@
 """The CPU engine's own process (workers/engine/process.py): how its failures reach the worker.
 
 A healthy engine host, a SIGKILLed one and a worker SIGKILLed around one are covered with the session's real
-worker (tests/test_worker_e2e.py, tests/test_faults.py); here, what the worker sees when the child cannot build
+worker (tests/workers/test_worker_e2e.py, tests/workers/test_faults.py); here, what the worker sees when the child cannot build
 its engine, and the wording of a child's death.
 """
 

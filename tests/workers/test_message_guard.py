@@ -1,6 +1,6 @@
 """The worker's guard against messages it cannot use (workers/message_guard.py, app/dead_messages.py).
 
-The end-to-end proof (garbage on the real worker's queue, same pids after) is in tests/test_faults.py; these
+The end-to-end proof (garbage on the real worker's queue, same pids after) is in tests/workers/test_faults.py; these
 check the rules on their own, against real Redis (the operations suites' db 7)."""
 
 from __future__ import annotations
