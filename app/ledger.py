@@ -164,7 +164,7 @@ def _amend(store: RunStore, key: str, attempt: str, fields: dict, running_only: 
         store.storage.write_json(path, body)
 
 
-def _attempt_names(store: RunStore, key: str) -> list[str]:
+def attempt_names(store: RunStore, key: str) -> list[str]:
     """The key's attempt records; another attempt's record being written at this instant shows as
     `.name.tmp-*`, which is not an attempt of its own."""
     return [name for name in store.storage.listdir(store.attempts_dir(key)) if not name.startswith(".")]
@@ -173,7 +173,7 @@ def _attempt_names(store: RunStore, key: str) -> list[str]:
 def attempt_errors(store: RunStore, key: str) -> list[dict]:
     """Every readable attempt record of `key` (errors or not), in name order."""
     out = []
-    for name in _attempt_names(store, key):
+    for name in attempt_names(store, key):
         try:
             out.append(store.storage.read_json(f"{store.attempts_dir(key)}/{name}"))
         except (FileNotFoundError, orjson.JSONDecodeError):
@@ -207,7 +207,7 @@ def archive_dead(store: RunStore, key: str, stamp: str) -> str:
     shard = split_key(key)[0]
     sweep_temporaries(store, shard, stale_after=None)  # what its dead attempts left half-written
     sweep_marker_temporaries(store, {shard})
-    names = [n for n in _attempt_names(store, key) if n.endswith(".json")]
+    names = [n for n in attempt_names(store, key) if n.endswith(".json")]
     for name in names:
         storage.write_bytes(f"{folder}/attempts/{name}", storage.read_bytes(f"{store.attempts_dir(key)}/{name}"))
     for name in names:

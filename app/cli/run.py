@@ -7,7 +7,7 @@ record of what is done); the job ends when every shard is done or dead-lettered,
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import os
 import threading
 import time
@@ -159,9 +159,12 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
                               max_tokens=max_tokens, top_k=top_k, thinking=thinking, capture=capture,
                               layers=layers, shard_size=shard_size, vllm_args=pinned_args, **settings)
         result = produce(opts)
-        if result.status == "already_produced":  # a re-run: re-send whatever has no completion marker
-            opts.resume, opts.run_id, opts.inputs = True, result.run_id, []
-            result = produce(opts)
+        # `regen reconcile`'s options for this run: re-send whatever has no completion marker
+        resume = dataclasses.replace(opts, resume=True, inputs=[])
+        if result.status == "already_produced":  # a re-run
+            resume.run_id = result.run_id
+            result = produce(resume)
+        resume.run_id = result.run_id
         store = RunStore(Storage(storage), result.run_id)
         state = store.storage.read_json(store.produce_path)
         shards = int(state["counts"]["shards"])
@@ -184,12 +187,7 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
         staged = capture == "staged"
         paused = None
 
-        def resend() -> None:
-            again = copy.copy(opts)
-            again.resume, again.run_id, again.inputs = True, result.run_id, []
-            produce(again)
-
-        watch = LostShardWatch(store, broker_url, resend)
+        watch = LostShardWatch(store, broker_url, lambda: produce(resume))
         try:
             with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                           TimeElapsedColumn(), console=console) as bar:

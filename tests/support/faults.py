@@ -7,7 +7,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from app.ledger import attempt_errors
+from app.ledger import attempt_errors, attempt_names
 from app.storage import RunStore
 from tests.support.runs import prompts_file, run_records
 
@@ -35,7 +35,7 @@ def in_flight_shards(store: RunStore) -> set[str]:
     done = store.done_shards()
     return {shard for shard in store.storage.listdir(store.rel("attempts"))
             if shard not in done and "." not in shard
-            and any(n.endswith(".json") and not n.startswith(".") for n in store.storage.listdir(store.attempts_dir(shard)))}
+            and any(n.endswith(".json") for n in attempt_names(store, shard))}
 
 
 def in_flight_shard(store: RunStore, besides: set[str] = frozenset()) -> str | None:

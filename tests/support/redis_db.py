@@ -60,21 +60,20 @@ def hybrid_redis():
     return flushed_redis(HYBRID_BROKER)
 
 
-@pytest.fixture
-def producer_redis():
-    """The producer suite's db, flushed before and after each test."""
-    client = redis_or_fail(PRODUCER_REDIS)
-    client.flushdb()
+def _flushed_around_the_test(url: str):
+    client = flushed_redis(url)
     yield client
     client.flushdb()
     client.close()
+
+
+@pytest.fixture
+def producer_redis():
+    """The producer suite's db, flushed before and after each test."""
+    yield from _flushed_around_the_test(PRODUCER_REDIS)
 
 
 @pytest.fixture
 def redis7():
     """The operations suite's db (7), flushed before and after each test."""
-    client = redis_or_fail(OPS_BROKER)
-    client.flushdb()
-    yield client
-    client.flushdb()
-    client.close()
+    yield from _flushed_around_the_test(OPS_BROKER)
