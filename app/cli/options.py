@@ -21,11 +21,8 @@ BROKER_HELP = "Broker URL [env REGEN_BROKER_URL]."
 
 def storage_option(*, required: bool = False, default: str | None = None, help: str | None = None):
     """`--storage ROOT` [env REGEN_STORAGE]; `default` only for `regen run` (shown in its help)."""
-    if required:
-        return click.option("--storage", envvar="REGEN_STORAGE", required=True, help=help)
-    if default is None:
-        return click.option("--storage", envvar="REGEN_STORAGE", default=None, help=help)
-    return click.option("--storage", envvar="REGEN_STORAGE", default=default, show_default=True, help=help)
+    return click.option("--storage", envvar="REGEN_STORAGE", required=required, default=default,
+                        show_default=default is not None, help=help)
 
 
 def broker_option(*, help: str | None = None):
