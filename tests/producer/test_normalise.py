@@ -12,7 +12,7 @@ from producer.normalise import Rejected, normalise, parse_line
 from tests.support.paths import FORMATS_DIR
 
 
-def real_row(name: str) -> dict:
+def shape_row(name: str) -> dict:
     lines = (FORMATS_DIR / f"{name}.jsonl").read_bytes().splitlines()
     rows = [json.loads(line) for line in lines if line.strip()]
     assert len(rows) == 1
@@ -33,30 +33,30 @@ def rejected(row, regenerate="last", **kw) -> str:
     return info.value.reason
 
 
-# -- the real rows in shared/data/formats -------------------------------------------------------------------
+# -- one row of each dataset shape, tests/fixtures/formats ---------------------------------------------------
 def test_sharegpt_multiturn_drops_the_final_gpt_turn_and_keeps_earlier_ones_as_context():
-    row = real_row("sharegpt_multiturn")
+    row = shape_row("sharegpt_multiturn")
     s = norm(row)
     assert roles(s) == ["user", "assistant", "user", "assistant", "user"]
     conv = row["conversations"]
     assert [m["content"] for m in s["messages"]] == [t["value"] for t in conv[:5]]
     assert all(set(m) == {"role", "content"} for m in s["messages"])  # the null markdown/text keys are gone
     assert s["tools"] is None
-    assert s["source"] == {"file": "f.jsonl", "line": 7, "source_id": "DhelrJT_0"}
+    assert s["source"] == {"file": "f.jsonl", "line": 7, "source_id": "kq7Rw2m_0"}
     assert s["id"] == sample_id(s["messages"], None)
 
 
 def test_sharegpt_multiturn_in_all_mode_regenerates_every_gpt_turn_in_place():
-    row = real_row("sharegpt_multiturn")
+    row = shape_row("sharegpt_multiturn")
     s = norm(row, "all")
     assert roles(s) == ["user", "assistant"] * 3
     answers = [m for m in s["messages"] if m["role"] == "assistant"]
-    assert [a["original_content"] for a in answers] == ["Samsung S22 Ultra...", "Iphone 14 pro max", "thanks"]
+    assert [a["original_content"] for a in answers] == ["The Brisa 900 espresso machine...", "Now the Veloce Pro grinder", "cheers"]
     assert all(a["content"] is None for a in answers)
 
 
 def test_ultrachat_uses_messages_over_the_prompt_column_and_prompt_id_as_source():
-    row = real_row("ultrachat_messages")
+    row = shape_row("ultrachat_messages")
     s = norm(row)
     assert roles(s) == ["user", "assistant", "user", "assistant", "user", "assistant", "user"]
     assert s["messages"] == [{"role": m["role"], "content": m["content"]} for m in row["messages"][:7]]
@@ -65,25 +65,25 @@ def test_ultrachat_uses_messages_over_the_prompt_column_and_prompt_id_as_source(
 
 
 def test_hermes_toolcall_ends_on_the_tool_turn_with_tools_parsed_from_a_json_string():
-    row = real_row("hermes_toolcall")
+    row = shape_row("hermes_toolcall")
     s = norm(row)
     assert roles(s) == ["system", "user", "assistant", "tool"]
     assert s["tools"] == json.loads(row["tools"])
-    assert [t["function"]["name"] for t in s["tools"]] == ["set_smart_light_color", "sync_lights_with_automation_system"]
+    assert [t["function"]["name"] for t in s["tools"]] == ["set_thermostat_mode", "schedule_thermostat"]
     assert s["messages"][0]["content"].startswith("You are a function calling AI model.")
     assert s["messages"][2]["content"].startswith("<tool_call>\n")
     assert s["messages"][3]["content"].startswith("<tool_response>\n")
-    assert s["source"]["source_id"] == "73f31055-ec38-4035-b082-678e220dd7e6"
+    assert s["source"]["source_id"] == "5d2f8a61-93c4-4e0b-a7d8-1f6b2c9e0a34"
 
 
 def test_hermes_toolcall_tools_as_a_list_give_the_same_sample():
-    row = real_row("hermes_toolcall")
+    row = shape_row("hermes_toolcall")
     as_list = {**row, "tools": json.loads(row["tools"])}
     assert norm(as_list)["id"] == norm(row)["id"]
 
 
 def test_dolphin_reasoning_prompt_is_the_question_and_all_mode_keeps_the_old_reasoning():
-    row = real_row("dolphin_reasoning")
+    row = shape_row("dolphin_reasoning")
     s = norm(row)
     assert roles(s) == ["user"]
     assert s["messages"][0]["content"] == row["conversations"][0]["value"]
@@ -93,7 +93,7 @@ def test_dolphin_reasoning_prompt_is_the_question_and_all_mode_keeps_the_old_rea
 
 
 def test_reasoning_content_of_earlier_assistant_turns_is_kept():
-    row = real_row("dolphin_reasoning")
+    row = shape_row("dolphin_reasoning")
     conv = row["conversations"] + [{"from": "human", "value": "Shorter, please."}]
     s = norm({"conversations": conv})
     assert roles(s) == ["user", "assistant", "user"]
@@ -101,7 +101,7 @@ def test_reasoning_content_of_earlier_assistant_turns_is_kept():
 
 
 def test_gsm8k_single_turn_question_becomes_one_user_turn():
-    row = real_row("gsm8k_singleturn")
+    row = shape_row("gsm8k_singleturn")
     s = norm(row)
     assert s["messages"] == [{"role": "user", "content": row["question"]}]
     assert s["source"]["source_id"] is None
@@ -221,6 +221,6 @@ def test_prompt_too_long_counts_characters_of_the_prompt_only():
 
 
 def test_sample_round_trips_through_json():
-    s = norm(real_row("hermes_toolcall"))
+    s = norm(shape_row("hermes_toolcall"))
     assert orjson.loads(orjson.dumps(s)) == s
     assert set(s) == {"id", "messages", "tools", "source"}

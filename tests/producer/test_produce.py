@@ -155,7 +155,7 @@ def test_duplicates_across_files_are_sent_once(producer_redis, options, tmp_path
     assert (result.accounting.enqueued, result.accounting.duplicates) == (8, 2)
 
 
-def test_every_real_dataset_file_is_produced_without_rejects(producer_redis, options):
+def test_every_dataset_shape_file_is_produced_without_rejects(producer_redis, options):
     files = sorted(FORMATS_DIR.glob("*.jsonl"))
     result = produce(options(files, shard_size=64))
     assert result.accounting.read == len(files) and result.accounting.rejected == 0

@@ -19,7 +19,7 @@ from tests.support.workers import E2E_LAYERS
 
 
 def prompts_file(folder: Path, n_synthetic: int = 6, with_formats: bool = True) -> Path:
-    """The real dataset rows of every shape plus a few short single-turn prompts."""
+    """One row of every dataset shape (tests/fixtures/formats) plus a few short single-turn prompts."""
     path = folder / "prompts.jsonl"
     lines = []
     if with_formats:
