@@ -30,8 +30,6 @@ later turns would need its answer.
 
 from __future__ import annotations
 
-RECORD_FORMAT = "regen.record/1"
-
 
 def loss_mask(num_prompt: int, num_output: int) -> list[int]:
     return [0] * num_prompt + [1] * num_output

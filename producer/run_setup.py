@@ -21,7 +21,7 @@ from app.model_info import read_model_info
 from app.states_codec import STATES_DTYPES, promised_bound, resolve
 from producer.enqueue import COMPRESS_MODES
 from producer.normalise import REGENERATE_MODES
-from producer.readers import describe_input, expand_inputs, file_sha256
+from producer.readers import describe_input, file_sha256
 
 DEFAULT_MAX_PROMPT_TOKENS = 32768
 DEFAULT_MAX_TOKENS = 4096
@@ -201,7 +201,3 @@ def verify_inputs(stored_inputs: list[dict]) -> list[str]:
             raise InputError(f"{path}: input changed since the run was produced (sha256 differs); refusing to resume")
         paths.append(path)
     return paths
-
-
-def resolve_inputs(patterns: list[str]) -> list[str]:
-    return expand_inputs(patterns)

@@ -31,12 +31,16 @@ from app.ledger import pause_state, split_key
 from app.storage import RunStore, Storage
 
 
+def dead_shard_ids(store: RunStore) -> set[str]:
+    """Shards with a dead letter in any stage: a staged shard dead in both stages is one dead shard."""
+    return {split_key(key)[0] for key in store.dead_shards()}
+
+
 def _progress_counts(store: RunStore, staged: bool) -> tuple[int, int]:
     done = store.done_shards()
     if staged:
         done = done & store.captured_shards()
-    dead = {split_key(key)[0] for key in store.dead_shards()}
-    return len(done), len(dead - done)
+    return len(done), len(dead_shard_ids(store) - done)
 
 
 LOST_CHECK_S = 15.0  # how often `regen run` asks whether the broker lost a shard's message
@@ -98,7 +102,7 @@ def print_run_totals(store: RunStore, console: Console, seconds: float) -> dict:
     table.add_column("value", justify="right")
     for k, v in totals.items():
         table.add_row(k.replace("_", " "), f"{v:,}")
-    table.add_row("dead-lettered shards", str(len(store.dead_shards())))
+    table.add_row("dead-lettered shards", str(len(dead_shard_ids(store))))
     table.add_row("generated tokens/s (wall, with start-up)", f"{totals['generated_tokens'] / max(seconds, 1e-9):,.0f}")
     for f, n in sorted(flags.items()):
         table.add_row(f"flag {f}", f"{n} ({n / max(totals['ok'], 1):.0%})")
