@@ -20,18 +20,29 @@ def test_a_lease_renewal_racing_the_attempts_error_never_erases_it(tmp_path):
     attempt = ledger.new_attempt_id()
     ledger.record_attempt(store, "shard-000000", attempt, "w@h")
     stop = threading.Event()
+    renewals = [0] * 4  # per thread: the error is written only while every thread is renewing, before and after
 
-    def renew():
+    def renew(i: int):
         while not stop.is_set():
             ledger.renew_lease(store, "shard-000000", attempt)
+            renewals[i] += 1
 
-    threads = [threading.Thread(target=renew) for _ in range(4)]
+    def all_renewed(at_least: list[int]) -> bool:
+        deadline = time.monotonic() + 30
+        while min(n - m for n, m in zip(renewals, at_least, strict=True)) < 3:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    threads = [threading.Thread(target=renew, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
     try:
-        time.sleep(0.05)
+        assert all_renewed([0] * 4), renewals
+        before = list(renewals)
         ledger.record_attempt_error(store, "shard-000000", attempt, "OSError: disk full")
-        time.sleep(0.05)
+        assert all_renewed(before), renewals  # every thread renewed again after the error: the race was run
     finally:
         stop.set()
         for t in threads:
