@@ -56,7 +56,9 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
-        """Read every variable once; a malformed broker timeout or storage options JSON is a ConfigError."""
+        """Read every variable once; a malformed value (a number that is not one, storage options that are not a
+        JSON object, a switch other than 0 or 1) is a one-line ConfigError naming the variable. Numbers below
+        their floor are raised to it (a lease renewal of at least 0.5 s, retries of at least 0)."""
         env = os.environ if environ is None else environ
         return cls(
             broker=BrokerSettings(
@@ -65,15 +67,15 @@ class Settings:
                 unacked_restore_interval=_int(env, "REGEN_UNACKED_RESTORE_INTERVAL"),
             ),
             storage_options=_storage_options(env.get("REGEN_STORAGE_OPTIONS", "")),
-            heartbeat_s=_heartbeat(env.get("REGEN_HEARTBEAT_S")),
+            heartbeat_s=max(0.5, _float(env, "REGEN_HEARTBEAT_S", DEFAULT_HEARTBEAT_S)),
             state_dir=env.get("REGEN_STATE_DIR") or _default_state_dir(),
             scratch=env.get("REGEN_SCRATCH") or None,
             side_threads=env.get("REGEN_SIDE_THREADS", "").strip().lower(),
-            missing_run_retries=_missing_run_retries(env.get("REGEN_MISSING_RUN_RETRIES")),
+            missing_run_retries=max(0, _int(env, "REGEN_MISSING_RUN_RETRIES", DEFAULT_MISSING_RUN_RETRIES)),
             log_level=env.get("REGEN_LOG_LEVEL", DEFAULT_LOG_LEVEL),
             queues=env.get("REGEN_QUEUES", DEFAULT_QUEUE),
             worker_config=env.get("REGEN_WORKER_CONFIG") or None,
-            bench_tasks=env.get("REGEN_BENCH_TASKS") == "1",
+            bench_tasks=_switch(env, "REGEN_BENCH_TASKS"),
         )
 
     def broker_for(self, url: str | None = None, visibility_timeout: int | None = None) -> BrokerSettings:
@@ -105,18 +107,21 @@ def _storage_options(raw: str) -> dict:
     return options
 
 
-def _heartbeat(raw: str | None) -> float:
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
     try:
-        return max(0.5, float(raw or DEFAULT_HEARTBEAT_S))
+        return float(raw)
     except ValueError:
-        return DEFAULT_HEARTBEAT_S
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
 
 
-def _missing_run_retries(raw: str | None) -> int:
-    try:
-        return max(0, int(raw or DEFAULT_MISSING_RUN_RETRIES))
-    except ValueError:
-        return DEFAULT_MISSING_RUN_RETRIES
+def _switch(env: Mapping[str, str], name: str) -> bool:
+    raw = env.get(name, "")
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"{name}={raw!r}: use 1 (on) or 0 (off)")
+    return raw == "1"
 
 
 class _Scope:

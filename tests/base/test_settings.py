@@ -42,8 +42,19 @@ def test_each_variable_reaches_its_field():
     assert s.broker_for(visibility_timeout=7).visibility_timeout == 7
 
 
-def test_unparsable_numbers_fall_back_where_they_always_did_and_fail_where_they_always_did():
-    assert Settings.from_env({"REGEN_HEARTBEAT_S": "soon", "REGEN_MISSING_RUN_RETRIES": "many"}).heartbeat_s == 30.0
+@pytest.mark.parametrize(("env", "message"), [
+    ({"REGEN_HEARTBEAT_S": "soon"}, "REGEN_HEARTBEAT_S='soon' is not a number"),
+    ({"REGEN_MISSING_RUN_RETRIES": "many"}, "REGEN_MISSING_RUN_RETRIES='many' is not an integer"),
+    ({"REGEN_UNACKED_RESTORE_INTERVAL": "1.5"}, "REGEN_UNACKED_RESTORE_INTERVAL='1.5' is not an integer"),
+    ({"REGEN_BENCH_TASKS": "yes"}, "REGEN_BENCH_TASKS='yes': use 1 .on. or 0 .off."),
+])
+def test_a_malformed_value_is_refused_in_one_line_naming_the_variable(env, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        Settings.from_env(env)
+    assert "\n" not in str(info.value)
+
+
+def test_unparsable_values_fail_where_they_always_did():
     with pytest.raises(ConfigError, match="REGEN_VISIBILITY_TIMEOUT='4h' is not an integer"):
         Settings.from_env({"REGEN_VISIBILITY_TIMEOUT": "4h"})
     with pytest.raises(ConfigError, match="REGEN_STORAGE_OPTIONS is not valid JSON"):
