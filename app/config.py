@@ -52,3 +52,9 @@ class BrokerSettings:
     @property
     def masked_url(self) -> str:
         return mask_url(self.url)
+
+    def __repr__(self) -> str:
+        """Masked: these settings ride on the Celery app's configuration (`conf.regen_settings`), which every
+        worker hands out as text to `celery inspect conf` and Flower's worker pages."""
+        return (f"BrokerSettings(url={self.masked_url!r}, visibility_timeout={self.visibility_timeout}, "
+                f"unacked_restore_interval={self.unacked_restore_interval})")

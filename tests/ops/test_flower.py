@@ -27,12 +27,14 @@ from tests.support.celery_app import CeleryTestWorker
 from tests.support.paths import REPO
 from tests.support.polling import wait_for
 from tests.support.ports import free_port
+from tests.support.private_redis import tls_redis
 from tests.support.producer import sharegpt_row, write_jsonl
 from tests.support.redis_db import OPS_BROKER
 
 pytest.importorskip("flower")  # the `monitor` extra; scripts/setup.sh installs it
 
 LOGIN = ("regen", "flower-test-password")
+PASSWORD = "br0ker-Pa55"  # the broker's (requirepass), never to be shown
 OTHER_QUEUE = "team-b.regen"  # a run produced with `--queue team-b.regen`
 IDLE_QUEUE = "flower-idle"  # what the test worker consumes: nothing is ever sent there
 
@@ -96,15 +98,16 @@ class Flower:
         self._log.close()
 
 
-@pytest.fixture
-def backlog(tmp_path, redis7, tiny_config_model) -> dict[str, int]:
+def make_backlog(folder: Path, broker: str, model: Path) -> dict[str, int]:
     """Three runs' shards waiting in Redis as the producer leaves them: {queue: messages}."""
-    storage = str(tmp_path / "store")
+    import redis
+
+    storage = str(folder / "store")
 
     def produce_run(run_id: str, rows: int, **kw):
-        inputs = write_jsonl(tmp_path / f"{run_id}.jsonl", [sharegpt_row(i, run_id) for i in range(rows)])
-        result = produce(ProduceOptions(inputs=[str(inputs)], run_id=run_id, storage=storage,
-                                        model=str(tiny_config_model), broker=OPS_BROKER, shard_size=2, **kw))
+        inputs = write_jsonl(folder / f"{run_id}.jsonl", [sharegpt_row(i, run_id) for i in range(rows)])
+        result = produce(ProduceOptions(inputs=[str(inputs)], run_id=run_id, storage=storage, model=str(model),
+                                        broker=broker, shard_size=2, **kw))
         assert result.status == "produced"
         return result
 
@@ -112,22 +115,32 @@ def backlog(tmp_path, redis7, tiny_config_model) -> dict[str, int]:
     produce_run("r-other", 6, queue=OTHER_QUEUE)  # 3 shards on the run's own queue
     staged = produce_run("r-staged", 4, capture="staged")  # 2 more on `regen`; their captures on `regen.capture`
     store = RunStore(Storage(storage), "r-staged")
-    app = create_app(BrokerSettings(url=OPS_BROKER))
+    app = create_app(BrokerSettings(url=broker))
     try:
         sent = send_captures(store, app, staged.storage_url, load(store)["settings"], ["shard-000000", "shard-000001"])
     finally:
         app.close()
     assert sent == 2
     expected = {DEFAULT_QUEUE: 7, OTHER_QUEUE: 3, DEFAULT_CAPTURE_QUEUE: 2}
-    assert {q: redis7.llen(q) for q in expected} == expected  # what Flower must show, read from Redis itself
+    client = redis.Redis.from_url(broker)
+    assert {q: client.llen(q) for q in expected} == expected  # what Flower must show, read from Redis itself
+    client.close()
     return expected
+
+
+@pytest.fixture
+def backlog(tmp_path, redis7, tiny_config_model) -> dict[str, int]:
+    return make_backlog(tmp_path, OPS_BROKER, tiny_config_model)
+
+
+def queue_lengths(flower: Flower) -> dict[str, int]:
+    return {q["name"]: q["messages"] for q in flower.get_json("/api/queues/length")["active_queues"]}
 
 
 def test_flower_lists_every_queue_with_its_backlog_and_the_worker_on_them(tmp_path, backlog):
     with Flower(tmp_path / "flower.log", OPS_BROKER) as flower:
         flower.wait_ready()
-        lengths = {q["name"]: q["messages"] for q in flower.get_json("/api/queues/length")["active_queues"]}
-        assert lengths == backlog  # no worker yet: regen's queues and the run's own, nothing else
+        assert queue_lengths(flower) == backlog  # no worker yet: regen's queues and the run's own, nothing else
         page = flower.get("/broker").decode()
         for queue in backlog:
             assert f"<td>{queue}</td>" in page
@@ -137,8 +150,33 @@ def test_flower_lists_every_queue_with_its_backlog_and_the_worker_on_them(tmp_pa
             workers = wait_for(lambda: (flower.get_json("/api/workers?refresh=1") or {}).get("idle@flower-test"),
                                30, "Flower to list the worker")
             assert [q["name"] for q in workers["active_queues"]] == [IDLE_QUEUE]
-            lengths = {q["name"]: q["messages"] for q in flower.get_json("/api/queues/length")["active_queues"]}
             # Flower alone would now list the worker's queue only; the backlog stays listed beside it
-            assert lengths == {**backlog, IDLE_QUEUE: 0}
+            assert queue_lengths(flower) == {**backlog, IDLE_QUEUE: 0}
             assert "idle@flower-test" in flower.get("/workers").decode()
     assert "not supported" not in flower.text()
+
+
+def test_flower_over_tls_with_a_password_lists_the_queues_and_shows_the_password_nowhere(tmp_path, tiny_config_model):
+    """The broker URL as the docs give it for other hosts (`rediss://:PASSWORD@...?ssl_cert_reqs=required&
+    ssl_ca_certs=...`): Flower reads the queues over TLS, and neither its pages, its API (the workers' `conf`
+    included), its log nor the worker's log carries the password."""
+    server, url = tls_redis(tmp_path, PASSWORD)
+    try:
+        backlog = make_backlog(tmp_path, url, tiny_config_model)
+        with CeleryTestWorker(tmp_path / "worker.log", IDLE_QUEUE, "tls@flower-test", broker=url) as worker, \
+                Flower(tmp_path / "flower.log", url) as flower:
+            flower.wait_ready()
+            seen = wait_for(lambda: worker.proc.poll() is not None or (flower.get_json("/api/workers?refresh=1")
+                                                                       or {}).get("tls@flower-test"),
+                            60, "Flower to list the worker on the TLS broker")
+            assert worker.proc.poll() is None, worker.text()[-3000:]
+            assert [q["name"] for q in seen["active_queues"]] == [IDLE_QUEUE]
+            assert queue_lengths(flower) == {**backlog, IDLE_QUEUE: 0}
+            bodies = {path: flower.get(path).decode() for path in
+                      ("/api/workers?refresh=1", "/api/queues/length", "/broker", "/workers", "/worker/tls@flower-test")}
+            assert "tls@flower-test" in bodies["/worker/tls@flower-test"]
+            assert "rediss://" in bodies["/broker"]
+        for where, text in {**bodies, "Flower's log": flower.text(), "the worker's log": worker.text()}.items():
+            assert PASSWORD not in text, where
+    finally:
+        server.stop()
