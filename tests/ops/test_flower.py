@@ -31,8 +31,6 @@ from tests.support.private_redis import tls_redis
 from tests.support.producer import sharegpt_row, write_jsonl
 from tests.support.redis_db import OPS_BROKER
 
-pytest.importorskip("flower")  # the `monitor` extra; scripts/setup.sh installs it
-
 LOGIN = ("regen", "flower-test-password")
 PASSWORD = "br0ker-Pa55"  # the broker's (requirepass), never to be shown
 OTHER_QUEUE = "team-b.regen"  # a run produced with `--queue team-b.regen`
