@@ -38,7 +38,8 @@ class BrokerSettings:
 
     url: str = DEFAULT_BROKER_URL
     visibility_timeout: int = DEFAULT_VISIBILITY_TIMEOUT
-    # How often kombu sweeps the unacked hash for messages older than the visibility timeout.
+    # Seconds between calls of kombu's unacked sweep (None: kombu's 10); kombu 5.7.0 scans on every 10th call
+    # only, and then restores every message older than the visibility timeout (docs/configuration.md).
     unacked_restore_interval: int | None = None
 
     @classmethod
@@ -52,3 +53,9 @@ class BrokerSettings:
     @property
     def masked_url(self) -> str:
         return mask_url(self.url)
+
+    def __repr__(self) -> str:
+        """Masked: these settings ride on the Celery app's configuration (`conf.regen_settings`), which every
+        worker hands out as text to `celery inspect conf` and Flower's worker pages."""
+        return (f"BrokerSettings(url={self.masked_url!r}, visibility_timeout={self.visibility_timeout}, "
+                f"unacked_restore_interval={self.unacked_restore_interval})")

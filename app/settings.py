@@ -5,8 +5,8 @@ Rule: each process's entry point reads the environment once and installs the res
 object, and never read `os.environ` themselves. Why: one list of names, defaults and parsing, and a process that
 sees one configuration from start to end. The entry points: the `regen` command group (app/cli/__init__.py, read
 on first use so `--help` reads nothing), the worker child (workers/worker_main.py), the CPU engine's own process
-(workers/engine/process.py, handed its parent's settings), and `celery -A workers.celery_worker` (Celery's
-command line). Outside an entry point (a test, a script, a library caller) `current()` reads the environment
+(workers/engine/process.py, handed its parent's settings), and Celery's command line: `celery -A
+workers.celery_worker` (a worker) and `celery -A app.ops.flower flower` (Flower). Outside an entry point (a test, a script, a library caller) `current()` reads the environment
 at that call, so a test that sets a variable is seen.
 
 Every variable, its default and its meaning: docs/configuration.md ("Environment variables"); the fields below

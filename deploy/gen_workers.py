@@ -72,10 +72,11 @@ services:
 
   flower:
     <<: *regen
+    # regen's app for Flower (app/ops/flower.py): it lists regen.capture and every queue a run was produced to.
     # The broker URL and the login travel in the environment, not in argv (`ps` shows argv to every user).
-    command: ["celery", "flower", "--port=5555"]
+    command: ["celery", "-A", "app.ops.flower", "flower", "--port=5555"]
     environment:
-      CELERY_BROKER_URL: redis://:${{REDIS_PASSWORD:?set REDIS_PASSWORD in .env}}@redis:6379/0
+      REGEN_BROKER_URL: redis://:${{REDIS_PASSWORD:?set REDIS_PASSWORD in .env}}@redis:6379/0
       FLOWER_BASIC_AUTH: ${{FLOWER_USER:?set FLOWER_USER in .env}}:${{FLOWER_PASSWORD:?set FLOWER_PASSWORD in .env}}
     volumes: []
     ports:

@@ -114,6 +114,19 @@ def test_every_command_is_a_real_regen_subcommand_or_celery_flower(compose):
                 assert arg.split("=")[0] in known, f"{name}: regen {argv[1]} has no option {arg}"
 
 
+def test_flower_runs_regens_flower_app_on_the_workers_broker(compose):
+    """Flower lists regen's queues only on app/ops/flower.py's app (tests/ops/test_flower.py runs this command)."""
+    import importlib
+
+    flower = compose["services"]["flower"]
+    argv = _argv(flower["command"])
+    assert argv[:2] == ["celery", "-A"] and argv[3] == "flower"
+    assert importlib.import_module(argv[2]).__name__ == "app.ops.flower"
+    worker_broker = compose["services"]["worker-gpu0"]["environment"]["REGEN_BROKER_URL"]
+    assert flower["environment"]["REGEN_BROKER_URL"] == worker_broker
+    assert not any(k.startswith("CELERY_") for k in flower["environment"])  # it would win over REGEN_BROKER_URL
+
+
 def test_redis_never_evicts_persists_with_aof_needs_a_password_and_has_a_healthcheck(compose):
     redis = compose["services"]["redis"]
     argv = _argv(redis["command"])

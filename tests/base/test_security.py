@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import shutil
-import subprocess
 import uuid
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from click.testing import CliRunner
 from app.cli import main
 from app.config import mask_url
 from tests.support.polling import wait_for
-from tests.support.ports import free_port
+from tests.support.private_redis import PrivateRedis, tls_redis
 from tests.support.producer import sharegpt_row, write_jsonl
 from tests.support.redis_db import redis_or_fail, redis_url
 
@@ -70,39 +68,9 @@ def test_a_pickle_message_is_refused_logged_and_never_executed(tmp_path):
 
 # -- Redis AUTH and TLS ---------------------------------------------------------------------------------------
 
-class PrivateRedis:
-    """A throwaway `redis-server` with a password, no persistence, on a free port."""
-
-    def __init__(self, workdir: Path, *extra: str, tls: bool = False):
-        if not shutil.which("redis-server"):
-            pytest.skip("redis-server is not installed")
-        self.port = free_port()
-        port_args = ["--port", "0", "--tls-port", str(self.port)] if tls else ["--port", str(self.port)]
-        self.proc = subprocess.Popen(["redis-server", *port_args, "--requirepass", PASSWORD, "--save", "",
-                                      "--appendonly", "no", "--bind", "127.0.0.1", "--dir", str(workdir), *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-
-    def wait(self, url: str) -> None:
-        import redis
-
-        def up():
-            if self.proc.poll() is not None:
-                pytest.fail(f"redis-server exited: {self.proc.stdout.read().decode(errors='replace')[-2000:]}")
-            try:
-                return redis.Redis.from_url(url, socket_timeout=1).ping()
-            except redis.exceptions.ConnectionError:
-                return False
-
-        wait_for(up, 15, f"redis-server on port {self.port}", interval=0.05)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def auth_redis(tmp_path_factory):
-    server = PrivateRedis(tmp_path_factory.mktemp("redis-auth"))
+    server = PrivateRedis(tmp_path_factory.mktemp("redis-auth"), password=PASSWORD)
     url = f"redis://:{PASSWORD}@127.0.0.1:{server.port}/0"
     server.wait(url)
     yield url
@@ -141,6 +109,20 @@ def test_produce_and_status_work_with_redis_auth_and_never_print_the_password(tm
     assert data["shards"]["queued"] == 3 and data["broker"]["url"] == mask_url(auth_redis)
 
 
+def test_the_broker_settings_a_celery_app_carries_print_no_password():
+    """`conf.regen_settings` rides on every worker's configuration, which `celery inspect conf` and Flower's
+    worker pages print (tests/ops/test_flower.py checks those end to end)."""
+    from app.celery_app import create_app
+    from app.config import BrokerSettings
+    from app.settings import Settings
+
+    url = f"rediss://user:{PASSWORD}@head:6379/0?ssl_cert_reqs=required"
+    app = create_app(BrokerSettings(url=url))
+    assert PASSWORD not in repr(app.conf.regen_settings) and PASSWORD not in str(app.conf.table(censored=True))
+    assert "user:***@head" in repr(app.conf.regen_settings)
+    assert PASSWORD not in repr(Settings.from_env({"REGEN_BROKER_URL": url}))
+
+
 def test_a_wrong_password_is_reported_without_showing_it(tmp_path, auth_redis):
     from tests.support.status_run import build_status_run
 
@@ -153,27 +135,11 @@ def test_a_wrong_password_is_reported_without_showing_it(tmp_path, auth_redis):
     assert data["broker"]["error"] and data["shards"]["done"] == 3
 
 
-def _self_signed(folder: Path) -> tuple[Path, Path]:
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
-                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
-    return cert, key
-
-
 def test_rediss_tls_with_auth_works_for_produce_and_status(tmp_path, config_model):
     import redis
 
-    if not shutil.which("openssl"):
-        pytest.skip("openssl CLI not installed: cannot make a self-signed certificate")
-    cert, key = _self_signed(tmp_path)
-    server = PrivateRedis(tmp_path, "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file",
-                          str(cert), "--tls-auth-clients", "no", tls=True)
+    server, url = tls_redis(tmp_path, PASSWORD)
     try:
-        if server.proc.poll() is not None or _exited_for_tls(server):
-            pytest.skip("this redis-server was built without TLS support")
-        url = f"rediss://:{PASSWORD}@127.0.0.1:{server.port}/0?ssl_cert_reqs=required&ssl_ca_certs={cert}"
-        server.wait(url)
         result, storage = _produce(tmp_path, config_model, url, run="tls")
         assert result.exit_code == 0, result.output
         assert PASSWORD not in result.output
@@ -184,14 +150,6 @@ def test_rediss_tls_with_auth_works_for_produce_and_status(tmp_path, config_mode
         assert json.loads(status.stdout)["shards"]["queued"] == 3
     finally:
         server.stop()
-
-
-def _exited_for_tls(server: PrivateRedis) -> bool:
-    try:
-        server.proc.wait(timeout=0.3)
-    except subprocess.TimeoutExpired:
-        return False
-    return True
 
 
 # -- ids that would escape the storage root -----------------------------------------------------------------------
