@@ -123,3 +123,28 @@ def test_only_generation_engines_get_it(tmp_path, producer_redis, tiny_mtp_hybri
     assert capture["speculative_config"]["method"] == "extract_hidden_states"
     with pytest.raises(ConfigError, match="capture engine"):
         llm_kwargs(EngineOptions(model=str(tiny_mtp_hybrid), capture_layers=(1, 2), speculative="mtp:2"))
+
+
+def test_regen_run_starts_generation_and_capture_workers_apart_for_a_staged_mtp_run(tiny_mtp_hybrid):
+    from workers.plan import speculative_staged_configs, staged_split, worker_configs
+    from workers.supervisor import Supervisor
+
+    assert staged_split("staged", "mtp:2") and not staged_split("staged", None) and not staged_split("off", "mtp:2")
+
+    def configs(layers, speculative, name=None):
+        return worker_configs(cpu=True, gpus=None, model=str(tiny_mtp_hybrid), layers=layers, storage=None,
+                              name=name, max_attempts=5, engine_overrides={"speculative": speculative})
+
+    both = speculative_staged_configs(configs(None, "mtp:2"), configs([1, 2], None, "cpu-capture"), cpu=True)
+    (gen, _, gen_queues), (cap, _, cap_queues) = both
+    assert (gen_queues, cap_queues) == ("regen", "regen.capture")
+    assert gen.engine["speculative"] == "mtp:2" and not gen.capture_layers
+    assert "speculative" not in cap.engine and cap.capture_layers == [1, 2]
+    assert gen.hostname != cap.hostname
+    children = Supervisor(both, PRODUCER_REDIS, "regen,regen.capture").children
+    assert [c.env["REGEN_QUEUES"] for c in children] == ["regen", "regen.capture"]
+    # GPUs: every device group generates but the last, which captures; one group cannot do both
+    gpus = speculative_staged_configs([("g0", "0"), ("g1", "1")], [("c0", "0"), ("c1", "1")], cpu=False)
+    assert gpus == [("g0", "0", "regen"), ("c1", "1", "regen.capture")]
+    with pytest.raises(ConfigError, match="two GPU groups"):
+        speculative_staged_configs([("g0", "0")], [("c0", "0")], cpu=False)
