@@ -83,6 +83,10 @@ class RunSettings:
     # ones included (app/vllm_args.py); left out of the manifest when empty, so older runs compare equal.
     engine_args: dict = field(default_factory=dict)
     states: StatesStorage = field(default_factory=StatesStorage)
+    # Speculative generation on the run's generation engines (app/speculative.py): "mtp:K", or None. Always
+    # written, None included: a manifest without it was made without it, and reopening a speculative run
+    # without the setting (or the reverse) is refused as a change of settings.
+    speculative: str | None = None
 
     def to_dict(self) -> dict:
         out = asdict(self)

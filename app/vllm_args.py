@@ -11,7 +11,10 @@ JSON.
 Settings that would change the data a run's manifest pins are refused unless that manifest carries them
 (`settings.engine_args`, written by the producer): the model and its tokenizer, the weights' and the KV cache's
 numerics, the capture machinery, the sampling defaults. Prefix caching is refused on a capture engine (see
-workers/engine/settings.py). What the worker ran with is recorded on every attempt record.
+workers/engine/settings.py), and so is `speculative_config` on every capture run, pinned or not: it would replace
+the capture engines' own (hidden-state capture is vLLM's `extract_hidden_states` speculative method), and a
+run's speculative generation is `--speculative` (app/speculative.py), which reaches its generation engines
+only. What the worker ran with is recorded on every attempt record.
 """
 
 from __future__ import annotations
@@ -106,6 +109,10 @@ def check_data_args(items: list[str] | tuple[str, ...], *, capture: bool, pinned
     where = f"run {run_id!r}" if run_id else "the run"
     for item in items or ():
         key, value = split_item(item)
+        if capture and key == "speculative_config":
+            raise ConfigError("--vllm-arg speculative_config on a capture run would replace the capture engines' own "
+                              "(capture is vLLM's extract_hidden_states method); for MTP generation use "
+                              "--speculative mtp[:K] with --capture staged or off")
         if capture and key in CAPTURE_ONLY_REFUSED and value.lower() not in _FALSE:
             raise ConfigError(f"--vllm-arg {item}: capture engines run without prefix caching, because prefix-cached "
                               "tokens get no hidden states from the sample's own forward pass (vLLM issue 44485)")

@@ -18,7 +18,9 @@ from app.errors import ConfigError, InputError, ManifestMismatch
 from app.layers import parse_layers
 from app.manifest import CAPTURE_MODES, QualitySettings, RunSettings, Sampling, StatesStorage
 from app.model_info import read_model_info
+from app.speculative import check_speculative, parse_speculative
 from app.states_codec import STATES_DTYPES, promised_bound, resolve
+from app.vllm_args import split_item
 from producer.enqueue import COMPRESS_MODES
 from producer.normalise import REGENERATE_MODES
 from producer.readers import describe_input, file_sha256
@@ -63,6 +65,7 @@ class ProduceOptions:
     pause_min_samples: int = 32
     vllm_args: list[str] = field(default_factory=list)  # KEY=VALUE, recorded in the manifest for every worker
     states_dtype: str = "bf16"
+    speculative: str | None = None  # "mtp" / "mtp:K" as given; the manifest records it normalised ("mtp:2")
 
     @property
     def prompt_char_cap(self) -> int:
@@ -103,6 +106,12 @@ def validate_options(opts: ProduceOptions) -> None:
         raise ConfigError(f"--states-dtype {opts.states_dtype} with --capture off: no hidden states are stored")
     if opts.thinking and opts.temperature == 0:
         raise ConfigError("--temperature 0 (greedy) with thinking: Qwen3 thinking mode must not be greedy")
+    if opts.speculative and any(split_item(a)[0] == "speculative_config" for a in opts.vllm_args):
+        raise ConfigError("--speculative and --vllm-arg speculative_config both set the speculative method; give "
+                          "--speculative only")
+    # the model's MTP head is checked in build_settings, where the model is read
+    check_speculative(parse_speculative(opts.speculative), capture_mode=opts.capture, min_p=opts.min_p or 0.0,
+                      model_path=None)
 
 
 def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
@@ -120,6 +129,8 @@ def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
         # which captured layers are linear and which full attention: the hybrid checks of `regen verify`
         layers["kinds"] = [info.architecture.layer_kind(v) for v in layers["vllm_ids"]]
     stored = resolve(opts.states_dtype)
+    speculative = parse_speculative(opts.speculative)
+    check_speculative(speculative, capture_mode=opts.capture, min_p=sampling.min_p, model_path=opts.model)
     return RunSettings(
         model=info.to_manifest(),
         sampling=sampling,
@@ -134,6 +145,7 @@ def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
                                 pause_min_samples=opts.pause_min_samples),
         engine_args=run_engine_args(opts.vllm_args, capture=opts.capture != "off"),
         states=StatesStorage(stored, promised_bound(stored, info.hidden_size)),
+        speculative=speculative,
     )
 
 
@@ -185,6 +197,7 @@ def options_from_manifest(manifest: dict, stored_producer: dict | None, opts: Pr
     resumed.model = s["model"]["path"]
     resumed.vllm_args = [f"{k}={v}" for k, v in (s.get("engine_args") or {}).items()]
     resumed.states_dtype = (s.get("states") or {}).get("dtype", "bf16")
+    resumed.speculative = s.get("speculative")
     if stored_producer and "max_prompt_chars" in stored_producer:
         resumed.max_prompt_chars = stored_producer["max_prompt_chars"]
     return resumed

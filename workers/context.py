@@ -167,6 +167,11 @@ class WorkerContext:
         if config.self_test:
             seconds = self.engine.self_test()
             log.info("engine self-test passed in %.2fs", seconds)
+        from workers.engine.llm_arguments import held_speculative
+
+        # Read from the built engine, not from the options: attempt records say what the engine ran with.
+        self.speculative_config = self.engine.call(held_speculative)
+        log.info("speculative config as the engine holds it: %s", self.speculative_config)
         log.info("task slots: %d; hidden-state encoder threads: %d", config.task_slots, config.encode_threads)
         if side_policy:
             # After the engine thread and its OpenMP team exist: threads started from here on inherit this.
@@ -183,8 +188,13 @@ class WorkerContext:
     def engine_record(self) -> dict:
         """What attempt records say about this worker's engine (app/ledger.record_attempt)."""
         from app.manifest import software_versions
+        from app.speculative import describe_engine_config
 
-        return {"vllm": software_versions()["vllm"], "vllm_args": list(self.config.engine.get("vllm_args") or [])}
+        # `speculative`: the run setting ("mtp:2") this engine generated with, None without; `speculative_config`:
+        # the engine's own (a capture engine's is vLLM's extract_hidden_states), both as the engine reports them.
+        return {"vllm": software_versions()["vllm"], "vllm_args": list(self.config.engine.get("vllm_args") or []),
+                "speculative": describe_engine_config(self.speculative_config),
+                "speculative_config": self.speculative_config}
 
     def close(self) -> None:
         if self.closed:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import socket
 
-from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_SHARD_SIZE
+from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
 from app.errors import ConfigError
 
 log = logging.getLogger("regen.worker")
@@ -94,6 +94,45 @@ def settings_from_run(storage: str, run_id: str, queues: str) -> tuple[str, list
     wanted = int(m["max_prompt_tokens"]) + int(m["sampling"]["max_tokens"])
     max_len = min(wanted, _model_max_len(m["model"]["path"]) or wanted)
     return m["model"]["path"], layers, max_len, int(m["shard_size"])
+
+
+def run_speculative(storage: str, run_id: str, capture_layers: list[int] | None, queues: str) -> str | None:
+    """The run's speculative generation ("mtp:K") for a worker whose engine captures `capture_layers`: the
+    manifest's setting for a generation-only engine, None for a capture engine (capture is itself vLLM's
+    speculative method; app/speculative.py). A capture engine that also consumes a generation queue (a worker
+    on both staged queues) says so in the log, since the shards it generates run without it."""
+    from app import manifest as manifest_mod
+    from app.storage import RunStore, Storage
+
+    setting = manifest_mod.load(RunStore(Storage(storage), run_id))["settings"].get("speculative")
+    if setting and capture_layers:
+        if {q.strip() for q in queues.split(",")} - {DEFAULT_CAPTURE_QUEUE}:
+            log.warning("run %s generates with --speculative %s on generation engines only; this worker's "
+                        "engine captures, so what it generates runs without it (start generation workers with "
+                        "--queues %s)", run_id, setting, DEFAULT_QUEUE)
+        return None
+    return setting
+
+
+def staged_split(capture_mode: str, speculative: str | None) -> bool:
+    """Whether `regen run` starts generation and capture workers apart: a staged run with speculative generation
+    (a worker on both queues holds a capture engine, which cannot run it)."""
+    return capture_mode == "staged" and bool(speculative)
+
+
+def speculative_staged_configs(generate: list[tuple], capture: list[tuple], cpu: bool) -> list[tuple]:
+    """`regen run`'s workers for a staged run with speculative generation, each entry with its own queues:
+    on the CPU a generation worker and a capture worker beside it; on GPUs every device group generates except
+    the last, which captures (the prefill-only capture pass is the smaller share of the work)."""
+    gen = [(config, visible, DEFAULT_QUEUE) for config, visible in generate]
+    cap = [(config, visible, DEFAULT_CAPTURE_QUEUE) for config, visible in capture]
+    if cpu:
+        return gen + cap
+    if len(gen) < 2:
+        raise ConfigError("--capture staged with --speculative needs two GPU groups here (one generates with MTP, "
+                          "one captures); or start `regen worker --queues regen` and `--queues regen.capture` "
+                          "workers yourself")
+    return gen[:-1] + cap[-1:]
 
 
 def manifest_engine_args(storage: str, run_id: str) -> dict:

@@ -38,7 +38,7 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, configs: list[tuple[WorkerConfig, str | None]], broker_url: str, queues: str,
+    def __init__(self, configs: list[tuple], broker_url: str, queues: str,
                  log_dir: str | None = None, max_backoff: float = 60.0, extra_env: dict | None = None):
         self.broker_url = broker_url
         self.queues = queues
@@ -46,8 +46,10 @@ class Supervisor:
         self.max_backoff = max_backoff
         self.stopping = threading.Event()
         self.children: list[Child] = []
-        for config, visible in configs:
-            self.children.append(Child(config, worker_child_env(config, visible, broker_url, queues, extra_env)))
+        for config, visible, *own_queues in configs:  # an entry may name its own queues (regen run's split)
+            self.children.append(Child(config, worker_child_env(config, visible, broker_url,
+                                                                own_queues[0] if own_queues else queues,
+                                                                extra_env)))
 
     def _start(self, child: Child) -> None:
         out = None

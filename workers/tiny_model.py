@@ -158,13 +158,14 @@ def hybrid_layer_types(num_layers: int) -> list[str]:
 
 
 def build_tiny_qwen3_5(out_dir: str, vocab_size: int = 1024, num_layers: int = 4, seed: int = 0,
-                       multimodal: bool = False) -> str:
+                       multimodal: bool = False, mtp: bool = False) -> str:
     """Write a tiny random hybrid Qwen3.5 to `out_dir`; return the path.
 
     hidden 128; layers as `hybrid_layer_types` (4 layers: 3 linear + 1 full attention); full attention with 2
     heads of head_dim 64 (vLLM's CPU attention rejects smaller heads), linear attention with 2 key and 2 value
     heads of 64. `multimodal=True` writes the released shape: `Qwen3_5ForConditionalGeneration` with the language
-    model under `text_config` and a one-block vision tower.
+    model under `text_config` and a one-block vision tower. `mtp=True` adds a multi-token-prediction head
+    (`add_mtp_head`), what vLLM's speculative method `mtp` runs.
     """
     import torch
     from transformers import (
@@ -208,6 +209,40 @@ def build_tiny_qwen3_5(out_dir: str, vocab_size: int = 1024, num_layers: int = 4
     gen = {"eos_token_id": [eos], "pad_token_id": pad, "do_sample": True}
     with open(os.path.join(out_dir, "generation_config.json"), "w") as fh:
         json.dump(gen, fh, indent=2)
+    if mtp:
+        add_mtp_head(out_dir, seed)
     return out_dir
+
+
+def add_mtp_head(out_dir: str, seed: int = 0) -> None:
+    """Give a saved tiny Qwen3.5 a one-layer MTP head in the released checkpoints' form, which vLLM's
+    `qwen3_5_mtp` loads: `mtp_num_hidden_layers: 1` in the language model's config and `mtp.*` weights beside the
+    model's: `mtp.fc.weight [H, 2H]` (random), the norms `mtp.pre_fc_norm_hidden`, `mtp.pre_fc_norm_embedding`,
+    `mtp.norm` (copies of the final norm) and `mtp.layers.0.*`, a copy of the last full-attention decoder layer
+    (vLLM builds the MTP layer as a full-attention one)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    config_path = os.path.join(out_dir, "config.json")
+    with open(config_path, encoding="utf-8") as fh:
+        config = json.load(fh)
+    text = config.get("text_config") or config
+    text["mtp_num_hidden_layers"] = 1
+    full = max(i for i, kind in enumerate(text["layer_types"]) if kind == "full_attention")
+    weights_path = os.path.join(out_dir, "model.safetensors")
+    weights = load_file(weights_path)
+    prefix = "model.language_model." if "text_config" in config else "model."
+    layer = f"{prefix}layers.{full}."
+    hidden = int(text["hidden_size"])
+    generator = torch.Generator().manual_seed(seed + 1)
+    mtp = {"mtp.fc.weight": (torch.randn(hidden, 2 * hidden, generator=generator) * 0.02).to(torch.bfloat16)}
+    for name in ("pre_fc_norm_hidden", "pre_fc_norm_embedding", "norm"):
+        mtp[f"mtp.{name}.weight"] = weights[f"{prefix}norm.weight"].clone()
+    mtp.update({"mtp.layers.0." + k[len(layer):]: v.clone() for k, v in weights.items() if k.startswith(layer)})
+    save_file({**weights, **mtp}, weights_path + ".tmp", metadata={"format": "pt"})
+    os.replace(weights_path + ".tmp", weights_path)
+    with open(config_path + ".tmp", "w", encoding="utf-8") as fh:
+        json.dump(config, fh, indent=2)
+    os.replace(config_path + ".tmp", config_path)
 
 

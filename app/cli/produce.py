@@ -42,7 +42,7 @@ STATES_DTYPE_HELP = ("How hidden states are stored: bf16 (lossless, ~1.45x small
 # Flags that become run settings; with --resume the stored values win, so giving one is refused.
 SETTING_FLAGS = ("shard_size", "max_tokens", "thinking", "temperature", "top_p", "top_k", "min_p", "seed",
                   "capture", "layers", "max_prompt_tokens", "max_prompt_chars", "regenerate", "model",
-                  "pause_stub_rate", "pause_window", "pause_min_samples", "vllm_args", "states_dtype")
+                  "pause_stub_rate", "pause_window", "pause_min_samples", "vllm_args", "states_dtype", "speculative")
 
 
 def _broker_options(f):
@@ -74,6 +74,10 @@ def _broker_options(f):
 @click.option("--seed", type=int, default=0, show_default=True, help="Run seed; each prompt gets its own seed from it.")
 @click.option("--capture", type=click.Choice(CAPTURE_MODES), default="inline", show_default=True,
               help="Hidden-state capture: during generation, in a second prefill pass, or not at all.")
+@click.option("--speculative", default=None, metavar="mtp[:K]",
+              help="Speculative generation with the checkpoint's MTP head, K draft tokens a step (mtp = mtp:2), on "
+                   "the run's generation engines only (--capture staged or off; never a capture engine). The "
+                   "sampling stays the target's; measure whether it pays on the host first (regen pilot).")
 @click.option("--layers", default="dflash", show_default=True,
               help="Layers to capture: dflash, dflash-K, eagle3, or CONVENTION:IDS (dflash:1,2 / vllm:2,3 / hf:2).")
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_PROMPT_TOKENS, show_default=True)

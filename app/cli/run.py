@@ -143,7 +143,14 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
     from app.vllm_args import worker_vllm_args
     from producer.produce import produce
     from producer.run_setup import ProduceOptions
-    from workers.plan import manifest_engine_args, settings_from_run, worker_configs
+    from workers.plan import (
+        manifest_engine_args,
+        run_speculative,
+        settings_from_run,
+        speculative_staged_configs,
+        staged_split,
+        worker_configs,
+    )
     from workers.supervisor import Supervisor
 
     console = Console(stderr=True)
@@ -177,12 +184,21 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
         # staged: the capture stage's engine is the one the data-changing checks concern
         vllm_args = worker_vllm_args(worker_args, capture=capture != "off", run_id=result.run_id,
                                      pinned=manifest_engine_args(storage, result.run_id))
-        configs = worker_configs(cpu=cpu, gpus=gpus, model=os.path.abspath(model_path), layers=layer_ids,
-                                 storage=None, name=None, max_attempts=5,
-                                 engine_overrides={"max_model_len": max_model_len or derived_len,
-                                                   "host_process": engine_host, "vllm_args": vllm_args or None},
-                                 shard_size=run_shard_size, task_slots=task_slots,
-                                 encode_threads=encode_threads)
+        overrides = {"max_model_len": max_model_len or derived_len, "host_process": engine_host,
+                     "vllm_args": vllm_args or None}
+
+        def configs_for(layers, speculative=None, name=None):
+            return worker_configs(cpu=cpu, gpus=gpus, model=os.path.abspath(model_path), layers=layers,
+                                  storage=None, name=name, max_attempts=5,
+                                  engine_overrides={**overrides, "speculative": speculative},
+                                  shard_size=run_shard_size, task_slots=task_slots, encode_threads=encode_threads)
+
+        speculative = run_speculative(storage, result.run_id, None, DEFAULT_QUEUE)
+        if staged_split(capture, speculative):
+            configs = speculative_staged_configs(configs_for(None, speculative),
+                                                 configs_for(layer_ids, name="cpu-capture" if cpu else None), cpu)
+        else:
+            configs = configs_for(layer_ids, speculative if not layer_ids else None)
         sup = Supervisor(configs, broker_url, queues, log_dir=os.path.join(workdir, "logs", result.run_id))
         thread = threading.Thread(target=sup.run, kwargs={"install_signals": False}, daemon=True)
         started = time.monotonic()

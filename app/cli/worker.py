@@ -19,7 +19,7 @@ from app.cli.options import (
 from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
 from app.errors import ConfigError
 from app.settings import current
-from workers.plan import manifest_engine_args, settings_from_run, worker_configs
+from workers.plan import manifest_engine_args, run_speculative, settings_from_run, worker_configs
 
 log = logging.getLogger("regen.worker")
 
@@ -93,7 +93,8 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
     overrides = {"max_num_seqs": max_num_seqs, "gpu_memory_utilization": gpu_memory_utilization,
                  "max_model_len": max_model_len or derived_len,
                  "kv_cache_memory_bytes": int(kv_cache_gib * (1 << 30)) if kv_cache_gib else None,
-                 "host_process": engine_host, "vllm_args": vllm_args or None}
+                 "host_process": engine_host, "vllm_args": vllm_args or None,
+                 "speculative": run_speculative(storage, run_id, layer_ids, queues) if run_id else None}
     configs = worker_configs(cpu=cpu, gpus=gpus, model=os.path.abspath(model), layers=layer_ids, storage=storage,
                              name=name, max_attempts=max_attempts, engine_overrides=overrides,
                              max_crashes=max_crashes, tensor_parallel_size=tensor_parallel_size,
@@ -111,14 +112,16 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
 @click.option("--multimodal", is_flag=True,
               help="With --arch qwen3_5: the released checkpoint shape, Qwen3_5ForConditionalGeneration (language "
                    "model under text_config, a one-block vision tower).")
-def tiny_model(out_dir, num_layers, arch, multimodal):
+@click.option("--mtp", is_flag=True,
+              help="With --arch qwen3_5: add a one-layer MTP head (mtp.* weights), for --speculative mtp.")
+def tiny_model(out_dir, num_layers, arch, multimodal, mtp):
     """Build a tiny random Qwen3 or Qwen3.5 (real tokenizer and thinking chat template) for demos and tests."""
     from workers.tiny_model import build_tiny_qwen3, build_tiny_qwen3_5
 
     if arch == "qwen3_5":
-        click.echo(build_tiny_qwen3_5(out_dir, num_layers=num_layers, multimodal=multimodal))
-    elif multimodal:
-        raise click.UsageError("--multimodal needs --arch qwen3_5")
+        click.echo(build_tiny_qwen3_5(out_dir, num_layers=num_layers, multimodal=multimodal, mtp=mtp))
+    elif multimodal or mtp:
+        raise click.UsageError(f"--{'multimodal' if multimodal else 'mtp'} needs --arch qwen3_5")
     else:
         click.echo(build_tiny_qwen3(out_dir, num_layers=num_layers))
 

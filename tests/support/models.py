@@ -4,6 +4,7 @@ chat template, session-scoped because building one takes seconds.
 - `tiny_qwen3`: the dense 4-layer Qwen3 every end-to-end run uses.
 - `tiny_hybrid` / `tiny_hybrid_mm`: the Qwen3.5 hybrid (Gated DeltaNet + full attention), text-only and in the
   released multimodal checkpoint shape.
+- `tiny_mtp_hybrid`: the text-only hybrid with a one-layer MTP head (`mtp.*` weights), for `--speculative mtp`.
 - `tiny_model` / `tiny_config_model`: the producer's: config and tokenizer only (it never runs weights).
 """
 
@@ -85,6 +86,13 @@ def tiny_hybrid_mm(tmp_path_factory) -> Path:
     from workers.tiny_model import build_tiny_qwen3_5
 
     return Path(build_tiny_qwen3_5(str(tmp_path_factory.mktemp("tiny-qwen3_5-mm")), multimodal=True))
+
+
+@pytest.fixture(scope="session")
+def tiny_mtp_hybrid(tmp_path_factory) -> Path:
+    from workers.tiny_model import build_tiny_qwen3_5
+
+    return Path(build_tiny_qwen3_5(str(tmp_path_factory.mktemp("tiny-qwen3_5-mtp")), mtp=True))
 
 
 @pytest.fixture(scope="session")

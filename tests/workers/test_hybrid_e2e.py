@@ -114,7 +114,10 @@ def test_the_operators_vllm_setting_reaches_the_engine_and_its_attempt_records(h
     store = RunStore(Storage(str(hybrid_storage)), "hybrid-inline")
     for shard in sorted(store.done_shards()):
         for attempt in attempt_errors(store, shard):
-            assert attempt["engine"] == {"vllm": __import__("vllm").__version__, "vllm_args": [OPERATOR_ARG]}
+            assert attempt["engine"] == {"vllm": __import__("vllm").__version__, "vllm_args": [OPERATOR_ARG],
+                                         "speculative": None,  # a capture engine's own config is the capture's
+                                         "speculative_config": {"method": "extract_hidden_states",
+                                                                "num_speculative_tokens": 1}}
 
 
 def test_a_hybrid_shard_survives_a_sigkill_of_its_worker(hybrid_worker, hybrid_storage, tiny_hybrid,

@@ -7,10 +7,17 @@ app/vllm_args.py, applied last.
 
 CPU specifics (docs/measured-facts.md): chunked prefill off (per-request seeds crash it) and
 `gpu_memory_utilization` a fraction of RAM (~0.1).
+
+An engine has one `speculative_config`: a capture engine's is vLLM's `extract_hidden_states`, a generation
+engine's may be the run's `--speculative` (app/speculative.py). The two never meet: a capture engine given the
+speculative setting is refused here, and the manifest's and operator's arguments, applied last, cannot carry a
+`speculative_config` into a capture engine (app/vllm_args.py refuses it).
 """
 
 from __future__ import annotations
 
+from app.errors import ConfigError
+from app.speculative import speculative_config
 from workers.engine.options import EngineOptions
 from workers.engine.request import GenRequest
 
@@ -40,6 +47,11 @@ def llm_kwargs(options: EngineOptions) -> dict:
     if options.device == "cpu":
         kwargs["enable_chunked_prefill"] = False
         kwargs["distributed_executor_backend"] = "uni"
+    if options.speculative and options.capture_layers:
+        raise ConfigError(f"speculative generation ({options.speculative}) on a capture engine: capture is itself "
+                          "vLLM's speculative method, so only generation engines run it")
+    if options.speculative:
+        kwargs["speculative_config"] = speculative_config(options.speculative)
     if options.capture_layers:
         kwargs["speculative_config"] = {
             "method": "extract_hidden_states",
@@ -55,10 +67,21 @@ def llm_kwargs(options: EngineOptions) -> dict:
     from app.vllm_args import parse_vllm_args
     from workers.engine.settings import model_engine_settings
 
-    kwargs.update(model_engine_settings(options.model, options.device, bool(options.capture_layers)))
+    kwargs.update(model_engine_settings(options.model, options.device, bool(options.capture_layers),
+                                        speculative=bool(options.speculative)))
     kwargs.update(options.extra)
     kwargs.update(parse_vllm_args(options.vllm_args))  # the operator's, last (checked at start-up)
     return kwargs
+
+
+def held_speculative(llm) -> dict | None:
+    """The speculative config a built engine holds (`Engine.call(held_speculative)`): its method and K as vLLM's
+    own VllmConfig has them, None without one. What attempt records say, read from the engine rather than from
+    the arguments regen gave it."""
+    held = llm.llm_engine.vllm_config.speculative_config
+    if held is None:
+        return None
+    return {"method": held.method, "num_speculative_tokens": held.num_speculative_tokens}
 
 
 def sampling_params(req: GenRequest):

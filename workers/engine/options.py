@@ -31,6 +31,9 @@ class EngineOptions:
     extra: dict = field(default_factory=dict)
     # The operator's `--vllm-arg KEY=VALUE`s, as given (app/vllm_args.py parses them with vLLM's parser).
     vllm_args: list[str] = field(default_factory=list)
+    # Speculative generation ("mtp:K", app/speculative.py): a generation engine's only; llm_kwargs refuses it
+    # beside capture_layers.
+    speculative: str | None = None
 
     def to_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}

