@@ -169,6 +169,7 @@ class Exporter:
         try:
             if self.out.exists(f"done/{shard}.json"):  # finished by the claim's last holder just now
                 return "done"
+            self.out.delete(export_plan.ASSEMBLED)  # what it names is out of date once this shard is written
             self.export_shard(self.reader.shard(shard), first, claim.renew)
         finally:
             claim.release()
@@ -245,8 +246,7 @@ class Exporter:
                         on_shard(shard)
                 if not export_plan.complete(self.out):
                     break  # shards of other parts, or claimed by other exporters, are still being written
-        assembled = (self.assemble(started, again=tally["exported"] > 0) if export_plan.complete(self.out)
-                     else "waiting")
+        assembled = self.assemble(started) if export_plan.complete(self.out) else "waiting"
         self.reader.close()
         totals = {**self.totals(), "shards_exported_now": tally["exported"], "shards_skipped": len(exported_before),
                   "shards_claimed_elsewhere": tally["claimed"], "assembly": assembled, "part": str(part)}
@@ -265,13 +265,13 @@ class Exporter:
         firsts = export_plan.first_indices(self.out, batch)
         return {s: firsts[s] for s in mine}
 
-    def assemble(self, started: float, again: bool = False) -> str:
+    def assemble(self, started: float) -> str:
         """The files made from every exported shard (token_freq.pt, speculators' dataset, SpecForge's one JSONL),
-        written by one exporter at a time, and once per set of exported shards unless `again` (this call wrote
-        shards: one may have been written anew): `assembled`, `assembled_before` or `claimed` (another exporter
+        written by one exporter at a time, once per set of exported shards (`assembled.json` names the set; a
+        shard written again removes it first): `assembled`, `assembled_before` or `claimed` (another exporter
         is assembling)."""
         done = export_plan.done_shards(self.out)
-        if not again and export_plan.assembled(self.out) == export_plan.digest(done):
+        if export_plan.assembled(self.out) == export_plan.digest(done):
             return "assembled_before"
         claim = export_claims.take(self.out, "assembly")
         if claim is None:

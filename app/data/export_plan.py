@@ -28,6 +28,7 @@ import orjson
 from app.storage import Storage
 
 BATCHES = "batches"
+ASSEMBLED = "assembled.json"  # the set of exported shards the cross-shard files were last made from
 
 
 def _json_bytes(obj) -> bytes:
@@ -108,11 +109,11 @@ def digest(shards: set[str]) -> str:
 
 def assembled(out: Storage) -> str | None:
     try:
-        return out.read_json("assembled.json").get("digest")
+        return out.read_json(ASSEMBLED).get("digest")
     except FileNotFoundError:
         return None
 
 
 def mark_assembled(out: Storage, shards: set[str], samples: int | None) -> None:
-    out.write_bytes("assembled.json", _json_bytes({"digest": digest(shards), "shards": len(shards),
+    out.write_bytes(ASSEMBLED, _json_bytes({"digest": digest(shards), "shards": len(shards),
                                                    "samples": samples}))
