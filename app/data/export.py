@@ -166,19 +166,17 @@ class Exporter:
         claim = export_claims.take(self.out, shard)
         if claim is None:
             return "claimed"
-        try:
+        with claim.held():
             if self.out.exists(f"done/{shard}.json"):  # finished by the claim's last holder just now
                 return "done"
             self.out.delete(export_plan.ASSEMBLED)  # what it names is out of date once this shard is written
-            self.export_shard(self.reader.shard(shard), first, claim.renew)
-        finally:
-            claim.release()
+            self.export_shard(self.reader.shard(shard), first)
         return "exported"
 
-    def export_shard(self, info: ShardInfo, first: int | None = None, renew=lambda: None) -> dict:
+    def export_shard(self, info: ShardInfo, first: int | None = None) -> dict:
         if self.trainer:
             counts: Counter = Counter()
-            done = self.trainer.export_shard(info, self._kept(info, counts), counts, first, renew)
+            done = self.trainer.export_shard(info, self._kept(info, counts), counts, first)
             planned = export_plan.read_count(self.out, info.shard_id)
             if planned is not None and planned["exported"] != done["exported"]:
                 raise RegenError(f"shard {info.shard_id}: exported {done['exported']} samples, the plan counted "
@@ -276,17 +274,15 @@ class Exporter:
         claim = export_claims.take(self.out, "assembly")
         if claim is None:
             return "claimed"
-        try:
+        with claim.held():
             samples = export_plan.next_index(self.out) if self.trainer else None
             if self.trainer:
                 self.trainer.remove_from(samples)  # files past the last number: a pre-plan attempt's
-                self.trainer.finish(done, samples, claim.renew)
+                self.trainer.finish(done, samples)
             if self.opts.fmt == "specforge-jsonl":
                 export_text.join_shard_files(self.out, [f"{s}.json" for s in done])
             self._remove_temporaries(before=started)
             export_plan.mark_assembled(self.out, done, samples)
-        finally:
-            claim.release()
         return "assembled"
 
     def _remove_temporaries(self, before: float) -> None:

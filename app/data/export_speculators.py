@@ -69,7 +69,7 @@ class Speculators(StateExport):
                 fh.write(row + b"\n")
         self._rows = []
 
-    def _all_rows(self, renew=lambda: None):
+    def _all_rows(self):
         starts = []
         for name in self.out.listdir("done"):
             if name.endswith(".json"):
@@ -77,13 +77,12 @@ class Speculators(StateExport):
                 if d["exported"]:
                     starts.append((int(d["first_index"]), d["shard_id"]))
         for _, shard in sorted(starts):
-            renew()
             with self.out.open(f"rows/{shard}.jsonl") as fh:
                 for line in fh:
                     row = orjson.loads(line)
                     yield {k: row[k] for k in ("id", "input_ids", "loss_mask", "seq_len")}
 
-    def finish(self, done: set[str], samples: int, renew=lambda: None) -> None:
+    def finish(self, done: set[str], samples: int) -> None:
         import shutil
         import tempfile
 
@@ -91,7 +90,7 @@ class Speculators(StateExport):
 
         from app.data.export_plan import digest
 
-        super().finish(done, samples, renew)
+        super().finish(done, samples)
         datasets.disable_progress_bars()  # the exporter shows its own progress
         features = datasets.Features({"id": datasets.Value("string"),
                                       "input_ids": datasets.Sequence(datasets.Value("int64")),
@@ -101,7 +100,6 @@ class Speculators(StateExport):
         try:
             if samples:
                 ds = datasets.Dataset.from_generator(self._all_rows, features=features, cache_dir=cache,
-                                                     gen_kwargs={"renew": renew},
                                                      fingerprint=f"regen-speculators-{digest(done)}")
             else:  # nothing exported (yet): an empty dataset, as from_generator cannot build one
                 ds = datasets.Dataset.from_dict({k: [] for k in features}, features=features)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import io
 from collections import Counter
-from collections.abc import Callable
 
 from app.data.export_states import (
     ExportLayers,
@@ -81,10 +80,8 @@ class StateExport:
         """Remove sample files numbered `end` or more (left by a killed attempt; subclasses know their names)."""
 
     # -- per shard ----------------------------------------------------------------------------------------
-    def export_shard(self, info: ShardInfo, kept, filtered: Counter, first: int,
-                     renew: Callable[[], None] = lambda: None) -> dict:
-        """Write the shard's kept records (`kept` yields them) numbered from `first`; return the done-marker body.
-        `renew` is called after each sample (the shard's claim renews its heartbeat)."""
+    def export_shard(self, info: ShardInfo, kept, filtered: Counter, first: int) -> dict:
+        """Write the shard's kept records (`kept` yields them) numbered from `first`; return the done-marker body."""
         index = first
         freq: Counter = Counter()
         for rec in kept:
@@ -99,7 +96,6 @@ class StateExport:
             self.write_sample(index, sample)
             freq.update(supervised_counts(sample))
             index += 1
-            renew()
         self.shard_done(info, first, index)
         self.out.write_json(f"freq/{info.shard_id}.json", {str(k): v for k, v in sorted(freq.items())})
         return {"shard_id": info.shard_id, "exported": index - first, "first_index": first,
@@ -112,13 +108,12 @@ class StateExport:
         """Hook after a shard's samples are written (speculators keeps the shard's rows for its dataset)."""
 
     # -- assembling the export ----------------------------------------------------------------------------
-    def finish(self, done: set[str], samples: int, renew: Callable[[], None] = lambda: None) -> None:
+    def finish(self, done: set[str], samples: int) -> None:
         """Write the files made from every exported shard (`done`; `samples` in all), after the last shard."""
         import torch
 
         total: Counter = Counter()
         for shard in sorted(done):
-            renew()
             total.update({int(k): int(v) for k, v in self.out.read_json(f"freq/{shard}.json").items()})
         buf = io.BytesIO()
         torch.save(dict(sorted(total.items())), buf)

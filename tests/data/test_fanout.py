@@ -129,6 +129,17 @@ def test_an_exporter_killed_mid_shard_and_rerun_alone_writes_the_same_bytes(run,
     assert files(out) == reference["speculators"]
 
 
+@pytest.mark.parametrize("fmt", ["specforge-jsonl", "parquet"])
+def test_text_exports_fan_out_to_the_same_bytes(run, tmp_path, fmt):
+    export_in_process(run, tmp_path / "one", fmt)
+    export_in_process(run, tmp_path / "procs", fmt, "--processes", "2")
+    for i in (2, 1):
+        export_in_process(run, tmp_path / "parts", fmt, "--part", f"{i}/2")
+    want = files(tmp_path / "one")
+    assert sum(k.startswith("data/") for k in want) == 6
+    assert files(tmp_path / "procs") == want and files(tmp_path / "parts") == want
+
+
 def test_two_whole_exporters_racing_write_each_shard_once(run, reference, tmp_path):
     racers = [exporter(run, tmp_path / "out", "specforge-dflash") for _ in range(2)]
     outputs = [finished(p) for p in racers]
@@ -187,3 +198,30 @@ def test_stats_with_processes_is_the_same_and_parts_add_up(run):
     for key in ("flags", "finish_reasons", "rejected"):
         assert sum((Counter(p[key]) for p in parts), Counter()) == Counter(whole[key])
     assert sum(p["shards_done"] for p in parts) == whole["shards_done"] == 6
+
+
+def test_a_claim_is_taken_over_only_when_its_process_is_gone(tmp_path):
+    from app.data.export_claims import take
+    from tests.support.faults import dead_process
+
+    out = Storage(str(tmp_path))
+    held = take(out, "shard-000000")
+    assert held is not None and take(out, "shard-000000") is None  # this very process holds it: alive
+    with held.held():
+        pass
+    assert not (tmp_path / "claims" / "shard-000000.json").exists()  # released at the end
+    now = time.time()
+    elsewhere = {"host": "gpu-7", "boot": "b", "pidns": "p", "pid": 8, "pid_start": 1, "lease_s": 120}
+    for key, body, free in [
+        ("dead-here", {**dead_process(), "heartbeat": _iso(now), "lease_s": 120}, True),  # pid gone: at once
+        ("fresh-elsewhere", {**elsewhere, "heartbeat": _iso(now - 30)}, False),  # another host, within its lease
+        ("stale-elsewhere", {**elsewhere, "heartbeat": _iso(now - 600)}, True),  # another host, lease ran out
+    ]:
+        out.write_json(f"claims/{key}.json", body)
+        assert (take(out, key) is not None) is free, key
+
+
+def _iso(t: float) -> str:
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat()
