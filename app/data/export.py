@@ -5,6 +5,13 @@ Why per shard: a 914K-sample export takes hours; each shard's output is written 
 generating) does exactly the shards not yet exported. `export.json` pins the run, format and filters: a rerun
 with other settings is refused instead of mixing two selections in one folder.
 
+Fan-out: `run(processes=N)` exports shards in N spawned worker processes, `run(part=Part(i, n))` only every n-th
+shard, so that several hosts export one run into one folder at once; the output is byte-identical to one
+process's. What makes that hold: the plan numbers every sample before anything is written
+(app/data/export_plan.py), each shard is claimed by the process writing it (app/data/export_claims.py), and the
+files made from every shard (token_freq.pt, speculators' dataset, SpecForge's joined JSONL) are assembled by the
+exporter that finds every planned shard exported when it ends (`assemble`). docs/formats.md says how to use it.
+
 Formats:
 - `sharegpt`, `specforge-jsonl`  one row per conversation with every turn the model saw (app/data/export_text.py).
 - `parquet`      `data/{shard}.parquet`, one row per record, one fixed schema for every shard.
@@ -254,10 +261,10 @@ class Exporter:
 
     def _number(self, pool: ShardPool, batch: dict, mine: list[str]) -> dict[str, int]:
         """First sample numbers of `mine`: every shard before the last of them in the batch is counted first."""
-        shards = batch["shards"]
-        upto = shards[: max(shards.index(s) for s in mine) + 1]
-        todo = [s for s in mine if export_plan.read_count(self.out, s) is None]
-        todo += [s for s in upto if s not in mine and export_plan.read_count(self.out, s) is None]
+        shards, own = batch["shards"], set(mine)
+        last = max(k for k, s in enumerate(shards) if s in own)
+        missing = [s for s in shards[: last + 1] if export_plan.read_count(self.out, s) is None]
+        todo = [s for s in missing if s in own] + [s for s in missing if s not in own]  # its own shards first
         for _ in pool.map(_count_task, todo):
             pass
         firsts = export_plan.first_indices(self.out, batch)
@@ -275,6 +282,8 @@ class Exporter:
         if claim is None:
             return "claimed"
         with claim.held():
+            if export_plan.assembled(self.out) == export_plan.digest(done):  # the last holder just did it
+                return "assembled_before"
             samples = export_plan.next_index(self.out) if self.trainer else None
             if self.trainer:
                 self.trainer.remove_from(samples)  # files past the last number: a pre-plan attempt's
