@@ -53,6 +53,7 @@ class RunStats:
     states_dtype: str = "bf16"
     states_bound: float = 0.0
     states_errors: LayerErrors | None = None  # lossy runs: the recorded error per layer (app/states_bound.py)
+    part: str | None = None  # `I/N` when only that part's shards were read
 
     @property
     def stub_rate(self) -> float:
@@ -68,7 +69,7 @@ def collect(reader: RunReader, processes: int = 1, part: Part = WHOLE) -> RunSta
     `processes` > 1 reads the shards in worker processes; each sends back what it read of a shard, and the
     shards are added here in the same order, so every count, list and float is the one one process makes."""
     quality = reader.settings.get("quality") or {}
-    st = RunStats(reader.run_id, float(quality.get("pause_stub_rate", 0.2)))
+    st = RunStats(reader.run_id, float(quality.get("pause_stub_rate", 0.2)), part=None if part.whole else str(part))
     every = reader.expected_shards()
     st.shards_total = len(part.pick(every))
     run_states = promise(reader.settings)
@@ -201,7 +202,7 @@ def states_summary(st: RunStats) -> dict:
 def print_terminal(st: RunStats, console) -> None:
     from rich.table import Table
 
-    summary = Table(title=f"run {st.run_id}", show_header=False)
+    summary = Table(title=f"run {st.run_id}" + (f", part {st.part}" if st.part else ""), show_header=False)
     for k, v in _summary_rows(st):
         summary.add_row(k, v)
     console.print(summary)

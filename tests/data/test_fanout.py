@@ -140,6 +140,26 @@ def test_text_exports_fan_out_to_the_same_bytes(run, tmp_path, fmt):
     assert files(tmp_path / "procs") == want and files(tmp_path / "parts") == want
 
 
+def test_a_run_exported_while_generating_is_numbered_the_same_fanned_out(tmp_path):
+    """Shards that finish after an export are the next export's batch, numbered after every earlier sample."""
+    built = build_run(tmp_path / "s", Spec(shards=5, shard_size=6))
+    late = {s: (tmp_path / "s" / built.store.done_path(s)) for s in ("shard-000001", "shard-000004")}
+    saved = {s: p.read_bytes() for s, p in late.items()}
+    for p in late.values():  # the run in progress: shards 1 and 4 not done yet
+        p.unlink()
+    export_in_process(tmp_path / "s", tmp_path / "one", "speculators")
+    export_in_process(tmp_path / "s", tmp_path / "fanned", "speculators", "--processes", "2")
+    for s, p in late.items():
+        p.write_bytes(saved[s])
+    export_in_process(tmp_path / "s", tmp_path / "one", "speculators")
+    for i in (1, 2):
+        export_in_process(tmp_path / "s", tmp_path / "fanned", "speculators", "--part", f"{i}/2")
+    want = files(tmp_path / "one")
+    assert [json.loads(want[f"batches/00000{k}.json"])["shards"] for k in (0, 1)] == [
+        ["shard-000000", "shard-000002", "shard-000003"], ["shard-000001", "shard-000004"]]
+    assert files(tmp_path / "fanned") == want
+
+
 def test_two_whole_exporters_racing_write_each_shard_once(run, reference, tmp_path):
     racers = [exporter(run, tmp_path / "out", "specforge-dflash") for _ in range(2)]
     outputs = [finished(p) for p in racers]
