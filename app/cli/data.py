@@ -16,9 +16,10 @@ from app.cli.options import STORAGE_HELP, storage_option
 _storage = storage_option(required=True, help=STORAGE_HELP)
 
 
-def _processes(what: str):
+def _processes(what: str, extra: str = ""):
     return click.option("--processes", type=click.IntRange(min=1), default=1, show_default=True,
-                        help=f"Worker processes on this host; shards are {what} in parallel, the result is the same.")
+                        help=f"Worker processes on this host; shards are {what} in parallel, the result is the "
+                             f"same.{extra}")
 
 
 def _part_option(what: str):
@@ -57,7 +58,7 @@ def _console(stderr: bool = False):
               help="Decode the states of only N samples (or this fraction, e.g. 0.01), spread over workers and "
                    "shards; everything else is still checked for every shard.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@_processes("checked")
+@_processes("checked", " Above 1, they replace the --workers threads.")
 @_part_option("Each part checks its shards and the run-wide accounting; the run is verified when every part "
               "exits 0.")
 def verify_cmd(run_id: str, storage: str, reference: int, workers: int, strict: bool, allow_incomplete: bool,
