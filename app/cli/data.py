@@ -16,6 +16,28 @@ from app.cli.options import STORAGE_HELP, storage_option
 _storage = storage_option(required=True, help=STORAGE_HELP)
 
 
+def _processes(what: str, extra: str = ""):
+    return click.option("--processes", type=click.IntRange(min=1), default=1, show_default=True,
+                        help=f"Worker processes on this host; shards are {what} in parallel, the result is the "
+                             f"same.{extra}")
+
+
+def _part_option(what: str):
+    return click.option("--part", "part_spec", default=None, metavar="I/N",
+                        help=f"Only the I-th of N disjoint parts of the run's shards (every N-th shard, 1-based); "
+                             f"run the N parts at once on several hosts. {what}")
+
+
+def _part(spec: str | None):
+    from app.data.fanout import Part
+    from app.errors import ConfigError
+
+    try:
+        return Part.parse(spec)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
 def _console(stderr: bool = False):
     from rich.console import Console
 
@@ -36,8 +58,11 @@ def _console(stderr: bool = False):
               help="Decode the states of only N samples (or this fraction, e.g. 0.01), spread over workers and "
                    "shards; everything else is still checked for every shard.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@_processes("checked", " Above 1, they replace the --workers threads.")
+@_part_option("Each part checks its shards and the run-wide accounting; the run is verified when every part "
+              "exits 0.")
 def verify_cmd(run_id: str, storage: str, reference: int, workers: int, strict: bool, allow_incomplete: bool,
-               sample: float | None, as_json: bool) -> None:
+               sample: float | None, as_json: bool, processes: int, part_spec: str | None) -> None:
     """Check RUN: markers, sizes, sha256, CRCs, token ids, states, masks and the accounting identity.
 
     Exit status 0 only when every check holds and the run is complete; otherwise the first line says how many
@@ -46,10 +71,15 @@ def verify_cmd(run_id: str, storage: str, reference: int, workers: int, strict: 
     from app.data.run_reader import RunReader
     from app.data.verify import verify_run
 
+    part = _part(part_spec)
+    if reference and not part.whole:
+        raise click.UsageError("--reference recomputes a few samples of the whole run: run it without --part")
     reader = RunReader(storage, run_id)
     err = _console(stderr=True)
-    n = len(reader.done_shards())
-    options = {"reference": reference, "workers": workers, "allow_incomplete": allow_incomplete, "sample": sample}
+    done = set(reader.done_shards())
+    n = sum(1 for s in part.pick(reader.expected_shards()) if s in done)
+    options = {"reference": reference, "workers": workers, "allow_incomplete": allow_incomplete, "sample": sample,
+               "processes": processes, "part": part}
     if as_json:
         report = verify_run(reader, **options)
     else:
@@ -58,7 +88,7 @@ def verify_cmd(run_id: str, storage: str, reference: int, workers: int, strict: 
 
             def tick(_shard: str) -> None:
                 seen[0] += 1
-                status.update(f"verified {seen[0]}/{n} shards of {run_id}")
+                status.update(f"verified {seen[0]}/{n} shards of {run_id}" + ("" if part.whole else f", part {part}"))
 
             report = verify_run(reader, progress=tick, **options)
     if as_json:
@@ -121,8 +151,11 @@ def _print_verify(report, strict: bool) -> None:
               "captured (the final layer goes where the format wants it).")
 @click.option("--model", "model", default=None,
               help="specforge-eagle3: the target checkpoint folder for the final norm (default: the run's model).")
+@_processes("exported")
+@_part_option("The parts write into one --out; the last to finish assembles the files made from every shard.")
 def export_cmd(run_id: str, storage: str, fmt: str, out: str, exclude_flags: str, min_response_tokens: int,
-               include_unterminated: bool, layers: str | None, model: str | None) -> None:
+               include_unterminated: bool, layers: str | None, model: str | None, processes: int,
+               part_spec: str | None) -> None:
     """Export RUN's ok records (done shards): text rows (ShareGPT, SpecForge JSONL), Parquet, or trainer-ready
     hidden states (SpecForge DFlash / EAGLE-3, speculators)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -131,18 +164,24 @@ def export_cmd(run_id: str, storage: str, fmt: str, out: str, exclude_flags: str
     from app.data.export import Exporter, ExportOptions
     from app.data.run_reader import RunReader
 
+    part = _part(part_spec)
     flags = tuple(f.strip() for f in exclude_flags.split(",") if f.strip())
     exporter = Exporter(RunReader(storage, run_id), out,
                         ExportOptions(fmt, flags, min_response_tokens, include_unterminated, layers, model))
-    todo, skipped = exporter.pending()
     columns = (TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeRemainingColumn())
     with Progress(*columns, console=_console(stderr=True)) as progress:
-        task = progress.add_task(f"export {fmt}", total=len(todo))
-        totals = exporter.run(lambda _s: progress.advance(task))
+        task = progress.add_task(f"export {fmt}" + ("" if part.whole else f" part {part}"), total=0)
+        totals = exporter.run(lambda _s: progress.advance(task), processes=processes, part=part,
+                              on_plan=lambda n: progress.update(task, total=progress.tasks[0].total + n))
     console = _console()
-    table = Table(title=f"export of {run_id} -> {out}", show_header=False)
-    table.add_row("shards exported now / skipped (done before)", f"{totals['shards_exported_now']} / {len(skipped)}")
+    table = Table(title=f"export of {run_id} -> {out}" + ("" if part.whole else f" (part {part})"),
+                  show_header=False)
+    table.add_row("shards exported now / skipped (done before)",
+                  f"{totals['shards_exported_now']} / {totals['shards_skipped']}")
+    if totals["shards_claimed_elsewhere"]:
+        table.add_row("shards left to other exporters (claimed)", str(totals["shards_claimed_elsewhere"]))
+    table.add_row("files of every shard (token_freq.pt, dataset, joined JSONL)", _ASSEMBLY[totals["assembly"]])
     table.add_row("conversations exported" if fmt in ("sharegpt", "specforge-jsonl") else "samples exported",
                   str(totals["exported"]))
     for reason, n in totals["filtered"].items():
@@ -152,12 +191,20 @@ def export_cmd(run_id: str, storage: str, fmt: str, out: str, exclude_flags: str
     console.print(table)
 
 
+_ASSEMBLY = {"assembled": "written now", "assembled_before": "up to date",
+             "claimed": "being written by another exporter",
+             "waiting": "not yet: other parts are still exporting (the last to finish writes them)"}
+
+
 @click.command("stats")
 @click.argument("run_id", metavar="RUN")
 @_storage
 @click.option("--html", "html_path", default=None, help="Also write a self-contained HTML report (plots embedded).")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary numbers as JSON instead of tables.")
-def stats_cmd(run_id: str, storage: str, html_path: str | None, as_json: bool) -> None:
+@_processes("read")
+@_part_option("Each part reports its shards; the parts' counts add up to the run's (--json).")
+def stats_cmd(run_id: str, storage: str, html_path: str | None, as_json: bool, processes: int,
+              part_spec: str | None) -> None:
     """Token lengths, finish reasons, quality-flag rates (overall and per source) and worker speed of RUN.
 
     Reads only done shards, so it works while the run is in progress.
@@ -167,11 +214,13 @@ def stats_cmd(run_id: str, storage: str, html_path: str | None, as_json: bool) -
     from app.data.run_reader import RunReader
     from app.data.stats import collect, plots, print_terminal, render_html, states_summary
 
-    st = collect(RunReader(storage, run_id))
+    part = _part(part_spec)
+    st = collect(RunReader(storage, run_id), processes=processes, part=part)
     if as_json:
         t = st.total
         click.echo(orjson.dumps({
-            "run_id": run_id, "shards_done": st.shards_done, "shards_total": st.shards_total, "ok": t.ok,
+            "run_id": run_id, "part": str(part), "shards_done": st.shards_done, "shards_total": st.shards_total,
+            "ok": t.ok, "stubs": t.stubs,
             "stub_rate": st.stub_rate, "stub_alarm": st.stub_alarm, "flags": dict(t.flags),
             "finish_reasons": {str(k): v for k, v in t.finish.items()}, "rejected": dict(st.rejected),
             "sources": {s: {"ok": g.ok, "stubs": g.stubs, "flags": dict(g.flags)} for s, g in st.sources.items()},

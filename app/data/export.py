@@ -5,6 +5,13 @@ Why per shard: a 914K-sample export takes hours; each shard's output is written 
 generating) does exactly the shards not yet exported. `export.json` pins the run, format and filters: a rerun
 with other settings is refused instead of mixing two selections in one folder.
 
+Fan-out: `run(processes=N)` exports shards in N spawned worker processes, `run(part=Part(i, n))` only every n-th
+shard, so that several hosts export one run into one folder at once; the output is byte-identical to one
+process's. What makes that hold: the plan numbers every sample before anything is written
+(app/data/export_plan.py), each shard is claimed by the process writing it (app/data/export_claims.py), and the
+files made from every shard (token_freq.pt, speculators' dataset, SpecForge's joined JSONL) are assembled by the
+exporter that finds every planned shard exported when it ends (`assemble`). docs/formats.md says how to use it.
+
 Formats:
 - `sharegpt`, `specforge-jsonl`  one row per conversation with every turn the model saw (app/data/export_text.py).
 - `parquet`      `data/{shard}.parquet`, one row per record, one fixed schema for every shard.
@@ -19,14 +26,16 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import orjson
 
-from app.data import export_text
+from app.data import export_claims, export_plan, export_text
 from app.data.export_trainers import TRAINER_FORMATS
+from app.data.fanout import WHOLE, Part, process_pool
 from app.data.run_reader import RunReader, ShardInfo
 from app.errors import RegenError
 from app.storage import Storage
@@ -101,9 +110,10 @@ def _parquet_row(rec: dict) -> dict:
 
 # -- the exporter -----------------------------------------------------------------------------------------
 class Exporter:
-    """Exports a run's done shards into `out`, skipping shards whose export marker exists."""
+    """Exports a run's done shards into `out` as the plan (app/data/export_plan.py) numbers them, skipping shards
+    whose done marker exists; `run(processes, part)` fans the shards out (module docstring)."""
 
-    def __init__(self, reader: RunReader, out: str, opts: ExportOptions):
+    def __init__(self, reader: RunReader, out: str, opts: ExportOptions, pin: bool = True):
         if opts.fmt not in FORMATS:
             raise RegenError(f"unknown export format {opts.fmt!r} (one of {', '.join(FORMATS)})")
         if opts.fmt in TRAINER_FORMATS and reader.capture_mode == "off":
@@ -112,6 +122,7 @@ class Exporter:
             raise RegenError("--include-unterminated: SpecForge's rows need a non-empty answer on every assistant "
                              "turn; use --format sharegpt or parquet to keep unterminated samples")
         self.reader, self.opts, self.out = reader, opts, Storage(out)
+        self.out_url = out
         self.trainer = None
         if opts.fmt in TRAINER_FORMATS:
             from app.data.export_trainers import formats
@@ -119,31 +130,64 @@ class Exporter:
             cls = formats()[opts.fmt]
             extra = {"model_path": opts.model} if opts.fmt == "specforge-eagle3" else {}
             self.trainer = cls(reader, self.out, opts.layers, **extra)
-        self._pin()
+        if pin:
+            self._pin()
 
     def _pin(self) -> None:
         want = {"format": EXPORT_FORMAT, "run_id": self.reader.run_id, "storage": self.reader.storage.url,
                 **self.opts.to_dict(), **({"trainer": self.trainer.meta()} if self.trainer else {})}
-        if self.out.exists("export.json"):
+        body = orjson.dumps(want, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+        if not self.out.create_exclusive("export.json", body):  # several exporters may start at once
             have = self.out.read_json("export.json")
             differ = [k for k in want if k != "storage" and have.get(k) != want[k]]
             if differ:
                 raise RegenError(f"{self.out.url} holds an export with other {', '.join(differ)}; use another --out")
-        else:
-            self.out.write_json("export.json", want)
 
-    def pending(self) -> tuple[list[ShardInfo], list[str]]:
-        """(done shards still to export, shards already exported)."""
-        exported = {n[: -len(".json")] for n in self.out.listdir("done") if n.endswith(".json")}
+    def candidates(self) -> list[str]:
+        """The run's done shards an export can take now, in id order."""
         infos = list(self.reader.shards())
         if self.reader.capture_mode == "staged" and self.trainer:
             infos = [i for i in infos if i.captured is not None]  # capture not finished: a later rerun does it
-        return [i for i in infos if i.shard_id not in exported], sorted(exported)
+        return [i.shard_id for i in infos]
 
-    def export_shard(self, info: ShardInfo) -> dict:
+    def pending(self) -> tuple[list[str], list[str]]:
+        """(done shards still to export, shards already exported)."""
+        exported = export_plan.done_shards(self.out)
+        return [s for s in self.candidates() if s not in exported], sorted(exported)
+
+    # -- one shard ------------------------------------------------------------------------------------------
+    def count_shard(self, shard: str) -> dict:
+        """The shard's count file (app/data/export_plan.py), written unless another exporter wrote it first."""
+        have = export_plan.read_count(self.out, shard)
+        if have is not None:
+            return have
+        info = self.reader.shard(shard)
+        counts: Counter = Counter()
+        n = self.trainer.count_shard(info, self._kept(info, counts), counts)
+        return export_plan.write_count(self.out, shard, n, dict(counts))
+
+    def export_claimed(self, shard: str, first: int | None) -> str:
+        """Export one shard unless it is done or a live exporter holds its claim: `exported`, `done`, `claimed`."""
+        if self.out.exists(f"done/{shard}.json"):
+            return "done"
+        claim = export_claims.take(self.out, shard)
+        if claim is None:
+            return "claimed"
+        with claim.held():
+            if self.out.exists(f"done/{shard}.json"):  # finished by the claim's last holder just now
+                return "done"
+            self.out.delete(export_plan.ASSEMBLED)  # what it names is out of date once this shard is written
+            self.export_shard(self.reader.shard(shard), first)
+        return "exported"
+
+    def export_shard(self, info: ShardInfo, first: int | None = None) -> dict:
         if self.trainer:
             counts: Counter = Counter()
-            done = self.trainer.export_shard(info, self._kept(info, counts), counts)
+            done = self.trainer.export_shard(info, self._kept(info, counts), counts, first)
+            planned = export_plan.read_count(self.out, info.shard_id)
+            if planned is not None and planned["exported"] != done["exported"]:
+                raise RegenError(f"shard {info.shard_id}: exported {done['exported']} samples, the plan counted "
+                                 f"{planned['exported']}; run `regen verify` on the run")
             self.out.write_json(f"done/{info.shard_id}.json", done)
             return done
         if self.opts.fmt in export_text.FORMATS:  # one row per conversation
@@ -182,22 +226,82 @@ class Exporter:
                 for row in rows:
                     fh.write(orjson.dumps(row) + b"\n")
 
-    def run(self, on_shard: Callable[[str], None] | None = None) -> dict:
-        todo, skipped = self.pending()
-        if self.trainer:
-            self.trainer.begin()
-        for info in todo:
-            self.export_shard(info)
-            if on_shard:
-                on_shard(info.shard_id)
-        if self.trainer:
-            self.trainer.finish()
+    # -- the whole export ---------------------------------------------------------------------------------
+    def run(self, on_shard: Callable[[str], None] | None = None, processes: int = 1, part: Part = WHOLE,
+            on_plan: Callable[[int], None] | None = None) -> dict:
+        """Export this part's shards of every batch with `processes` worker processes, then assemble the export
+        if every planned shard is exported (by this call or any other); `on_plan(n)`: n more shards to do."""
+        started = time.time()
+        exported_before = export_plan.done_shards(self.out)
+        tally: Counter = Counter()
+        with ShardPool(processes, (self.reader.storage.url, self.reader.run_id, self.out_url, self.opts),
+                       self) as pool:
+            while (batch := export_plan.open_batch(self.out, self.candidates())) is not None:
+                done = export_plan.done_shards(self.out)
+                mine = [s for k, s in enumerate(batch["shards"]) if part.owns(k) and s not in done]
+                if on_plan:
+                    on_plan(len(mine))
+                firsts: dict[str, int] = {}
+                if self.trainer and mine:
+                    firsts = self._number(pool, batch, mine)
+                for shard, state in zip(mine, pool.map(_export_task, [(s, firsts.get(s)) for s in mine]),
+                                        strict=True):
+                    tally[state] += 1
+                    if on_shard:
+                        on_shard(shard)
+                if not export_plan.complete(self.out):
+                    break  # shards of other parts, or claimed by other exporters, are still being written
+        assembled = self.assemble(started) if export_plan.complete(self.out) else "waiting"
         self.reader.close()
-        totals = {**self.totals(), "shards_exported_now": len(todo), "shards_skipped": len(skipped)}
+        totals = {**self.totals(), "shards_exported_now": tally["exported"], "shards_skipped": len(exported_before),
+                  "shards_claimed_elsewhere": tally["claimed"], "assembly": assembled, "part": str(part)}
         if self.opts.fmt == "specforge-jsonl":
-            export_text.join_shard_files(self.out, [n for n in self.out.listdir("done") if n.endswith(".json")])
             totals["file"] = export_text.SPECFORGE_FILE
         return totals
+
+    def _number(self, pool: ShardPool, batch: dict, mine: list[str]) -> dict[str, int]:
+        """First sample numbers of `mine`: every shard before the last of them in the batch is counted first."""
+        shards, own = batch["shards"], set(mine)
+        last = max(k for k, s in enumerate(shards) if s in own)
+        missing = [s for s in shards[: last + 1] if export_plan.read_count(self.out, s) is None]
+        todo = [s for s in missing if s in own] + [s for s in missing if s not in own]  # its own shards first
+        for _ in pool.map(_count_task, todo):
+            pass
+        firsts = export_plan.first_indices(self.out, batch)
+        return {s: firsts[s] for s in mine}
+
+    def assemble(self, started: float) -> str:
+        """The files made from every exported shard (token_freq.pt, speculators' dataset, SpecForge's one JSONL),
+        written by one exporter at a time, once per set of exported shards (`assembled.json` names the set; a
+        shard written again removes it first): `assembled`, `assembled_before` or `claimed` (another exporter
+        is assembling)."""
+        done = export_plan.done_shards(self.out)
+        if export_plan.assembled(self.out) == export_plan.digest(done):
+            return "assembled_before"
+        claim = export_claims.take(self.out, "assembly")
+        if claim is None:
+            return "claimed"
+        with claim.held():
+            if export_plan.assembled(self.out) == export_plan.digest(done):  # the last holder just did it
+                return "assembled_before"
+            samples = export_plan.next_index(self.out) if self.trainer else None
+            if self.trainer:
+                self.trainer.remove_from(samples)  # files past the last number: a pre-plan attempt's
+                self.trainer.finish(done, samples)
+            if self.opts.fmt == "specforge-jsonl":
+                export_text.join_shard_files(self.out, [f"{s}.json" for s in done])
+            self._remove_temporaries(before=started)
+            export_plan.mark_assembled(self.out, done, samples)
+        return "assembled"
+
+    def _remove_temporaries(self, before: float) -> None:
+        """Temporaries (`.name.tmp-*`) that killed exporters left: every shard was exported since they were made,
+        so no live writer owns one older than this call."""
+        folders = ["", *(f for f in self.out.listdir("") if not f.startswith(".") and "." not in f)]
+        for folder in folders:
+            for name, mtime in self.out.temporaries(folder):
+                if mtime < before:
+                    self.out.remove_temporary(f"{folder}/{name}" if folder else name)
 
     def totals(self) -> dict:
         """Counts over every shard exported into `out` so far (this call's and earlier ones')."""
@@ -209,3 +313,46 @@ class Exporter:
                 exported += d["exported"]
                 filtered.update(d["filtered"])
         return {"shards": shards, "exported": exported, "filtered": dict(sorted(filtered.items()))}
+
+
+# -- worker processes -------------------------------------------------------------------------------------
+_WORKER: Exporter | None = None  # this worker process's exporter (set by _init_worker)
+
+
+def _init_worker(storage: str, run_id: str, out: str, opts: ExportOptions) -> None:
+    global _WORKER
+    _WORKER = Exporter(RunReader(storage, run_id), out, opts, pin=False)
+
+
+def _count_task(shard: str) -> dict:
+    return _WORKER.count_shard(shard)
+
+
+def _export_task(task: tuple[str, int | None]) -> str:
+    return _WORKER.export_claimed(*task)
+
+
+class ShardPool:
+    """Runs `_count_task` / `_export_task` in `processes` spawned workers (app/data/fanout.py), or here with
+    the caller's own exporter when one process is asked for."""
+
+    def __init__(self, processes: int, initargs: tuple, local: Exporter):
+        self.processes, self.initargs, self.local = processes, initargs, local
+        self.pool = None
+
+    def __enter__(self) -> ShardPool:
+        if self.processes > 1:
+            self.pool = process_pool(self.processes, _init_worker, self.initargs)
+        return self
+
+    def map(self, fn, items: list) -> Iterator:
+        """Results in item order, each as soon as it and those before it are done."""
+        if self.pool is None:
+            global _WORKER
+            _WORKER = self.local
+            return (fn(item) for item in items)
+        return self.pool.map(fn, items)
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)

@@ -10,7 +10,9 @@ What speculators 0.9.0's `ArrowDataset(max_len, datapath)` (`speculators/train/d
 - `datapath/token_freq.pt`, written by the base exporter.
 
 The states are written shard by shard; the dataset is rebuilt from the per-shard rows (`rows/{shard}.jsonl`,
-small: ids and masks) at the end of each run of the exporter, in sample-number order, so row i is `hs_{i}`.
+small: ids and masks) when the export is assembled, in sample-number order, so row i is `hs_{i}`. Its
+fingerprint (`state.json`) is named from the set of exported shards, not from the output path or a temporary
+cache, so two exports of the same shards are the same bytes.
 """
 
 from __future__ import annotations
@@ -80,13 +82,15 @@ class Speculators(StateExport):
                     row = orjson.loads(line)
                     yield {k: row[k] for k in ("id", "input_ids", "loss_mask", "seq_len")}
 
-    def finish(self) -> None:
+    def finish(self, done: set[str], samples: int) -> None:
         import shutil
         import tempfile
 
         import datasets
 
-        super().finish()
+        from app.data.export_plan import digest
+
+        super().finish(done, samples)
         datasets.disable_progress_bars()  # the exporter shows its own progress
         features = datasets.Features({"id": datasets.Value("string"),
                                       "input_ids": datasets.Sequence(datasets.Value("int64")),
@@ -94,8 +98,9 @@ class Speculators(StateExport):
                                       "seq_len": datasets.Value("int64")})
         cache = tempfile.mkdtemp(prefix="regen-speculators-")
         try:
-            if self._next if self._next is not None else self.next_index():  # samples exported so far
-                ds = datasets.Dataset.from_generator(self._all_rows, features=features, cache_dir=cache)
+            if samples:
+                ds = datasets.Dataset.from_generator(self._all_rows, features=features, cache_dir=cache,
+                                                     fingerprint=f"regen-speculators-{digest(done)}")
             else:  # nothing exported (yet): an empty dataset, as from_generator cannot build one
                 ds = datasets.Dataset.from_dict({k: [] for k in features}, features=features)
             ds.set_format(type="torch", columns=["input_ids", "loss_mask", "seq_len"], output_all_columns=True)

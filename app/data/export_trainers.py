@@ -3,17 +3,19 @@
 A format subclass says which layers it needs and how one sample is written; this base streams the run's
 shards through it and keeps the export resumable like the text formats (app/data/export.py):
 
-- Samples are numbered 0, 1, 2, ... over the whole export in the order they are written (SpecForge's
-  `data_{i}`, speculators' row `i` and `hs_{i}`). A shard's first number is the count of samples exported
-  before it, written into its `done/{shard}.json` marker, so a rerun continues the numbering; files a killed
-  attempt left past that count are removed before the rerun writes (SpecForge reads every file it finds).
+- Samples are numbered 0, 1, 2, ... over the whole export in shard order (SpecForge's `data_{i}`, speculators'
+  row `i` and `hs_{i}`). A shard's first number comes from the export's plan (app/data/export_plan.py), which
+  counts each shard's kept samples up front from its records and its hidden file's index, so any process or
+  host can write any shard; the number is also written into the shard's `done/{shard}.json` marker. A shard
+  cut short by a kill is written again under the same names with the same bytes; files a pre-plan attempt left
+  past the last number are removed when the export is assembled (SpecForge reads every file it finds).
 - Per shard, the supervised-token counts go to `freq/{shard}.json` before the done marker; `token_freq.pt`
   (token id -> count, speculators' `token_freq.pt`, the input of SpecForge's and speculators' reduced draft
-  vocabularies) is rebuilt from all of them at the end of every run of the exporter.
+  vocabularies) is rebuilt from all of them when the export is assembled (app/data/export.py).
 - Samples with nothing to learn from are left out and counted (`no_supervised_tokens`, and for DFlash
   `no_two_consecutive_supervised_tokens`, which SpecForge refuses).
 
-One exporter process per output folder at a time.
+Many exporter processes per output folder at a time: each shard is claimed (app/data/export_claims.py).
 """
 
 from __future__ import annotations
@@ -48,36 +50,39 @@ class StateExport:
         self.layers: ExportLayers = choose_layers(self.name, reader.run_id, reader.layers,
                                                   int(model.get("num_layers") or 0), layers_spec,
                                                   self.needs_final, self.aux_count)
-        self._next: int | None = None  # the next sample's number, set by begin()
 
     def meta(self) -> dict:
         """What goes into export.json: the layers and where they are in each sample's tensors."""
         return {"layers": self.layers.to_meta(), "one_state_per_id": "input_ids[:n], n = stored states "
                 "(input_ids[:-1]: the last id, usually the end-of-turn token, has no state and is not exported)"}
 
-    # -- numbering --------------------------------------------------------------------------------------
-    def next_index(self) -> int:
-        end = 0
-        for name in self.out.listdir("done"):
-            if name.endswith(".json"):
-                d = self.out.read_json(f"done/{name}")
-                end = max(end, int(d.get("first_index", 0)) + int(d["exported"]))
-        return end
-
-    def begin(self) -> None:
-        """Before a run of the exporter: where numbering continues, and removal of a killed attempt's files."""
-        self._next = self.next_index()
-        self.remove_from(self._next)
+    def count_shard(self, info: ShardInfo, kept, filtered: Counter) -> int:
+        """How many of the shard's kept records `export_shard` writes (the rest counted in `filtered`), from the
+        hidden file's index alone: the states' token count decides which ids and mask positions are exported."""
+        reader = self.reader.hidden_reader(info)
+        n = 0
+        for rec in kept:
+            pos = None if reader is None else reader.by_id.get(rec["sample_id"])
+            if pos is None:
+                raise RegenError(f"shard {info.shard_id} sample {rec['sample_id']}: no hidden states")
+            tokens = int(reader.entries[pos]["n_tokens"])
+            if tokens not in (len(rec["input_ids"]) - 1, len(rec["input_ids"])):
+                raise RegenError(f"shard {info.shard_id} sample {rec['sample_id']}: stored states are for {tokens} "
+                                 f"tokens, the record has {len(rec['input_ids'])} ids; run `regen verify` on the run")
+            problem = supervision_problem(rec["loss_mask"][:tokens], self.consecutive_supervision)
+            if problem:
+                filtered[problem] += 1
+            else:
+                n += 1
+        return n
 
     def remove_from(self, end: int) -> None:
         """Remove sample files numbered `end` or more (left by a killed attempt; subclasses know their names)."""
 
     # -- per shard ----------------------------------------------------------------------------------------
-    def export_shard(self, info: ShardInfo, kept, filtered: Counter) -> dict:
-        """Write the shard's kept records (`kept` yields them); return the done-marker body."""
-        if self._next is None:
-            self.begin()
-        first = index = self._next
+    def export_shard(self, info: ShardInfo, kept, filtered: Counter, first: int) -> dict:
+        """Write the shard's kept records (`kept` yields them) numbered from `first`; return the done-marker body."""
+        index = first
         freq: Counter = Counter()
         for rec in kept:
             got = self.reader.states(info, rec)
@@ -92,7 +97,6 @@ class StateExport:
             freq.update(supervised_counts(sample))
             index += 1
         self.shard_done(info, first, index)
-        self._next = index
         self.out.write_json(f"freq/{info.shard_id}.json", {str(k): v for k, v in sorted(freq.items())})
         return {"shard_id": info.shard_id, "exported": index - first, "first_index": first,
                 "filtered": dict(filtered), "file": None}
@@ -103,12 +107,12 @@ class StateExport:
     def shard_done(self, info: ShardInfo, first: int, end: int) -> None:
         """Hook after a shard's samples are written (speculators keeps the shard's rows for its dataset)."""
 
-    # -- after a run of the exporter ------------------------------------------------------------------
-    def finish(self) -> None:
+    # -- assembling the export ----------------------------------------------------------------------------
+    def finish(self, done: set[str], samples: int) -> None:
+        """Write the files made from every exported shard (`done`; `samples` in all), after the last shard."""
         import torch
 
         total: Counter = Counter()
-        done = {n[: -len(".json")] for n in self.out.listdir("done") if n.endswith(".json")}
         for shard in sorted(done):
             total.update({int(k): int(v) for k, v in self.out.read_json(f"freq/{shard}.json").items()})
         buf = io.BytesIO()

@@ -16,6 +16,7 @@ import io
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from app.data.fanout import WHOLE, Part, ordered_map
 from app.data.run_reader import RunReader
 from app.states_bound import LayerErrors, promise
 
@@ -52,6 +53,7 @@ class RunStats:
     states_dtype: str = "bf16"
     states_bound: float = 0.0
     states_errors: LayerErrors | None = None  # lossy runs: the recorded error per layer (app/states_bound.py)
+    part: str | None = None  # `I/N` when only that part's shards were read
 
     @property
     def stub_rate(self) -> float:
@@ -62,45 +64,98 @@ class RunStats:
         return self.total.ok > 0 and self.stub_rate >= self.pause_stub_rate
 
 
-def collect(reader: RunReader) -> RunStats:
-    from app.quality import is_stub
-
+def collect(reader: RunReader, processes: int = 1, part: Part = WHOLE) -> RunStats:
+    """The run's stats (or one part's: every N-th of the producer's shards), shard by shard in id order.
+    `processes` > 1 reads the shards in worker processes; each sends back what it read of a shard, and the
+    shards are added here in the same order, so every count, list and float is the one one process makes."""
     quality = reader.settings.get("quality") or {}
-    st = RunStats(reader.run_id, float(quality.get("pause_stub_rate", 0.2)))
-    st.shards_total = len(reader.expected_shards())
+    st = RunStats(reader.run_id, float(quality.get("pause_stub_rate", 0.2)), part=None if part.whole else str(part))
+    every = reader.expected_shards()
+    st.shards_total = len(part.pick(every))
     run_states = promise(reader.settings)
     st.states_dtype, st.states_bound = run_states.dtype, run_states.max_rel_error
-    if run_states.lossy and reader.layers:
+    lossy = bool(run_states.lossy and reader.layers)
+    if lossy:
         st.states_errors = LayerErrors(list(reader.layers))
-    for info in reader.shards():
-        st.shards_done += 1
-        hidden = reader.hidden_reader(info) if st.states_errors is not None else None
-        for entry in hidden.entries if hidden is not None else ():  # the index only: no states are read
-            st.states_errors.add(entry)
-        m = info.marker
-        if m.get("generation_seconds") and m.get("generated_tokens") is not None:
-            st.speed.append((str(m.get("worker")), str(m.get("finished")),
-                             m["generated_tokens"] / m["generation_seconds"]))
-        for rec in reader.records(info):
-            if rec.get("status") != "ok":
-                st.rejected[rec.get("reject_reason", "?")] += 1
-                continue
-            src = (rec.get("source") or {}).get("file") or "?"
-            n_out, n_ans = rec["num_output_tokens"], rec.get("num_answer_tokens") or 0
-            st.prompt.append(rec["num_prompt_tokens"])
-            st.answer.append(n_ans)
-            st.reasoning.append(max(0, n_out - n_ans))
-            st.mask_sum.append(sum(rec["loss_mask"]))
-            stub = is_stub(rec.get("flags") or ())
-            for g in (st.total, st.sources[src]):
-                g.ok += 1
-                g.stubs += stub
-                g.flags.update(rec.get("flags") or ())
-                g.finish[rec.get("finish_reason")] += 1
-                g.prompt_tokens += rec["num_prompt_tokens"]
-                g.output_tokens += n_out
+    done = set(reader.done_shards())
+    shards = [s for s in part.pick(every) if s in done]
+    if processes > 1:
+        found = ordered_map(_read_task, [(s, lossy) for s in shards], processes, _init_worker,
+                            (reader.storage.url, reader.run_id))
+    else:
+        found = (read_shard(reader, reader.shard(s), lossy) for s in shards)
+    for shard in found:
+        add_shard(st, shard)
     reader.close()
     return st
+
+
+@dataclass
+class ShardRead:
+    """What stats takes from one shard: its marker's speed, its hidden file's index entries (lossy runs), its
+    records' fields (ok records as (source, prompt, output, answer, mask sum, flags, finish); rejects by reason)."""
+
+    speed: tuple[str, str, float] | None
+    entries: list[dict]
+    ok: list[tuple]
+    rejected: list[str]
+
+
+def read_shard(reader: RunReader, info, lossy: bool) -> ShardRead:
+    hidden = reader.hidden_reader(info) if lossy else None
+    entries = list(hidden.entries) if hidden is not None else []  # the index only: no states are read
+    m = info.marker
+    speed = None
+    if m.get("generation_seconds") and m.get("generated_tokens") is not None:
+        speed = (str(m.get("worker")), str(m.get("finished")), m["generated_tokens"] / m["generation_seconds"])
+    ok, rejected = [], []
+    for rec in reader.records(info):
+        if rec.get("status") != "ok":
+            rejected.append(rec.get("reject_reason", "?"))
+            continue
+        ok.append(((rec.get("source") or {}).get("file") or "?", rec["num_prompt_tokens"], rec["num_output_tokens"],
+                   rec.get("num_answer_tokens") or 0, sum(rec["loss_mask"]), tuple(rec.get("flags") or ()),
+                   rec.get("finish_reason")))
+    return ShardRead(speed, entries, ok, rejected)
+
+
+def add_shard(st: RunStats, shard: ShardRead) -> None:
+    from app.quality import is_stub
+
+    st.shards_done += 1
+    for entry in shard.entries:
+        st.states_errors.add(entry)
+    if shard.speed is not None:
+        st.speed.append(shard.speed)
+    for reason in shard.rejected:
+        st.rejected[reason] += 1
+    for src, n_prompt, n_out, n_ans, mask_sum, flags, finish in shard.ok:
+        st.prompt.append(n_prompt)
+        st.answer.append(n_ans)
+        st.reasoning.append(max(0, n_out - n_ans))
+        st.mask_sum.append(mask_sum)
+        stub = is_stub(flags)
+        for g in (st.total, st.sources[src]):
+            g.ok += 1
+            g.stubs += stub
+            g.flags.update(flags)
+            g.finish[finish] += 1
+            g.prompt_tokens += n_prompt
+            g.output_tokens += n_out
+
+
+# -- worker processes (`--processes`) ---------------------------------------------------------------------
+_READER: RunReader | None = None  # this worker process's reader (set by _init_worker)
+
+
+def _init_worker(storage: str, run_id: str) -> None:
+    global _READER
+    _READER = RunReader(storage, run_id)
+
+
+def _read_task(task: tuple[str, bool]) -> ShardRead:
+    shard, lossy = task
+    return read_shard(_READER, _READER.shard(shard), lossy)
 
 
 def stub_line(st: RunStats) -> str:
@@ -147,7 +202,7 @@ def states_summary(st: RunStats) -> dict:
 def print_terminal(st: RunStats, console) -> None:
     from rich.table import Table
 
-    summary = Table(title=f"run {st.run_id}", show_header=False)
+    summary = Table(title=f"run {st.run_id}" + (f", part {st.part}" if st.part else ""), show_header=False)
     for k, v in _summary_rows(st):
         summary.add_row(k, v)
     console.print(summary)

@@ -33,6 +33,7 @@ import numpy as np
 import orjson
 import zstandard
 
+from app.data.fanout import WHOLE, Part, ordered_map
 from app.data.run_reader import RunReader, ShardInfo
 from app.hidden_file import CorruptHiddenFile, HiddenFileReader, bf16_to_float32
 from app.ids import shard_id as shard_name
@@ -77,6 +78,7 @@ class VerifyReport:
     reference: dict | None = None
     incomplete: dict | None = None  # what is missing and why (None when the run is complete)
     sampled: dict | None = None  # what a sampled verify read and did not read
+    part: str | None = None  # `I/N` when only that part's shards were checked (verify_run says what that means)
 
     def headline(self) -> str | None:
         """The report's first line when the run is incomplete."""
@@ -100,7 +102,8 @@ class VerifyReport:
         return not self.errors(strict)
 
     def to_dict(self, strict: bool = False) -> dict:
-        return {"run_id": self.run_id, "ok": self.ok(strict), "headline": self.headline(),
+        return {"run_id": self.run_id, **({"part": self.part} if self.part else {}), "ok": self.ok(strict),
+                "headline": self.headline(),
                 "incomplete": self.incomplete, "accounting": self.accounting, "shards": self.shards,
                 "reference": self.reference, "sampled": self.sampled, "problems": [asdict(p) for p in self.problems]}
 
@@ -387,9 +390,15 @@ def _expected_sizes(reader: RunReader, counts: dict) -> dict[str, int]:
 
 def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
                progress: Callable[[str], None] | None = None, allow_incomplete: bool = False,
-               sample: float | None = None) -> VerifyReport:
+               sample: float | None = None, processes: int = 1, part: Part = WHOLE) -> VerifyReport:
     """Check the run; `allow_incomplete`: missing shards are warnings; `sample`: decode the states of only this
-    many samples (a count >= 1, or a fraction of the ok samples below 1); see the module docstring."""
+    many samples (a count >= 1, or a fraction of the ok samples below 1); see the module docstring.
+
+    Fan-out: `processes` > 1 checks the shards in that many worker processes instead of `workers` threads (the
+    report is the same). `part` checks only that part's shards (every N-th of the producer's shards): their
+    problems, and the run-wide checks (producer, accounting), whose counts for the other parts' shards come from
+    their markers; each of those shards' markers is held to its records by the part that owns it, so the run is
+    verified when every part exits 0, and the parts' shard problems together are the whole run's."""
     problems: list[Problem] = []
     gap = "warning" if allow_incomplete else "error"
     produce = reader.produce_state()
@@ -401,15 +410,21 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
                                 severity=gap))
     expected = _expected_sizes(reader, counts)
     done, dead = set(reader.done_shards()), reader.dead_generate_shards()
+    every = reader.expected_shards()
+    mine = set(part.pick(every))
     results: list[ShardResult] = []
-    infos = [i for i in (reader.shard(s) for s in sorted(done)) if i is not None]
-    with ThreadPoolExecutor(max(1, workers)) as pool:
-        for res in pool.map(lambda i: verify_shard(reader, i, decode=sample is None), infos):
+    infos = [i for i in (reader.shard(s) for s in sorted(done) if s in mine) if i is not None]
+    decode = sample is None
+    with ThreadPoolExecutor(max(1, workers)) as threads:
+        found = (ordered_map(_verify_task, [(i.shard_id, decode) for i in infos], processes, _init_worker,
+                             (reader.storage.url, reader.run_id)) if processes > 1
+                 else threads.map(lambda i: verify_shard(reader, i, decode=decode), infos))
+        for res in found:
             results.append(res)
             if progress:
                 progress(res.shard)
-    for name in reader.expected_shards():
-        if name in done:
+    for name in every:
+        if name in done or name not in mine:
             continue
         res = ShardResult(name, "dead" if name in dead else "missing")
         if name in dead:
@@ -423,13 +438,15 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
             res.add("shard_size", f"{res.conversations} samples, the producer enqueued {expected[res.shard]}")
         if expected and res.shard not in expected:
             res.add("unexpected_shard", "shard not among the producer's shards")
-    written = sum(r.conversations for r in results if r.state == "done")
-    dead_samples = sum(expected.get(r.shard, 0) for r in results if r.state == "dead")
-    missing_samples = sum(expected.get(r.shard, 0) for r in results if r.state == "missing")
+    others = [_marker_counts(reader, s) for s in sorted(done - mine)]  # other parts' shards, by their markers
+    written = sum(r.conversations for r in results if r.state == "done") + sum(o[0] for o in others)
+    dead_samples = sum(expected.get(s, 0) for s in every if s not in done and s in dead)
+    missing_samples = sum(expected.get(s, 0) for s in every if s not in done and s not in dead)
     accounting = {
         "read": counts.get("read"), "enqueued": counts.get("enqueued"), "duplicates": counts.get("duplicates"),
         "rejected_producer": counts.get("rejected"), "written": written,
-        "written_ok": sum(r.ok for r in results), "rejected_worker": sum(r.rejected for r in results),
+        "written_ok": sum(r.ok for r in results) + sum(o[1] for o in others),
+        "rejected_worker": sum(r.rejected for r in results) + sum(o[2] for o in others),
         "dead_lettered": dead_samples, "missing": missing_samples,
     }
     if counts:
@@ -452,7 +469,10 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
         problems += res.problems
     shard_counts = Counter(r.state for r in results)
     report = VerifyReport(reader.run_id, accounting, dict(shard_counts), problems, sampled=sampled)
-    dead_shards, missing_shards = shard_counts["dead"], shard_counts["missing"]
+    if not part.whole:
+        report.part = str(part)
+    dead_shards = sum(1 for s in every if s not in done and s in dead)
+    missing_shards = sum(1 for s in every if s not in done and s not in dead)
     unfinished = produce is not None and not produce.get("complete")
     if dead_shards or missing_shards or unfinished:
         report.incomplete = {"missing_samples": dead_samples + missing_samples, "dead_shards": dead_shards,
@@ -462,6 +482,33 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
         pool = [(r.shard, s) for r in sorted(results, key=lambda r: r.shard) for s in r.good_samples]
         report.reference = _reference_check(reader, pool, reference, problems)
     return report
+
+
+def _marker_counts(reader: RunReader, shard: str) -> tuple[int, int, int]:
+    """(samples, ok records, worker-rejected records) of a done shard from its marker (records when it has none)."""
+    m = reader.store.done_marker(shard) or {}
+    if "samples" in m and "ok" in m:
+        return int(m["samples"]), int(m["ok"]), sum((m.get("rejected") or {}).values())
+    recs = list(reader.records(ShardInfo(shard, m)))
+    convs = {r.get("conversation_id") or r.get("sample_id") for r in recs}
+    return (len(convs), sum(r.get("status") == "ok" for r in recs),
+            sum(r.get("status") == "rejected" for r in recs))
+
+
+# -- worker processes (`--processes`) ---------------------------------------------------------------------
+_READER: RunReader | None = None  # this worker process's reader (set by _init_worker)
+
+
+def _init_worker(storage: str, run_id: str) -> None:
+    global _READER
+    _READER = RunReader(storage, run_id)
+
+
+def _verify_task(task: tuple[str, bool]) -> ShardResult:
+    shard, decode = task
+    res = verify_shard(_READER, _READER.shard(shard), decode=decode)
+    res.stale_rows = None  # per shard only; not worth sending back
+    return res
 
 
 def _dead_reason(reader: RunReader, name: str) -> str:

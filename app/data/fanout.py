@@ -1,0 +1,83 @@
+"""Sharing the read side of a run among processes on one host (`--processes N`) and among hosts (`--part I/N`).
+
+Why shards: a run's shards are independent files with their own completion markers, so they are the natural unit
+of work for verify, stats and export alike. A part takes every N-th shard of a fixed, sorted list (position j goes
+to part j mod N + 1): disjoint, together complete, and balanced even where shard sizes drift over a run. Within an
+invocation the shards go to a pool of worker processes; results come back in shard order, so whatever is summed
+or listed across shards (verify's report, stats' counters and lists, an export's numbering) is the same as one
+process would make, bit for bit.
+
+Processes, not threads: decoding zstd records with orjson, hashing and writing states are CPU work in Python that
+threads share one core for. Processes are started with `spawn` (not `fork`): a forked child of a process that has
+loaded torch or started threads (rich's progress, fsspec's event loop) can deadlock, and spawn behaves the same on
+every platform. Each worker builds its own reader once (the pool's initializer), never a parent's file handles.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+from app.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Part:
+    """Part `index` (1-based) of `count` disjoint parts of a run's shards; `Part(1, 1)` is the whole run."""
+
+    index: int = 1
+    count: int = 1
+
+    @classmethod
+    def parse(cls, text: str | None) -> Part:
+        """`I/N` with 1 <= I <= N; None or empty: the whole run."""
+        if not text:
+            return cls()
+        try:
+            i, n = (int(x) for x in text.split("/"))
+        except ValueError:
+            raise ConfigError(f"--part {text!r}: expected I/N, e.g. 2/4") from None
+        if not 1 <= i <= n:
+            raise ConfigError(f"--part {text!r}: I must be between 1 and N")
+        return cls(i, n)
+
+    @property
+    def whole(self) -> bool:
+        return self.count == 1
+
+    def owns(self, position: int) -> bool:
+        """Whether the shard at `position` (0-based, in the sorted list every part reads) is this part's."""
+        return position % self.count == self.index - 1
+
+    def pick(self, items: list) -> list:
+        return [x for k, x in enumerate(items) if self.owns(k)]
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+WHOLE = Part()  # the whole run: one part
+
+
+def process_pool(processes: int, initializer: Callable | None = None, initargs: tuple = ()) -> ProcessPoolExecutor:
+    """`processes` spawned workers; `initializer(*initargs)` runs once in each (module-level, picklable)."""
+    return ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"), initializer=initializer,
+                               initargs=initargs)
+
+
+def ordered_map(fn: Callable, items: Iterable, processes: int, initializer: Callable | None = None,
+                initargs: tuple = ()) -> Iterator:
+    """`fn(item)` for every item, yielded in item order as they finish; in `processes` spawned workers when more
+    than one, else here after one `initializer(*initargs)` call. `fn`, `initializer` and the items must be
+    picklable (module-level functions)."""
+    items = list(items)
+    if processes <= 1 or len(items) <= 1:
+        if initializer is not None:
+            initializer(*initargs)
+        for item in items:
+            yield fn(item)
+        return
+    with process_pool(min(processes, len(items)), initializer, initargs) as pool:
+        yield from pool.map(fn, items)
