@@ -71,7 +71,9 @@ def test_an_old_attempt_without_marker_or_error_counts_as_stale(tmp_path, redis7
     from app.ledger import record_attempt
 
     built = build_status_run(str(tmp_path))
-    record_attempt(built["store"], "shard-000006", "old", "gpu0@hostA", started="2020-01-01T00:00:00+00:00")
+    # written by this (live) process, so it names another host: a record of this host's would be judged by its pid
+    record_attempt(built["store"], "shard-000006", "old", "gpu0@hostA", started="2020-01-01T00:00:00+00:00",
+                   host="another-host")
     s = _status("r1", "--storage", str(tmp_path), "--inspect-timeout", "0")
     assert s["shards"]["stale"] == 1 and s["shards"]["running"] == 1 and s["shards"]["waiting"] == 1
 
