@@ -86,9 +86,11 @@ def _start_watchers(celery: Celery, **_):
     import threading
 
     from app.liveness import clock_skew_warning
+    from workers import dead_holder_watch
+    from workers.context import WorkerContext
     from workers.engine.watch import watch_engine
     from workers.inflight import sweep_dead_attempts
-    from workers.tasks import visibility_timeout
+    from workers.tasks import holds_no_shard, visibility_timeout
 
     skew = clock_skew_warning()
     if skew:
@@ -96,6 +98,9 @@ def _start_watchers(celery: Celery, **_):
     watch_engine()
     threading.Thread(target=sweep_dead_attempts, args=(visibility_timeout(celery),), name="regen-sweep",
                      daemon=True).start()
+    ctx = WorkerContext.current
+    dead_holder_watch.start(celery, ctx.config.storage if ctx is not None else None, holds_no_shard,
+                            visibility_timeout(celery))
 
 
 def _close_engine(**_):

@@ -71,6 +71,11 @@ class InFlight:
             claim = self._claims[key] = Claim(key, tag)
             return claim, None
 
+    def held(self) -> int:
+        """How many shards this process holds now."""
+        with self._lock:
+            return len(self._claims)
+
     def started(self, claim: Claim, store, attempt: str) -> None:
         """The attempt's record exists: renew its lease from now on, and journal it on local disk."""
         claim.store, claim.attempt = store, attempt
