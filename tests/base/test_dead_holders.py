@@ -1,0 +1,96 @@
+"""app/dead_holders.py with the real Redis and kombu: a process fetches shard messages and is SIGKILLed (its
+messages stay in kombu's unacked hash, as a dead host's do); the check moves back exactly the one whose every
+attempt is dead, once however many checkers run. The worker-level test is tests/workers/test_dead_host.py."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import subprocess
+import sys
+
+from app.celery_app import GENERATE_TASK, create_app
+from app.config import BrokerSettings
+from app.dead_holders import DeadHolderCheck, decode_held
+from app.ledger import record_attempt
+from app.storage import RunStore, Storage
+from tests.support.paths import REPO
+from tests.support.polling import wait_for
+from tests.support.redis_db import OPS_BROKER
+
+QUEUE = "q-dead-holders"
+HOLD = """
+import sys, time
+from kombu import Connection
+with Connection(sys.argv[1]) as conn:
+    q = conn.SimpleQueue(sys.argv[2])
+    for _ in range(int(sys.argv[3])):
+        q.get(timeout=10)  # fetched, never acked
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def _send(shards: list[str], storage: str) -> None:
+    app = create_app(BrokerSettings(url=OPS_BROKER))
+    for shard in shards:
+        app.send_task(GENERATE_TASK, kwargs={"run_id": "r1", "storage": storage, "shard_id": shard,
+                                             "samples": [{"id": "x", "messages": []}]}, queue=QUEUE)
+    app.close()
+
+
+def _fetch_and_die(n: int) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, OPS_BROKER, QUEUE, str(n)], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert proc.stdout.readline().strip() == "held"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)  # no ack, no restore: the messages stay unacked
+        proc.wait()
+
+
+def _ago(seconds: float) -> str:
+    return (dt.datetime.now(dt.UTC) - dt.timedelta(seconds=seconds)).isoformat()
+
+
+def test_only_the_shard_whose_attempts_all_died_is_moved_back_and_only_once(tmp_path, redis7):
+    store = RunStore(Storage(str(tmp_path)), "r1")
+    _send(["shard-000000", "shard-000001", "shard-000002"], str(tmp_path))
+    _fetch_and_die(3)
+    assert redis7.hlen("unacked") == 3 and redis7.llen(QUEUE) == 0
+    # shard 0: hostA's attempt, its lease long run out; shard 1: hostB's, renewed now; shard 2: no attempt yet
+    record_attempt(store, "shard-000000", "a" * 12, "gpu0@hostA", host="hostA", started=_ago(3600),
+                   heartbeat=_ago(3600))
+    record_attempt(store, "shard-000001", "b" * 12, "gpu0@hostB", host="hostB")
+
+    checkers = [DeadHolderCheck(OPS_BROKER, stale_after=14400) for _ in range(3)]  # three idle workers
+    resent = [r for c in checkers for r in c.run()]
+    assert [(r["shard"], r["host"], r["worker"]) for r in resent] == [("shard-000000", "hostA", "gpu0@hostA")]
+    assert redis7.llen(QUEUE) == 1 and redis7.hlen("unacked") == 2
+    # the message back in the queue is shard 0's own, whole (its samples travel with it)
+    raw = redis7.lrange(QUEUE, 0, -1)[0]
+    import orjson
+
+    held = decode_held("t", orjson.dumps([orjson.loads(raw), "", QUEUE]))
+    assert held is not None and (held.key, held.run_id, held.storage) == ("shard-000000", "r1", str(tmp_path))
+    assert all(not c.run() for c in checkers)  # nothing more: one re-send per death
+
+    # the re-sent copy dies too (a new attempt, dead): it is moved back again, once
+    _fetch_and_die(1)
+    wait_for(lambda: redis7.hlen("unacked") == 3 or None, 10, "the re-sent copy to be held")
+    record_attempt(store, "shard-000000", "c" * 12, "gpu1@hostC", host="hostC", started=_ago(600),
+                   heartbeat=_ago(600))
+    assert [r["shard"] for c in checkers for r in c.run()] == ["shard-000000"]
+    assert redis7.llen(QUEUE) == 1
+
+
+def test_a_finished_shard_is_left_to_the_broker(tmp_path, redis7):
+    store = RunStore(Storage(str(tmp_path)), "r1")
+    _send(["shard-000000"], str(tmp_path))
+    _fetch_and_die(1)
+    record_attempt(store, "shard-000000", "a" * 12, "gpu0@hostA", host="hostA", started=_ago(3600),
+                   heartbeat=_ago(3600))
+    store.storage.write_json(store.done_path("shard-000000"), {"attempt": "d" * 12})
+    assert DeadHolderCheck(OPS_BROKER, stale_after=14400).run() == []
+    assert redis7.hlen("unacked") == 1  # its later restore finds the marker and is skipped
