@@ -161,6 +161,11 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
     worker_args = [a for a in vllm_args if a not in pinned_args]
     if cpu and top_k is None and capture != "off":
         top_k = 0
+    from workers.engine_limits import unsupported
+
+    why = unsupported("cpu" if cpu else "cuda", {"top_k": top_k}, capture != "off")
+    if why:  # before anything is produced: the local workers could only crash on every shard
+        raise click.UsageError(f"--cpu --top-k {top_k}: {why}")
     workdir = os.path.abspath(".regen")
     os.makedirs(workdir, exist_ok=True)
     with broker_for_run(broker, workdir) as (broker_url, how):
