@@ -11,9 +11,14 @@ workers/dead_holder_watch.py; `regen run`'s watch, app/cli/run.py):
 1. reads the unacked messages' task names and arguments (kombu's own decoders) and keeps the shard tasks;
 2. for each, judges the shard's stage key on storage: no completion marker, no dead letter, no attempt alive,
    at least one attempt whose process died holding it (an attempt that recorded an error was retried by Celery
-   with a new message; one with no attempt at all is a fetch of the last instant, left to the timeout);
-3. claims the re-send in Redis (`SET NX` on the run, key and the newest dead attempt's id, so the fleet's many
-   checkers re-send one shard once per death, and a shard whose re-sent copy dies too is re-sent again);
+   with a new message). A message whose shard has no attempt at all was fetched by a host that died before
+   starting it (a live worker records its attempt within milliseconds of the fetch: its engine is built before
+   it consumes, and it fetches no more than its task slots): it counts once this checker has seen it held for
+   `UNSTARTED_LEASES` lease lengths, and its Celery `eta` (a retry's countdown, held unacked by a live worker
+   meanwhile) has passed by as long;
+3. claims the re-send in Redis (`SET NX` on the run, key and the newest dead attempt's id, or the unstarted
+   message's tag, so the fleet's many checkers re-send one shard once per death, and a shard whose re-sent copy
+   dies too is re-sent again);
 4. moves that message from the unacked hash back to the head of its queue with kombu's own `restore_by_tag`,
    the very transaction its visibility-timeout sweep runs (atomic: a second mover finds nothing to move).
 The next free worker takes it first. Exactly-once still rests on storage: if the judged-dead holder was in fact
@@ -28,21 +33,22 @@ message left Redis altogether are `app/ops/fleet.lost_from_broker`'s, re-sent by
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import orjson
 
 from app.celery_app import CAPTURE_TASK, GENERATE_TASK, redis_client
 from app.clock import shared_now
 from app.ledger import CAPTURE, GENERATE, attempt_errors, is_dead, is_finished, stage_key
-from app.liveness import attempt_state
+from app.liveness import attempt_state, lease_seconds
 from app.storage import RunStore, Storage
 
 log = logging.getLogger("regen.dead_holders")
 
-UNACKED, UNACKED_INDEX = "unacked", "unacked_index"  # kombu's Redis transport defaults (regen does not change them)
+UNACKED = "unacked"  # kombu's Redis transport default (regen does not change it)
+UNSTARTED_LEASES = 2.0  # how long a fetched message may show no attempt before its holder counts as dead
 CLAIM_PREFIX = "regen.resent"
 CLAIM_TTL_S = 7 * 86400  # a claim outlives any shard; a run's shard dies with a new attempt id next time
 _STAGES = {GENERATE_TASK: GENERATE, CAPTURE_TASK: CAPTURE}
@@ -56,6 +62,7 @@ class Held:
     run_id: str
     storage: str
     key: str  # the shard's stage key (app/ledger.stage_key)
+    eta: float | None = None  # a Celery retry's countdown end (POSIX seconds)
 
 
 def decode_held(tag: str, raw: bytes) -> Held | None:
@@ -63,9 +70,10 @@ def decode_held(tag: str, raw: bytes) -> Held | None:
     for anything else (another task, an unreadable body)."""
     from kombu import compression
     from kombu.serialization import loads
+    from kombu.utils.json import loads as kombu_json
 
     try:
-        message = orjson.loads(raw)[0]
+        message = kombu_json(raw.decode() if isinstance(raw, bytes) else raw)[0]  # bytes travel as typed JSON
         headers = message.get("headers") or {}
         stage = _STAGES.get(headers.get("task"))
         if stage is None:
@@ -77,19 +85,25 @@ def decode_held(tag: str, raw: bytes) -> Held | None:
             body = compression.decompress(body if isinstance(body, bytes) else body.encode(), headers["compression"])
         _, kwargs, _ = loads(body, message.get("content-type"), message.get("content-encoding") or "utf-8",
                              accept={"application/json"})
-        return Held(tag, str(kwargs["run_id"]), str(kwargs["storage"]), stage_key(str(kwargs["shard_id"]), stage))
+        eta = headers.get("eta")
+        return Held(tag, str(kwargs["run_id"]), str(kwargs["storage"]), stage_key(str(kwargs["shard_id"]), stage),
+                    dt.datetime.fromisoformat(eta).timestamp() if eta else None)
     except Exception:  # not a shard message regen can read: the visibility timeout stays its only way back
         return None
 
 
 def dead_holder(store: RunStore, key: str, now: float, stale_after: float | None) -> dict | None:
-    """The newest attempt on `key` when every attempt's process died holding it (see the module docstring);
-    None when the key is finished, dead-lettered, running, failed by its own error, or never started."""
+    """What holds `key` when its holder died: the newest attempt when every attempt's process died holding it
+    (see the module docstring), `{}` when it has no attempt at all (a fetch its holder never began, judged by
+    how long it has been held), None when the key is finished, dead-lettered, running or failed by its own
+    error."""
     if is_finished(store, key) or is_dead(store, key):
         return None
     records = attempt_errors(store, key)
+    if not records:
+        return {}
     states = [attempt_state(r, now, stale_after) for r in records]
-    if not records or "alive" in states or "dead" not in states:
+    if "alive" in states or "dead" not in states:
         return None
     dead = [r for r, s in zip(records, states, strict=True) if s == "dead"]
     return max(dead, key=lambda r: (r.get("heartbeat") or r.get("started") or "", r.get("attempt") or ""))
@@ -108,10 +122,12 @@ class DeadHolderCheck:
         self.broker_url, self.stale_after, self.app = broker_url, stale_after, app
         self.storage_for = storage_for or (lambda url: url)
         self._decoded: dict[str, Held | None] = {}
+        self._first_seen: dict[str, float] = {}  # tag -> when this checker first saw it held (monotonic)
 
     def held(self, client) -> list[Held]:
         tags = [t.decode() if isinstance(t, bytes) else t for t in client.hkeys(UNACKED)]
         self._decoded = {t: self._decoded[t] for t in tags if t in self._decoded}
+        self._first_seen = {t: self._first_seen.get(t, time.monotonic()) for t in tags}
         new = [t for t in tags if t not in self._decoded]
         if new:
             for tag, raw in zip(new, client.hmget(UNACKED, new), strict=True):
@@ -145,14 +161,26 @@ class DeadHolderCheck:
                 continue
             if holder is None:
                 continue
-            claim = f"{CLAIM_PREFIX}:{run_id}:{key}:{holder.get('attempt')}"
+            if holder:
+                tag, claim = messages[0].tag, f"{CLAIM_PREFIX}:{run_id}:{key}:{holder.get('attempt')}"
+            else:  # never started: only a message held long enough, past its eta, counts
+                wait = UNSTARTED_LEASES * lease_seconds()
+                old = [m for m in messages if time.monotonic() - self._first_seen[m.tag] >= wait
+                       and (m.eta is None or now - m.eta >= wait)]
+                if not old:
+                    continue
+                tag, claim = old[0].tag, f"{CLAIM_PREFIX}:{run_id}:{key}:unstarted:{old[0].tag}"
             if not client.set(claim, "1", nx=True, ex=CLAIM_TTL_S):
                 continue  # another checker re-sent it for this death
-            self.restore(messages[0].tag)
+            self.restore(tag)
             found = {"shard": key, "run": run_id, "worker": holder.get("worker"), "host": holder.get("host"),
                      "last_heartbeat": holder.get("heartbeat") or holder.get("started")}
-            log.warning("re-sent %s of run %s: every attempt died (last held by %s on host %s, last heartbeat %s)",
-                        key, run_id, found["worker"], found["host"], found["last_heartbeat"])
+            if holder:
+                log.warning("re-sent %s of run %s: every attempt died (last held by %s on host %s, last heartbeat "
+                            "%s)", key, run_id, found["worker"], found["host"], found["last_heartbeat"])
+            else:
+                log.warning("re-sent %s of run %s: fetched %.0f s ago and never started (its holder died)", key,
+                            run_id, time.monotonic() - self._first_seen[tag])
             resent.append(found)
         return resent
 

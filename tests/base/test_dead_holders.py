@@ -9,10 +9,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from app.celery_app import GENERATE_TASK, create_app
 from app.config import BrokerSettings
-from app.dead_holders import DeadHolderCheck, decode_held
+from app.dead_holders import UNSTARTED_LEASES, DeadHolderCheck, decode_held
 from app.ledger import record_attempt
 from app.storage import RunStore, Storage
 from tests.support.paths import REPO
@@ -54,12 +55,12 @@ def _ago(seconds: float) -> str:
     return (dt.datetime.now(dt.UTC) - dt.timedelta(seconds=seconds)).isoformat()
 
 
-def test_only_the_shard_whose_attempts_all_died_is_moved_back_and_only_once(tmp_path, redis7):
+def test_only_the_shard_whose_attempts_all_died_is_moved_back_and_only_once(tmp_path, redis7, monkeypatch):
     store = RunStore(Storage(str(tmp_path)), "r1")
     _send(["shard-000000", "shard-000001", "shard-000002"], str(tmp_path))
     _fetch_and_die(3)
     assert redis7.hlen("unacked") == 3 and redis7.llen(QUEUE) == 0
-    # shard 0: hostA's attempt, its lease long run out; shard 1: hostB's, renewed now; shard 2: no attempt yet
+    # shard 0: hostA's attempt, its lease long run out; shard 1: hostB's, renewed now; shard 2: fetched, no attempt
     record_attempt(store, "shard-000000", "a" * 12, "gpu0@hostA", host="hostA", started=_ago(3600),
                    heartbeat=_ago(3600))
     record_attempt(store, "shard-000001", "b" * 12, "gpu0@hostB", host="hostB")
@@ -76,9 +77,18 @@ def test_only_the_shard_whose_attempts_all_died_is_moved_back_and_only_once(tmp_
     assert held is not None and (held.key, held.run_id, held.storage) == ("shard-000000", "r1", str(tmp_path))
     assert all(not c.run() for c in checkers)  # nothing more: one re-send per death
 
+    # shard 2 was fetched and never started: it counts once held for UNSTARTED_LEASES leases (here 2 x 2 s)
+    monkeypatch.setenv("REGEN_HEARTBEAT_S", "0.5")
+    assert all(not c.run() for c in checkers)
+    time.sleep(UNSTARTED_LEASES * 2.0 + 0.5)
+    assert [(r["shard"], r["host"]) for c in checkers for r in c.run()] == [("shard-000002", None)]
+    assert redis7.llen(QUEUE) == 2 and redis7.hlen("unacked") == 1  # shard 1's live holder keeps its message
+    redis7.delete(QUEUE)
+
     # the re-sent copy dies too (a new attempt, dead): it is moved back again, once
+    _send(["shard-000000"], str(tmp_path))  # (the queue was emptied above: shard 0 again, fetched and dropped)
     _fetch_and_die(1)
-    wait_for(lambda: redis7.hlen("unacked") == 3 or None, 10, "the re-sent copy to be held")
+    wait_for(lambda: redis7.hlen("unacked") == 2 or None, 10, "the re-sent copy to be held")
     record_attempt(store, "shard-000000", "c" * 12, "gpu1@hostC", host="hostC", started=_ago(600),
                    heartbeat=_ago(600))
     assert [r["shard"] for c in checkers for r in c.run()] == ["shard-000000"]
