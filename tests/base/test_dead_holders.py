@@ -5,50 +5,24 @@ attempt is dead, once however many checkers run. The worker-level test is tests/
 from __future__ import annotations
 
 import datetime as dt
-import os
-import signal
-import subprocess
-import sys
 import time
 
-from app.celery_app import GENERATE_TASK, create_app
-from app.config import BrokerSettings
 from app.dead_holders import UNSTARTED_LEASES, DeadHolderCheck, decode_held
 from app.ledger import record_attempt
 from app.storage import RunStore, Storage
-from tests.support.paths import REPO
+from tests.support.held_messages import fetch_and_die, send_shards
 from tests.support.polling import wait_for
 from tests.support.redis_db import OPS_BROKER
 
 QUEUE = "q-dead-holders"
-HOLD = """
-import sys, time
-from kombu import Connection
-with Connection(sys.argv[1]) as conn:
-    q = conn.SimpleQueue(sys.argv[2])
-    for _ in range(int(sys.argv[3])):
-        q.get(timeout=10)  # fetched, never acked
-    print("held", flush=True)
-    time.sleep(600)
-"""
 
 
 def _send(shards: list[str], storage: str) -> None:
-    app = create_app(BrokerSettings(url=OPS_BROKER))
-    for shard in shards:
-        app.send_task(GENERATE_TASK, kwargs={"run_id": "r1", "storage": storage, "shard_id": shard,
-                                             "samples": [{"id": "x", "messages": []}]}, queue=QUEUE)
-    app.close()
+    send_shards(OPS_BROKER, QUEUE, "r1", storage, shards)
 
 
 def _fetch_and_die(n: int) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, OPS_BROKER, QUEUE, str(n)], stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    try:
-        assert proc.stdout.readline().strip() == "held"
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)  # no ack, no restore: the messages stay unacked
-        proc.wait()
+    fetch_and_die(OPS_BROKER, QUEUE, n)
 
 
 def _ago(seconds: float) -> str:
