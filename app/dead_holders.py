@@ -10,8 +10,8 @@ What `resend_dead_holders` does, on any process that reaches the broker (an idle
 workers/dead_holder_watch.py; `regen run`'s watch, app/cli/run.py):
 1. reads the unacked messages' task names and arguments (kombu's own decoders) and keeps the shard tasks;
 2. for each, judges the shard's stage key on storage: no completion marker, no dead letter, no attempt alive,
-   at least one attempt whose process died holding it (an attempt that recorded an error was retried by Celery
-   with a new message). A message whose shard has no attempt at all was fetched by a host that died before
+   and its newest attempt's process died holding it (when the newest recorded an error, Celery retries it with
+   a new message, which a live worker may hold unacked until its countdown ends). A message whose shard has no attempt at all was fetched by a host that died before
    starting it (a live worker records its attempt within milliseconds of the fetch: its engine is built before
    it consumes, and it fetches no more than its task slots): it counts once this checker has seen it held for
    `UNSTARTED_LEASES` lease lengths, and its Celery `eta` (a retry's countdown, held unacked by a live worker
@@ -92,21 +92,29 @@ def decode_held(tag: str, raw: bytes) -> Held | None:
         return None
 
 
+def died_holding(records: list[dict], now: float, stale_after: float | None) -> dict | None:
+    """The newest of a key's attempt records when its process died holding the key and no attempt is alive; None
+    otherwise (one runs, or the newest recorded an error or its end: Celery's retry, a new message, is then the
+    key's way back, and may be held with its `eta` by a live worker)."""
+    if not records:
+        return None
+    states = [attempt_state(r, now, stale_after) for r in records]
+    newest = max(range(len(records)), key=lambda i: (records[i].get("started") or "", records[i].get("attempt") or ""))
+    if "alive" in states or states[newest] != "dead":
+        return None
+    return records[newest]
+
+
 def dead_holder(store: RunStore, key: str, now: float, stale_after: float | None) -> dict | None:
-    """What holds `key` when its holder died: the newest attempt when every attempt's process died holding it
-    (see the module docstring), `{}` when it has no attempt at all (a fetch its holder never began, judged by
-    how long it has been held), None when the key is finished, dead-lettered, running or failed by its own
-    error."""
+    """What holds `key` when its holder died: its newest attempt when that one's process died holding it and
+    none is alive (`died_holding`), `{}` when it has no attempt at all (a fetch its holder never began, judged
+    by how long it has been held), None when the key is finished, dead-lettered, running or being retried."""
     if is_finished(store, key) or is_dead(store, key):
         return None
     records = attempt_errors(store, key)
     if not records:
         return {}
-    states = [attempt_state(r, now, stale_after) for r in records]
-    if "alive" in states or "dead" not in states:
-        return None
-    dead = [r for r, s in zip(records, states, strict=True) if s == "dead"]
-    return max(dead, key=lambda r: (r.get("heartbeat") or r.get("started") or "", r.get("attempt") or ""))
+    return died_holding(records, now, stale_after)
 
 
 class DeadHolderCheck:

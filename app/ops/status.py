@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_VISIBILITY_TIMEOUT, mask_text
+from app.dead_holders import died_holding
 from app.errors import InvalidId
 from app.ids import validate_id
 from app.ledger import CAPTURE, GENERATE, pause_state, split_key, stage_key, stage_of
@@ -236,18 +237,16 @@ def _workers(scan: RunScan, states: dict[str, str], now: float, stale_after: flo
 
 
 def held_by_dead(scan: RunScan, states: dict[str, str], now: float, stale_after: float) -> list[dict]:
-    """The keys (shards, or staged capture keys) whose every attempt's process died holding them: no marker, no
-    dead letter, no attempt alive or failed. Each names the worker and host of its newest attempt and that
-    attempt's last heartbeat; the fleet re-sends them (app/dead_holders.py)."""
+    """The keys (shards, or staged capture keys) whose newest attempt's process died holding them, none alive,
+    no marker, no dead letter (app/dead_holders.died_holding, the rule the fleet re-sends them by). Each names
+    the worker and host of that attempt and its last heartbeat."""
     out = []
     for key, state in sorted(states.items()):
-        if state != "stale":
+        if state not in ("stale", "failed"):
             continue
-        attempts = scan.attempts.get(key) or []
-        judged = [(a, attempt_state(a, now, stale_after)) for a in attempts]
-        if not judged or any(s == "alive" for _, s in judged) or not any(s == "dead" for _, s in judged):
+        last = died_holding(scan.attempts.get(key) or [], now, stale_after)
+        if last is None:
             continue
-        last = max(attempts, key=lambda a: a.get("heartbeat") or a.get("started") or "")
         beat = parse_time(last.get("heartbeat") or last.get("started"))
         out.append({"shard": key, "worker": last.get("worker"), "host": last.get("host"),
                     "last_heartbeat": iso(beat), "heartbeat_age_s": round(now - beat, 1) if beat else None})

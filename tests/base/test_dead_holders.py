@@ -78,3 +78,19 @@ def test_a_finished_shard_is_left_to_the_broker(tmp_path, redis7):
     store.storage.write_json(store.done_path("shard-000000"), {"attempt": "d" * 12})
     assert DeadHolderCheck(OPS_BROKER, stale_after=14400).run() == []
     assert redis7.hlen("unacked") == 1  # its later restore finds the marker and is skipped
+
+
+def test_a_shard_whose_newest_attempt_failed_is_left_to_celerys_retry():
+    """A killed attempt, then one that recorded an error: Celery's retry (a new message, perhaps held with its
+    countdown by a live worker) brings it back, so nothing is re-sent beside it."""
+    from app.clock import shared_now
+    from app.dead_holders import died_holding
+
+    killed = {"attempt": "a" * 12, "host": "hostA", "started": _ago(900), "heartbeat": _ago(900), "lease_s": 120}
+    failed = {"attempt": "b" * 12, "host": "hostB", "started": _ago(300), "heartbeat": _ago(300), "lease_s": 120,
+              "error": "OSError: stale NFS handle"}
+    now = shared_now()
+    assert died_holding([killed, failed], now, 14400) is None
+    assert died_holding([failed, killed], now, 14400) is None  # by start time, not by listing order
+    assert died_holding([killed], now, 14400) is killed
+    assert died_holding([killed, {**failed, "heartbeat": _ago(0), "error": None}], now, 14400) is None  # alive
