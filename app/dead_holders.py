@@ -49,6 +49,7 @@ log = logging.getLogger("regen.dead_holders")
 
 UNACKED = "unacked"  # kombu's Redis transport default (regen does not change it)
 UNSTARTED_LEASES = 2.0  # how long a fetched message may show no attempt before its holder counts as dead
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 CLAIM_PREFIX = "regen.resent"
 CLAIM_TTL_S = 7 * 86400  # a claim outlives any shard; a run's shard dies with a new attempt id next time
 _STAGES = {GENERATE_TASK: GENERATE, CAPTURE_TASK: CAPTURE}
@@ -145,6 +146,8 @@ class DeadHolderCheck:
     def run(self) -> list[dict]:
         """One check: re-send what dead processes hold; returns one dict per shard re-sent (shard, run, worker,
         host, last heartbeat). Broker or storage trouble is logged and ends the check, never raised."""
+        if not self.broker_url.startswith(REDIS_SCHEMES):
+            return []  # kombu's filesystem transport has no unacked hash: it delivers at most once
         try:
             client = redis_client(self.broker_url)
             try:

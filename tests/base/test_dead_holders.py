@@ -94,3 +94,9 @@ def test_a_shard_whose_newest_attempt_failed_is_left_to_celerys_retry():
     assert died_holding([failed, killed], now, 14400) is None  # by start time, not by listing order
     assert died_holding([killed], now, 14400) is killed
     assert died_holding([killed, {**failed, "heartbeat": _ago(0), "error": None}], now, 14400) is None  # alive
+
+
+def test_a_broker_without_an_unacked_hash_is_not_asked(caplog):
+    """The embedded filesystem broker of a one-machine `regen run`: no check, and no warning every 15 s."""
+    assert DeadHolderCheck("filesystem:///tmp/nowhere", stale_after=14400).run() == []
+    assert "failed" not in caplog.text
