@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 
+from app.config import mask_text
 from app.settings import current
 
 log = logging.getLogger("regen.clock")
@@ -56,7 +57,7 @@ class SharedClock:
             finally:
                 client.close()
         except Exception as exc:  # no broker: keep the last offset (or the local clock)
-            log.debug("shared clock: no answer from the broker: %s", exc)
+            log.debug("shared clock: no answer from the broker: %s", mask_text(str(exc)))
             return None
         return seconds + micros / 1e6 - (before + after) / 2
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from app.celery_app import CAPTURE_TASK, GENERATE_TASK, redis_client
 from app.clock import shared_now
+from app.config import mask_text
 from app.ledger import CAPTURE, GENERATE, attempt_errors, is_dead, is_finished, stage_key
 from app.liveness import attempt_state, lease_seconds
 from app.storage import RunStore, Storage
@@ -155,7 +156,7 @@ class DeadHolderCheck:
             finally:
                 client.close()
         except Exception as exc:
-            log.warning("check for shards held by dead workers failed: %s", exc)
+            log.warning("check for shards held by dead workers failed: %s", mask_text(str(exc)))
             return []
 
     def _run(self, client) -> list[dict]:
