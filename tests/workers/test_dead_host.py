@@ -29,7 +29,7 @@ from tests.support.workers import E2E_LAYERS, WorkerProcess, worker_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-BROKER = redis_url(12)  # its own db: the session workers' short visibility timeout must not restore anything
+BROKER = redis_url(13)  # its own db (12 is the MTP runs'): the session workers' 20 s visibility timeout must not restore anything
 HEARTBEAT_S = 1.0
 DEAD_HOST = "regen-host-a"
 UNSHARE = ("unshare", "--uts", "--pid", "--fork", "--mount-proc", "--kill-child", "sh", "-c",
