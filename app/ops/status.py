@@ -182,11 +182,17 @@ def _finished_by(scan: RunScan, key: str, attempt: dict) -> bool:
     return (scan.done.get(shard) or {}).get("attempt") == attempt.get("attempt")
 
 
-def _workers(scan: RunScan, states: dict[str, str], now: float, stale_after: float) -> dict[str, dict]:
+def _settled(scan: RunScan, key: str) -> bool:
+    """The key has its completion marker (`done/`, or `captured/` for a capture key) or its dead letter."""
+    shard, stage = split_key(key)
+    return key in scan.dead or (shard in scan.captured if stage == CAPTURE else shard in scan.done)
+
+
+def _workers(scan: RunScan, now: float, stale_after: float) -> dict[str, dict]:
     """Per worker, from markers and attempt files (the broker's view is laid over this by app/ops/fleet.py).
 
     Each attempt is judged by its own liveness (app/liveness.py), never by its shard's state: a worker's current
-    shard is its newest attempt that is alive on a shard not yet done or dead-lettered, so a dead host holds none
+    shard is its newest attempt that is alive on a key without marker or dead letter, so a dead host holds none
     although a live one may run the same shard. `state`: `running` (an attempt of it is alive), `dead` (its newest attempt's process died holding the
     shard: neither its output nor an error of its own), else `idle` (finished or failed its last shard: alive
     or gone, storage cannot tell; the broker's `online` can). `last_heartbeat` is its newest lease renewal and
@@ -220,7 +226,7 @@ def _workers(scan: RunScan, states: dict[str, str], now: float, stale_after: flo
                 w["first_attempt"] = min(filter(None, (w["first_attempt"], started)))
                 if w["name"] not in newest or started > newest[w["name"]][0]:
                     newest[w["name"]] = (started, key, a)
-            if states.get(key) not in ("done", "dead") and attempt_state(a, now, stale_after) == "alive" \
+            if not _settled(scan, key) and attempt_state(a, now, stale_after) == "alive" \
                     and started is not None and (w["current_since"] is None or started > w["current_since"]):
                 w["current_shard"], w["current_since"], w["state"] = key, started, "running"
     for name, (_, key, a) in newest.items():
@@ -280,7 +286,7 @@ def summarise(scan: RunScan, now: float, stale_after: float = DEFAULT_VISIBILITY
     finished = [parse_time(m["finished"]) for m in markers if m.get("finished")]
     starts = [parse_time(m["finished"]) - float(m.get("generation_seconds", 0.0)) for m in markers if m.get("finished")]
     wall = (max(finished) - min(starts)) if finished else None
-    workers = _workers(scan, states, now, stale_after)
+    workers = _workers(scan, now, stale_after)
     remaining = None if total is None else max(0, total - by_state["done"] - by_state["dead"])
     shard_rate = by_state["done"] / wall if wall else None
     status = {
