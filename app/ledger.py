@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
+from app.clock import shared_now
 from app.liveness import attempt_state, identity, lease_seconds, process_key
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ def record_attempt(store: RunStore, key: str, attempt: str, worker: str, stale_a
             **extra}
     body.setdefault("heartbeat", body["started"])
     store.storage.write_json(store.attempt_path(key, attempt), body)
-    now = dt.datetime.now(dt.UTC).timestamp()
+    now = shared_now()  # leases are judged on the fleet's one clock (app/clock.py), as they are written
     failures, crashed, records = 0, set(), 1
     for other in attempt_errors(store, key):
         if other.get("attempt") == attempt:
@@ -277,10 +278,13 @@ def sweep_temporaries(store: RunStore, key: str, stale_after: float | None, now:
     it; it goes once that attempt is known dead or ended (app/liveness.py), so a live duplicate's file stays. One
     naming no known attempt goes once untouched for `stale_after` seconds. Only the shard's own folders are
     listed (this runs at every publish); the run-wide marker folders are `sweep_marker_temporaries`'. Object
-    stores have none (an unfinished upload never becomes an object)."""
+    stores have none (an unfinished upload never becomes an object). Attempts are judged on the fleet's shared
+    clock (app/clock.py); `now` (default this host's clock) is what a temporary's modification time is compared
+    with."""
     shard = split_key(key)[0]
     keys = [stage_key(shard, stage) for stage in STAGES]
     now = time.time() if now is None else now
+    shared = shared_now()
     owners = {r.get("attempt"): r for k in keys for r in attempt_errors(store, k)}
     removed = 0
     for folder in (store.rel("shards", shard), *(store.attempts_dir(k) for k in keys)):
@@ -288,7 +292,7 @@ def sweep_temporaries(store: RunStore, key: str, stale_after: float | None, now:
             match = _OWNER.match(name)
             record = owners.get(match.group(1)) if match else None
             if record is not None:
-                gone = attempt_state(record, now, stale_after) != "alive"
+                gone = attempt_state(record, shared, stale_after) != "alive"
             else:
                 gone = stale_after is not None and now - mtime > stale_after
             if gone:
@@ -320,5 +324,6 @@ def sweep_marker_temporaries(store: RunStore, shards: Iterable[str], now: float 
 
 
 def timestamp() -> str:
-    """Now, as attempt records and markers write it (ISO 8601, UTC, milliseconds)."""
-    return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
+    """Now on the fleet's shared clock (app/clock.py), as attempt records, leases and markers write it (ISO 8601,
+    UTC, milliseconds): a lease written on one host is judged on another."""
+    return dt.datetime.fromtimestamp(shared_now(), dt.UTC).isoformat(timespec="milliseconds")

@@ -7,6 +7,12 @@ Two ways to know, best first:
 - Another machine: its worker renews a lease on each attempt it runs (`heartbeat` in the attempt record, every
   `heartbeat_seconds()`); an attempt whose lease (`lease_s`, 4 heartbeats) ran out is dead. Records written
   before leases existed fall back to their start time and the broker's visibility timeout, as before.
+
+A lease's age is measured on the fleet's one clock (app/clock.py, the broker's Redis `TIME`): heartbeats are
+written with `app.ledger.timestamp()` and judged against `app.clock.shared_now()`, so a host whose own clock is
+minutes off neither kills live attempts nor keeps dead ones alive. A worker says at its start when its clock is
+off the shared one by more than a lease (`clock_skew_warning`): its leases are still right, but its logs' and
+its local files' times are not.
 """
 
 from __future__ import annotations
@@ -28,6 +34,20 @@ def heartbeat_seconds() -> float:
 
 def lease_seconds() -> float:
     return LEASE_HEARTBEATS * heartbeat_seconds()
+
+
+def clock_skew_warning() -> str | None:
+    """One line for a worker's start when this host's clock is off the fleet's shared one by more than a lease;
+    None when it is not (or there is no shared clock to compare with)."""
+    from app.clock import clock
+
+    shared = clock()
+    offset = shared.offset()
+    if not shared.shared or abs(offset) <= lease_seconds():
+        return None
+    return (f"this host's clock is {abs(offset):.0f} s {'behind' if offset > 0 else 'ahead of'} the broker's "
+            f"(more than a {lease_seconds():.0f} s lease): leases use the broker's clock, but fix this host's "
+            f"time (NTP) so its logs and files agree")
 
 
 def _read(path: str) -> str | None:

@@ -79,17 +79,28 @@ def _freeze_heap(**_):
 
 
 def _start_watchers(celery: Celery, **_):
-    """The engine watchdog (workers/engine/watch.py), and the sweep of this host's dead attempts' temporaries
-    (workers/inflight.py; in a thread: storage may be slow to answer)."""
+    """The engine watchdog (workers/engine/watch.py), the sweep of this host's dead attempts' temporaries
+    (workers/inflight.py; in a thread: storage may be slow to answer), the idle worker's re-send of shards held by
+    dead processes (workers/dead_holder_watch.py), and a warning when this host's clock is off the fleet's shared
+    one by more than a lease (app/liveness.py)."""
     import threading
 
+    from app.liveness import clock_skew_warning
+    from workers import dead_holder_watch
+    from workers.context import WorkerContext
     from workers.engine.watch import watch_engine
     from workers.inflight import sweep_dead_attempts
-    from workers.tasks import visibility_timeout
+    from workers.tasks import holds_no_shard, visibility_timeout
 
+    skew = clock_skew_warning()
+    if skew:
+        log.warning("%s", skew)
     watch_engine()
     threading.Thread(target=sweep_dead_attempts, args=(visibility_timeout(celery),), name="regen-sweep",
                      daemon=True).start()
+    ctx = WorkerContext.current
+    dead_holder_watch.start(celery, ctx.config.storage if ctx is not None else None, holds_no_shard,
+                            visibility_timeout(celery))
 
 
 def _close_engine(**_):

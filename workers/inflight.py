@@ -14,7 +14,9 @@ claims the shard; a second one in this process does not start an attempt:
 Leases: every claimed attempt's record gets a fresh `heartbeat` every `heartbeat_seconds()` (app/liveness.py),
 so other machines can tell a dead attempt from a slow one. Journal: each attempt is also a small file on local
 disk (`REGEN_STATE_DIR`, default /var/tmp/regen-UID/attempts) until it ends, so a worker starting on this host
-finds the attempts of its host's dead processes and removes their temporaries (`sweep_dead_attempts`).
+finds the attempts of its host's dead processes and removes their temporaries (`sweep_dead_attempts`). Entries
+name their process as attempt records do (host, boot id, pid namespace, pid, start time), and only this
+machine's are judged: the folder is per host.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from app.ledger import (
     sweep_marker_temporaries,
     sweep_temporaries,
 )
-from app.liveness import heartbeat_seconds, identity, process_alive
+from app.liveness import heartbeat_seconds, identity, on_this_machine, process_alive
 from app.settings import current
 from app.storage import RunStore, Storage
 
@@ -71,12 +73,17 @@ class InFlight:
             claim = self._claims[key] = Claim(key, tag)
             return claim, None
 
+    def held(self) -> int:
+        """How many shards this process holds now."""
+        with self._lock:
+            return len(self._claims)
+
     def started(self, claim: Claim, store, attempt: str) -> None:
         """The attempt's record exists: renew its lease from now on, and journal it on local disk."""
         claim.store, claim.attempt = store, attempt
         me = identity()
         entry = {"storage": store.storage.url, "run_id": store.run_id, "key": claim.key[2], "attempt": attempt,
-                 "pid": me["pid"], "pid_start": me["pid_start"]}
+                 **me}  # host, boot id, pid namespace, pid and its start: as the attempt record names the process
         folder = os.path.join(state_dir(), "attempts")
         try:
             os.makedirs(folder, exist_ok=True)
@@ -122,6 +129,10 @@ class InFlight:
 def sweep_dead_attempts(stale_after: float | None) -> int:
     """Remove the temporaries of this host's attempts whose process is gone; return how many files went.
 
+    Only entries of this machine (host name, boot id and pid namespace all equal, app/liveness.py) are judged: a
+    pid means nothing on another machine, so a journal folder shared by mistake (it is per host,
+    docs/configuration.md) never costs another host its live temporaries. Entries without that identity
+    (written before it was recorded) are left alone too; the publish-time sweeps still tidy their shards.
     Run at a worker's start (in a thread: storage may be slow). Each dead attempt's shard folders are swept, then
     each run's marker folders once for all its dead attempts' shards (the only marker-folder pass a worker makes);
     a marker temporary too young to tell from a live duplicate's is looked at again once it is old enough. A
@@ -141,6 +152,8 @@ def sweep_dead_attempts(stale_after: float | None) -> int:
             with contextlib.suppress(OSError):
                 os.unlink(path)
             continue
+        if not on_this_machine(entry):
+            continue  # another host's (or an old entry's): its pid cannot be judged here
         if not process_alive(entry.get("pid"), entry.get("pid_start")):
             runs.setdefault((entry.get("storage"), entry.get("run_id")), []).append((path, entry))
     removed, waiting = 0, []

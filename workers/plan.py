@@ -135,6 +135,20 @@ def speculative_staged_configs(generate: list[tuple], capture: list[tuple], cpu:
     return gen[:-1] + cap[-1:]
 
 
+def refuse_unrunnable(configs, storage: str, run_id: str) -> None:
+    """A ConfigError (one line) when a planned worker's engine cannot run the run's settings
+    (workers/engine_limits.py), before any engine starts."""
+    from app import manifest as manifest_mod
+    from app.storage import RunStore, Storage
+    from workers.engine_limits import unsupported
+
+    sampling = manifest_mod.load(RunStore(Storage(storage), run_id))["settings"]["sampling"]
+    for config, _ in configs:
+        why = unsupported(config.device, sampling, bool(config.capture_layers))
+        if why:
+            raise ConfigError(f"worker {config.hostname} refuses run {run_id}: {why}")
+
+
 def manifest_engine_args(storage: str, run_id: str) -> dict:
     """The vLLM arguments a run's manifest gives every worker (`regen produce --vllm-arg`)."""
     from app import manifest as manifest_mod

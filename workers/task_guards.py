@@ -28,6 +28,7 @@ from app import ledger
 from app.errors import EngineDead, EngineLost, InvalidTask, ManifestMismatch, PermanentError
 from app.quality import StubWindow, is_stub
 from app.storage import RunStore
+from workers.engine_limits import unsupported
 from workers.inflight import Claim, InFlight
 
 log = logging.getLogger("regen.tasks")
@@ -44,12 +45,13 @@ class Worker:
     max_attempts: int = 5
     max_crashes: int = 10
     engine: dict | None = None  # what attempt records say about the engine
+    device: str = "cuda"  # "cpu" or "cuda": what workers/engine_limits.py judges
 
     @classmethod
     def of(cls, ctx) -> Worker:
         return cls(ctx.worker_name, ctx.model.fingerprint, ctx.model.path,
                    list(ctx.engine.options.capture_layers or []), ctx.config.max_attempts, ctx.config.max_crashes,
-                   ctx.engine_record)
+                   ctx.engine_record, ctx.config.device)
 
 
 @dataclass
@@ -146,6 +148,10 @@ def check_manifest(d: Delivery) -> None:
         want = settings["layers"]["vllm_ids"]
         if want != d.worker.capture_layers:
             problems.append(f"capture layers (vLLM ids) {want} != engine's {d.worker.capture_layers}")
+    # settings its engine is known to crash on (a worker started without --run learns the run only here)
+    why = unsupported(d.worker.device, settings["sampling"], needs_capture and bool(d.worker.capture_layers))
+    if why:
+        problems.append(why)
     if problems:
         exc = ManifestMismatch(f"run {d.manifest['run_id']}: worker {d.worker.name} refuses shard: "
                                + "; ".join(problems))

@@ -111,6 +111,11 @@ _inflight = _Running()
 _claims = InFlight()
 
 
+def holds_no_shard() -> bool:
+    """Whether this process runs no shard now (workers/dead_holder_watch.py checks only then)."""
+    return not _claims.held()
+
+
 def _delivery_tag(task: Task) -> str | None:
     return (getattr(task.request, "properties", None) or {}).get("delivery_tag")
 

@@ -21,6 +21,7 @@ def collect(storage_root: str, run_id: str | None, broker_url: str, inspect_time
             stale_after: float, scanners: dict | None = None) -> dict:
     """One run's full status (RUN given) or the one-line-per-run overview; a JSON-ready dict."""
     from app import dead_messages
+    from app.clock import shared_now
     from app.manifest import load
     from app.ops import fleet
     from app.ops.status import RunScanner, list_runs, summarise
@@ -29,7 +30,7 @@ def collect(storage_root: str, run_id: str | None, broker_url: str, inspect_time
     scanners = {} if scanners is None else scanners
     storage = Storage(storage_root)
     runs = [run_id] if run_id else list_runs(storage)
-    now = time.time()
+    now = shared_now(broker_url)  # the clock leases are written on (app/clock.py)
     statuses = []
     for rid in runs:
         if rid not in scanners:

@@ -50,31 +50,41 @@ class LostShardWatch:
     """Re-sends the run's shards whose messages the broker lost (app/ops/fleet.lost_from_broker): a worker killed
     between kombu's pop of a message and its unacked record leaves a shard nothing will deliver, and the run
     would wait forever. It re-sends only what two checks LOST_CHECK_S apart both found lost (a message is
-    between the pop and the record for microseconds), through `regen reconcile`'s own path."""
+    between the pop and the record for microseconds), through `regen reconcile`'s own path.
+
+    Each check also moves back the messages of shards whose every attempt died holding them (a local worker
+    SIGKILLed: its unacked messages would wait for the visibility timeout; app/dead_holders.py), listed in
+    `resent_dead`."""
 
     def __init__(self, store: RunStore, broker_url: str, resend):
+        from app.dead_holders import DeadHolderCheck
         from app.ops.status import RunScanner
 
         self.store, self.broker_url, self.resend = store, broker_url, resend
         self.scanner = RunScanner(store)
         self.seen: int | None = None
         self.next_check = time.monotonic() + LOST_CHECK_S
+        self.dead_holders = DeadHolderCheck(broker_url, BrokerSettings.from_env(broker_url).visibility_timeout)
+        self.resent_dead: list[dict] = []
 
     def lost(self) -> int | None:
+        from app.clock import shared_now
         from app.ops import fleet
         from app.ops.status import summarise
 
         stale_after = BrokerSettings.from_env(self.broker_url).visibility_timeout
-        status = summarise(self.scanner.scan(), time.time(), stale_after)
+        status = summarise(self.scanner.scan(), shared_now(self.broker_url), stale_after)
         queues = [q for q in (status.get("queue"), status.get("capture", {}).get("queue")) if q]
         lengths, unacked, error = fleet.queue_lengths(self.broker_url, queues)
         return None if error else fleet.lost_from_broker(status, lengths, unacked)
 
     def poll(self) -> int:
         """Check when due; returns how many shards it re-sent (0 most of the time)."""
+        self.resent_dead = []
         if time.monotonic() < self.next_check:
             return 0
         self.next_check = time.monotonic() + LOST_CHECK_S
+        self.resent_dead = [r for r in self.dead_holders.run() if r["run"] == self.store.run_id]
         lost = self.lost()
         confirmed = bool(lost and self.seen)
         self.seen = None if confirmed else lost
@@ -162,6 +172,11 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
     worker_args = [a for a in vllm_args if a not in pinned_args]
     if cpu and top_k is None and capture != "off":
         top_k = 0
+    from workers.engine_limits import unsupported
+
+    why = unsupported("cpu" if cpu else "cuda", {"top_k": top_k}, capture != "off")
+    if why:  # before anything is produced: the local workers could only crash on every shard
+        raise click.UsageError(f"--cpu --top-k {top_k}: {why}")
     workdir = os.path.abspath(".regen")
     os.makedirs(workdir, exist_ok=True)
     with broker_for_run(broker, workdir) as (broker_url, how):
@@ -226,6 +241,8 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
                     if paused:
                         break
                     resent = watch.poll()
+                    for r in watch.resent_dead:
+                        console.print(f"re-sent {r['shard']}: every attempt on it died (last held by {r['worker']})")
                     if resent:
                         console.print(f"re-sent {resent} shards the broker had lost (a worker killed between taking "
                                       f"a message and recording it): as `regen reconcile {result.run_id}` does")

@@ -19,7 +19,13 @@ from app.cli.options import (
 from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
 from app.errors import ConfigError
 from app.settings import current
-from workers.plan import manifest_engine_args, run_speculative, settings_from_run, worker_configs
+from workers.plan import (
+    manifest_engine_args,
+    refuse_unrunnable,
+    run_speculative,
+    settings_from_run,
+    worker_configs,
+)
 
 log = logging.getLogger("regen.worker")
 
@@ -99,6 +105,8 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
                              name=name, max_attempts=max_attempts, engine_overrides=overrides,
                              max_crashes=max_crashes, tensor_parallel_size=tensor_parallel_size,
                              shard_size=shard_size, task_slots=task_slots, encode_threads=encode_threads)
+    if run_id:
+        refuse_unrunnable(configs, storage, run_id)
     sup = Supervisor(configs, broker_settings.url, queues, log_dir=log_dir)
     click.echo(f"regen worker: {len(configs)} process(es) on {broker_settings.masked_url}, queues {queues}", err=True)
     raise SystemExit(sup.run())

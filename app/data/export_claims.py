@@ -9,25 +9,23 @@ PUT on object stores), holding the claimer's identity (app/liveness.py) and a he
 claimer renews every heartbeat interval while it works (`REGEN_HEARTBEAT_S`, as workers renew their attempts).
 It is released (deleted) once the shard's done marker is written; the marker, not the claim, says a shard is
 done. A claim whose process is gone is taken over: on the same machine at once (pid and start time),
-from another machine once its lease (4 heartbeats) ran out without a renewal.
+from another machine once its lease (4 heartbeats) ran out without a renewal. Heartbeats are written and judged
+on the fleet's shared clock (app/clock.py: the broker's Redis `TIME`, `REGEN_BROKER_URL`), as workers' leases
+are, so exporters on hosts whose clocks disagree neither steal live claims nor wait on dead ones.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import threading
-import time
 from collections.abc import Iterator
 
 import orjson
 
+from app.clock import shared_now
+from app.ledger import timestamp
 from app.liveness import attempt_state, heartbeat_seconds, identity, lease_seconds
 from app.storage import Storage
-
-
-def _now_iso() -> str:
-    return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
 
 
 class Claim:
@@ -42,7 +40,7 @@ class Claim:
 
         def beat() -> None:
             while not stop.wait(heartbeat_seconds()):
-                self.body["heartbeat"] = _now_iso()
+                self.body["heartbeat"] = timestamp()
                 with contextlib.suppress(OSError):  # a missed beat is retried at the next one
                     self.out.write_json(self.rel, self.body)
 
@@ -59,7 +57,7 @@ class Claim:
 def take(out: Storage, key: str) -> Claim | None:
     """Claim `key`, taking over a claim whose process is gone; None when a live process holds it."""
     rel = f"claims/{key}.json"
-    body = {**identity(), "started": _now_iso(), "heartbeat": _now_iso(), "lease_s": lease_seconds()}
+    body = {**identity(), "started": timestamp(), "heartbeat": timestamp(), "lease_s": lease_seconds()}
     data = orjson.dumps(body)
     for _ in range(2):
         if out.create_exclusive(rel, data):
@@ -68,7 +66,7 @@ def take(out: Storage, key: str) -> Claim | None:
             held = out.read_json(rel)
         except (FileNotFoundError, orjson.JSONDecodeError):
             continue  # released (or being written) meanwhile: try again
-        if attempt_state(held, time.time(), None) != "dead":
+        if attempt_state(held, shared_now(), None) != "dead":
             return None
         out.delete(rel)  # its process is gone: take it over
     return None

@@ -85,7 +85,8 @@ def overlay(status: dict, broker_url: str, lengths: dict[str, int], unacked: int
             errors: list[str], now: float) -> dict:
     """Lay the broker's view over a storage-derived run status (app/ops/status.py) in place; returns it.
 
-    A worker that answered is authoritative about what it runs now, and its `last_seen` is now. `live` None
+    A worker that answered is authoritative about what it runs now (its `state` running or idle, never dead), and
+    its `last_seen` is now. `live` None
     means the workers were not asked; then `online` is None (unknown) for every worker.
     """
     from app.config import mask_url
@@ -105,10 +106,13 @@ def overlay(status: dict, broker_url: str, lengths: dict[str, int], unacked: int
             w = by_name[name] = {"name": name, "device": None, "shards_done": 0, "generated_tokens": 0,
                                  "generation_seconds": 0.0, "tokens_per_s": None, "busy_fraction": None,
                                  "first_attempt": None, "last_seen": None, "current_shard": None,
-                                 "current_since": None, "source": "broker"}
+                                 "current_since": None, "state": "idle", "last_heartbeat": None,
+                                 "heartbeat_age_s": None, "source": "broker"}
         mine = [t for t in info["tasks"] if t["run"] == status["run"]]
+        # it answered, so it lives (a worker restarted under the name of one that died holding a shard, too)
         w.update(current_shard=mine[0]["shard"] if mine else None,
-                 current_since=iso(mine[0]["since"]) if mine else None, source="broker", last_seen=iso(now))
+                 current_since=iso(mine[0]["since"]) if mine else None, source="broker", last_seen=iso(now),
+                 state="running" if mine else "idle")
     for w in by_name.values():
         w["online"] = None if live is None else w["name"] in live
     status["workers"] = [by_name[n] for n in sorted(by_name)]

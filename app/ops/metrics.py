@@ -10,8 +10,8 @@ on each scrape so a new run appears by itself.
 from __future__ import annotations
 
 import threading
-import time
 
+from app.clock import shared_now
 from app.errors import ConfigError
 from app.ids import validate_id
 
@@ -38,7 +38,7 @@ class RegenCollector(Collector):
         self.storage = Storage(storage_root)
         self._scanners: dict = {}
         self._lock = threading.Lock()  # the HTTP server may scrape from two threads at once
-        self._statuses(time.time())  # a missing run or an unreadable root fails now, not on every scrape
+        self._statuses(shared_now(broker_url))  # a missing run or an unreadable root fails now, not on every scrape
 
     def _statuses(self, now: float) -> list[dict]:
         from app.manifest import load
@@ -58,7 +58,7 @@ class RegenCollector(Collector):
         from app.ops.fleet import queue_lengths
 
         with self._lock:
-            statuses = self._statuses(time.time())
+            statuses = self._statuses(shared_now(self.broker_url))
         queues = sorted({*self.queues, *(q for s in statuses for q in (s.get("queue"),
                                                                         s.get("capture", {}).get("queue")) if q)})
         lengths, unacked, error = queue_lengths(self.broker_url, queues)

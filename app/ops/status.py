@@ -6,10 +6,12 @@ the shard itself, and its own key for the staged capture stage) is in exactly on
 
     done       its completion marker exists (`done/` or, for capture, `captured/`)
     dead       it was dead-lettered (`dead/`)
-    running    its newest attempt has no error and renewed its lease within `lease_s` (records without a lease:
-               started less than `stale_after` seconds ago)
+    running    an attempt of it is alive (app/liveness.py: its process runs, seen from its own host, or it renewed
+               its lease within `lease_s` on the fleet's shared clock; records without a lease: started less
+               than `stale_after` seconds ago)
     failed     some attempt recorded an error (Celery retries it, or it waits for `regen reconcile`)
-    stale      an attempt started long ago and never finished nor failed (a lost worker; Redis re-delivers it)
+    stale      every attempt's process is dead and none failed (a killed worker, a dead host: the fleet re-sends
+               it, app/dead_holders.py; `held_by_dead` names them and the host that held them)
     waiting    no attempt yet (queued in Redis, or lost with it)
 
 Done markers and dead letters never change once written, so `RunScanner` caches them between scans (a
@@ -25,9 +27,11 @@ from dataclasses import dataclass, field
 import orjson
 
 from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_VISIBILITY_TIMEOUT, mask_text
+from app.dead_holders import died_holding
 from app.errors import InvalidId
 from app.ids import validate_id
-from app.ledger import CAPTURE, GENERATE, pause_state, stage_key, stage_of
+from app.ledger import CAPTURE, GENERATE, pause_state, split_key, stage_key, stage_of
+from app.liveness import attempt_state
 from app.storage import RunStore, Storage
 
 
@@ -153,18 +157,13 @@ def shard_states(scan: RunScan, now: float, stale_after: float, capture: bool = 
             states[key] = "dead"
         elif not attempts:
             states[key] = "waiting"
+        elif any(attempt_state(a, now, stale_after) == "alive" for a in attempts):
+            # an attempt renewed its lease within it (app/liveness.py; on the fleet's shared clock, `now`)
+            states[key] = "running"
+        elif any("error" in a for a in attempts):
+            states[key] = "failed"
         else:
-            newest = max(attempts, key=lambda a: a.get("started") or "")
-            # A worker renews its attempts' leases (app/liveness.py): a renewal within the lease means it runs;
-            # records without one are judged by their start against `stale_after`, as before leases.
-            seen = parse_time(newest.get("heartbeat") or newest.get("started"))
-            window = float(newest["lease_s"]) if newest.get("lease_s") else stale_after
-            if "error" not in newest and seen is not None and now - seen < window:
-                states[key] = "running"
-            elif any("error" in a for a in attempts):
-                states[key] = "failed"
-            else:
-                states[key] = "stale"
+            states[key] = "stale"
     return states
 
 
@@ -175,14 +174,36 @@ def _count(states: dict[str, str]) -> dict[str, int]:
     return out
 
 
-def _workers(scan: RunScan, states: dict[str, str], now: float) -> dict[str, dict]:
-    """Per worker, from markers and attempt files (the broker's view is laid over this by app/ops/fleet.py)."""
+def _finished_by(scan: RunScan, key: str, attempt: dict) -> bool:
+    """The attempt's own output is the key's: the done marker names it (a captured key: it was captured)."""
+    shard, stage = split_key(key)
+    if stage == CAPTURE:
+        return shard in scan.captured
+    return (scan.done.get(shard) or {}).get("attempt") == attempt.get("attempt")
+
+
+def _settled(scan: RunScan, key: str) -> bool:
+    """The key has its completion marker (`done/`, or `captured/` for a capture key) or its dead letter."""
+    shard, stage = split_key(key)
+    return key in scan.dead or (shard in scan.captured if stage == CAPTURE else shard in scan.done)
+
+
+def _workers(scan: RunScan, now: float, stale_after: float) -> dict[str, dict]:
+    """Per worker, from markers and attempt files (the broker's view is laid over this by app/ops/fleet.py).
+
+    Each attempt is judged by its own liveness (app/liveness.py), never by its shard's state: a worker's current
+    shard is its newest attempt that is alive on a key without marker or dead letter, so a dead host holds none
+    although a live one may run the same shard. `state`: `running` (an attempt of it is alive), `dead` (its newest attempt's process died holding the
+    shard: neither its output nor an error of its own), else `idle` (finished or failed its last shard: alive
+    or gone, storage cannot tell; the broker's `online` can). `last_heartbeat` is its newest lease renewal and
+    `heartbeat_age_s` that renewal's age on the shared clock."""
     workers: dict[str, dict] = {}
 
     def entry(name: str) -> dict:
         return workers.setdefault(name, {"name": name, "device": None, "shards_done": 0, "generated_tokens": 0,
                                          "generation_seconds": 0.0, "first_attempt": None, "last_seen": None,
-                                         "current_shard": None, "current_since": None, "source": "storage"})
+                                         "current_shard": None, "current_since": None, "state": "idle",
+                                         "last_heartbeat": None, "heartbeat_age_s": None, "source": "storage"})
 
     for marker in scan.done.values():
         w = entry(marker.get("worker") or "unknown")
@@ -191,23 +212,51 @@ def _workers(scan: RunScan, states: dict[str, str], now: float) -> dict[str, dic
         w["generated_tokens"] += int(marker.get("generated_tokens", 0))
         w["generation_seconds"] += float(marker.get("generation_seconds", 0.0))
         w["last_seen"] = max(filter(None, (w["last_seen"], parse_time(marker.get("finished")))), default=None)
+    newest: dict[str, tuple[float, str, dict]] = {}
     for key, attempts in scan.attempts.items():
         for a in attempts:
             w = entry(a.get("worker") or "unknown")
             started = parse_time(a.get("started"))
-            seen = max(filter(None, (started, parse_time(a.get("failed")), w["last_seen"])), default=None)
+            beat = parse_time(a.get("heartbeat")) or started
+            seen = max(filter(None, (started, beat, parse_time(a.get("failed")), w["last_seen"])), default=None)
             w["last_seen"] = seen
+            if beat is not None and (w["last_heartbeat"] is None or beat > w["last_heartbeat"]):
+                w["last_heartbeat"] = beat
             if started is not None:
                 w["first_attempt"] = min(filter(None, (w["first_attempt"], started)))
-            running = states.get(key) == "running" and "error" not in a
-            if running and (w["current_since"] is None or started > w["current_since"]):
-                w["current_shard"], w["current_since"] = key, started
+                if w["name"] not in newest or started > newest[w["name"]][0]:
+                    newest[w["name"]] = (started, key, a)
+            if not _settled(scan, key) and attempt_state(a, now, stale_after) == "alive" \
+                    and started is not None and (w["current_since"] is None or started > w["current_since"]):
+                w["current_shard"], w["current_since"], w["state"] = key, started, "running"
+    for name, (_, key, a) in newest.items():
+        w = workers[name]
+        if w["state"] != "running" and attempt_state(a, now, stale_after) == "dead" and not _finished_by(scan, key, a):
+            w["state"] = "dead"
     for w in workers.values():
+        w["heartbeat_age_s"] = round(now - w["last_heartbeat"], 1) if w["last_heartbeat"] is not None else None
         w["generation_seconds"] = round(w["generation_seconds"], 4)
         w["tokens_per_s"] = _rate(w["generated_tokens"], w["generation_seconds"])
         span = now - w["first_attempt"] if w["first_attempt"] is not None else None
         w["busy_fraction"] = round(min(1.0, w["generation_seconds"] / span), 4) if span and span > 0 else None
     return workers
+
+
+def held_by_dead(scan: RunScan, states: dict[str, str], now: float, stale_after: float) -> list[dict]:
+    """The keys (shards, or staged capture keys) whose newest attempt's process died holding them, none alive,
+    no marker, no dead letter (app/dead_holders.died_holding, the rule the fleet re-sends them by). Each names
+    the worker and host of that attempt and its last heartbeat."""
+    out = []
+    for key, state in sorted(states.items()):
+        if state not in ("stale", "failed"):
+            continue
+        last = died_holding(scan.attempts.get(key) or [], now, stale_after)
+        if last is None:
+            continue
+        beat = parse_time(last.get("heartbeat") or last.get("started"))
+        out.append({"shard": key, "worker": last.get("worker"), "host": last.get("host"),
+                    "last_heartbeat": iso(beat), "heartbeat_age_s": round(now - beat, 1) if beat else None})
+    return out
 
 
 def _rate(amount: float, seconds: float | None) -> float | None:
@@ -237,7 +286,7 @@ def summarise(scan: RunScan, now: float, stale_after: float = DEFAULT_VISIBILITY
     finished = [parse_time(m["finished"]) for m in markers if m.get("finished")]
     starts = [parse_time(m["finished"]) - float(m.get("generation_seconds", 0.0)) for m in markers if m.get("finished")]
     wall = (max(finished) - min(starts)) if finished else None
-    workers = _workers(scan, states, now)
+    workers = _workers(scan, now, stale_after)
     remaining = None if total is None else max(0, total - by_state["done"] - by_state["dead"])
     shard_rate = by_state["done"] / wall if wall else None
     status = {
@@ -262,6 +311,10 @@ def summarise(scan: RunScan, now: float, stale_after: float = DEFAULT_VISIBILITY
         "eta_seconds": round(remaining / shard_rate, 1) if remaining is not None and shard_rate else None,
         "stub_rate": round(stubs / ok, 6) if ok else None,
         "paused": scan.pause,
+        # shards whose every attempt died with its process (a killed worker, a dead host): re-sent by the fleet
+        "held_by_dead": held_by_dead(scan, {**states, **(shard_states(scan, now, stale_after, capture=True)
+                                                       if settings.get("capture_mode") == "staged" else {})},
+                                     now, stale_after),
         "failed": [_failure(k, scan.attempts[k]) for k, s in sorted(states.items()) if s == "failed"],
         "dead": [{"shard": k, "reason": mask_text(str(v.get("reason")))} for k, v in sorted(scan.dead.items())
                  if stage_of(k) == GENERATE],
@@ -282,4 +335,4 @@ def _failure(key: str, attempts: list[dict]) -> dict:
 
 def _public_worker(w: dict) -> dict:
     return {**w, "first_attempt": iso(w["first_attempt"]), "last_seen": iso(w["last_seen"]),
-            "current_since": iso(w["current_since"])}
+            "current_since": iso(w["current_since"]), "last_heartbeat": iso(w["last_heartbeat"])}

@@ -76,14 +76,21 @@ def _render_run(s: dict):
     if s["paused"]:
         parts.append(Text(f"PAUSED: {s['paused'].get('reason')}", style="bold red"))
     workers = Table(title="workers")
-    for col in ("worker", "online", "shard now", "since", "last seen", "done", "tok/s", "busy"):
+    for col in ("worker", "online", "state", "shard now", "since", "last heartbeat", "last seen", "done", "tok/s",
+                "busy"):
         workers.add_column(col)
     for w in s["workers"]:
         online = {True: "yes", False: "no", None: "?"}[w.get("online")]
-        workers.add_row(w["name"], online, w["current_shard"] or "", w["current_since"] or "", w["last_seen"] or "",
+        age = w.get("heartbeat_age_s")
+        workers.add_row(w["name"], online, Text(w.get("state") or "", style="red" if w.get("state") == "dead" else ""),
+                        w["current_shard"] or "", w["current_since"] or "",
+                        "" if age is None else f"{_duration(age)} ago", w["last_seen"] or "",
                         _n(w["shards_done"]), _n(w["tokens_per_s"]),
                         "-" if w["busy_fraction"] is None else f"{w['busy_fraction']:.0%}")
     parts.append(workers)
+    for h in s.get("held_by_dead", [])[:10]:
+        parts.append(Text(f"held by a dead worker: {h['shard']} ({h['worker']} on host {h['host']}, last heartbeat "
+                          f"{_duration(h['heartbeat_age_s'])} ago); the fleet re-sends it", style="yellow"))
     for f in s["failed"][:10]:
         parts.append(Text(f"failed {f['shard']} ({f['errors']} errors): {f['last_error']}", style="yellow"))
     for d in s["dead"][:10]:

@@ -83,8 +83,7 @@ def test_a_starting_worker_sweeps_each_runs_marker_folders_for_its_dead_attempts
         shard, attempt = f"shard-00000{k}", ledger.new_attempt_id()
         temporaries.append(_marker_temporary(store, "done", shard, age=3600))
         (journal / f"{dead['pid']}-{attempt}.json").write_text(json.dumps(
-            {"storage": store.storage.url, "run_id": "run", "key": shard, "attempt": attempt,
-             "pid": dead["pid"], "pid_start": dead["pid_start"]}))
+            {"storage": store.storage.url, "run_id": "run", "key": shard, "attempt": attempt, **dead}))
     other = _marker_temporary(store, "done", "shard-000009", age=3600)  # no dead attempt of this host: not ours
     assert sweep_dead_attempts(stale_after=3600) == 3
     assert not any(os.path.exists(p) for p in temporaries) and os.path.exists(other)

@@ -1,5 +1,6 @@
 """`regen run` re-sends the shards the broker lost (a worker killed between kombu's pop of a message and its
-unacked record), once two checks in a row found them lost, and never while Redis holds a message."""
+unacked record), once two checks in a row found them lost, and never while Redis holds a message; and it moves
+back at once the messages a killed local worker held (app/dead_holders.py)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,19 @@ def test_nothing_is_re_sent_while_redis_holds_a_message(tmp_path, redis7):
     assert _poll(watch) == 0 and _poll(watch) == 0
     redis7.delete(STATUS_QUEUE)
     assert _poll(watch) == 0 and sent == []  # the sighting before the message does not count
+
+
+def test_a_killed_local_workers_held_shard_is_moved_back_at_the_next_check(tmp_path, redis7):
+    from tests.support.faults import dead_process
+    from tests.support.held_messages import fetch_and_die, send_shards
+
+    watch, _ = _watch(tmp_path)
+    send_shards(OPS_BROKER, STATUS_QUEUE, "r1", str(tmp_path), ["shard-000006"])
+    fetch_and_die(OPS_BROKER, STATUS_QUEUE, 1)
+    # its attempt names a process of this machine that is gone: dead at once, no lease to wait for
+    ledger.record_attempt(watch.store, "shard-000006", "a" * 12, "cpu@here", **dead_process())
+    assert redis7.llen(STATUS_QUEUE) == 0 and redis7.hlen("unacked") == 1
+    _poll(watch)
+    assert [r["shard"] for r in watch.resent_dead] == ["shard-000006"]
+    assert redis7.llen(STATUS_QUEUE) == 1 and redis7.hlen("unacked") == 0  # back at the head of its queue
+    assert watch.poll() == 0 and watch.resent_dead == []  # not due: nothing said twice

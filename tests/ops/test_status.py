@@ -71,7 +71,9 @@ def test_an_old_attempt_without_marker_or_error_counts_as_stale(tmp_path, redis7
     from app.ledger import record_attempt
 
     built = build_status_run(str(tmp_path))
-    record_attempt(built["store"], "shard-000006", "old", "gpu0@hostA", started="2020-01-01T00:00:00+00:00")
+    # written by this (live) process, so it names another host: a record of this host's would be judged by its pid
+    record_attempt(built["store"], "shard-000006", "old", "gpu0@hostA", started="2020-01-01T00:00:00+00:00",
+                   host="another-host")
     s = _status("r1", "--storage", str(tmp_path), "--inspect-timeout", "0")
     assert s["shards"]["stale"] == 1 and s["shards"]["running"] == 1 and s["shards"]["waiting"] == 1
 
@@ -147,3 +149,29 @@ def test_status_names_the_shards_the_broker_lost_and_the_command_that_re_sends_t
     redis7.delete(STATUS_QUEUE)
     redis7.hset("unacked", "tag", b"{}")  # one unacked anywhere: the same
     assert _status(*args)["lost_from_broker"] is None
+
+
+def test_a_dead_host_holds_no_shard_shows_dead_and_its_shards_are_named(tmp_path, redis7):
+    """The field report: 63 s after host A died (its lease 12 s) status listed A and B both on one shard. Each
+    attempt is judged by its own liveness: B runs it, A is dead with its last heartbeat's age and no shard."""
+    import datetime as dt
+
+    from app.ledger import record_attempt
+
+    built = build_status_run(str(tmp_path))
+    ago = (dt.datetime.now(dt.UTC) - dt.timedelta(seconds=63)).isoformat()
+    for shard in ("shard-000006", "shard-000007"):  # host A held both when it died
+        record_attempt(built["store"], shard, f"a{shard[-1]}" * 6, "cpu@hostA", host="hostA", started=ago,
+                       heartbeat=ago, lease_s=12)
+    record_attempt(built["store"], "shard-000006", "b" * 12, "cpu@hostB", host="hostB", lease_s=12)  # B took one
+    s = _status("r1", "--storage", str(tmp_path), "--inspect-timeout", "0")
+    workers = {w["name"]: w for w in s["workers"]}
+    a, b = workers["cpu@hostA"], workers["cpu@hostB"]
+    assert a["state"] == "dead" and a["current_shard"] is None and 60 <= a["heartbeat_age_s"] < 120, a
+    assert b["state"] == "running" and b["current_shard"] == "shard-000006", b
+    assert [(h["shard"], h["host"], h["worker"]) for h in s["held_by_dead"]] == [("shard-000007", "hostA",
+                                                                                  "cpu@hostA")]
+    assert s["shards"]["running"] == 2 and s["shards"]["stale"] == 1  # RUNNING's, B's; A's other shard
+    table = CliRunner().invoke(main, ["status", "r1", "--storage", str(tmp_path), "--broker", BROKER,
+                                      "--inspect-timeout", "0"], terminal_width=200)
+    assert "held by a dead worker: shard-000007 (cpu@hostA on host hostA" in table.output, table.output

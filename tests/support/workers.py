@@ -36,12 +36,12 @@ OPERATOR_ARG = "max_num_batched_tokens=6144"
 
 
 class WorkerProcess:
-    """A `regen worker` supervisor subprocess and its log."""
+    """A `regen worker` supervisor subprocess and its log; `prefix` runs it under another command (`unshare`)."""
 
-    def __init__(self, args: list[str], log_path: Path, env: dict):
+    def __init__(self, args: list[str], log_path: Path, env: dict, prefix: tuple[str, ...] = ()):
         self.log_path = log_path
         self.log = open(log_path, "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", "worker", *args], stdout=self.log,
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "app.cli", "worker", *args], stdout=self.log,
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def text(self) -> str:

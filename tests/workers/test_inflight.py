@@ -49,7 +49,43 @@ def test_a_starting_worker_removes_what_its_hosts_dead_attempts_left(tmp_path, m
     journal = tmp_path / "state" / "attempts"
     journal.mkdir(parents=True)
     (journal / f"{dead['pid']}-{attempt}.json").write_text(json.dumps(
-        {"storage": store.storage.url, "run_id": "run", "key": "shard-000003", "attempt": attempt,
-         "pid": dead["pid"], "pid_start": dead["pid_start"]}))
+        {"storage": store.storage.url, "run_id": "run", "key": "shard-000003", "attempt": attempt, **dead}))
     assert sweep_dead_attempts(stale_after=3600) == 1
     assert list(folder.iterdir()) == [] and list(journal.iterdir()) == []
+
+
+def test_a_journal_entry_of_another_machine_is_never_swept(tmp_path, monkeypatch):
+    """A journal folder shared by mistake (NFS): another host's entry names a pid that is free on this machine,
+    which alone would have made this host sweep that host's live shard and drop its entry."""
+    import os
+    import time
+
+    monkeypatch.setenv("REGEN_STATE_DIR", str(tmp_path / "state"))
+    store = RunStore(Storage(str(tmp_path / "storage")), "run")
+    attempt, other = new_attempt_id(), {**dead_process(), "host": "hostB", "boot": "boot-of-hostB"}
+    record_attempt(store, "shard-000004", attempt, "w@hostB", **other)
+    done = tmp_path / "storage" / "run" / "done"
+    done.mkdir(parents=True)
+    marker_tmp = done / ".shard-000004.json.tmp-0123456789ab"  # hostB creating its marker, as old as a slow NFS
+    marker_tmp.write_bytes(b"{}")
+    os.utime(marker_tmp, (time.time() - 600, time.time() - 600))
+    journal = tmp_path / "state" / "attempts"
+    journal.mkdir(parents=True)
+    entry = journal / f"{other['pid']}-{attempt}.json"
+    entry.write_text(json.dumps({"storage": store.storage.url, "run_id": "run", "key": "shard-000004",
+                                 "attempt": attempt, **other}))
+    assert sweep_dead_attempts(stale_after=3600) == 0
+    assert entry.exists() and marker_tmp.exists()
+
+
+def test_a_journal_entry_names_its_process_as_attempt_records_do(tmp_path, monkeypatch):
+    from app.liveness import identity
+
+    monkeypatch.setenv("REGEN_STATE_DIR", str(tmp_path / "state"))
+    store = RunStore(Storage(str(tmp_path / "storage")), "run")
+    claims = InFlight()
+    claim, _ = claims.claim((store.storage.url, "run", "shard-000000"), "t")
+    claims.started(claim, store, new_attempt_id())
+    entry = json.loads(Path(claim.journal).read_text())
+    assert {k: entry[k] for k in ("host", "boot", "pidns", "pid", "pid_start")} == identity()
+    claims.release(claim)

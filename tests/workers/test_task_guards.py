@@ -220,6 +220,18 @@ def test_check_manifest_refuses_another_model_and_records_why(tmp_path, deliver)
     assert "capture layers (vLLM ids) [1, 2, 4] != engine's [1, 2]" in record["error"]
 
 
+def test_a_worker_without_run_requeues_such_a_shard_with_the_reason(tmp_path, deliver):
+    store = _store(tmp_path)  # sampled with the thinking defaults: top_k 20, inline capture
+    cpu = Worker("cpu@host", WORKER.model_fingerprint, "/models/tiny", LAYERS, max_attempts=3, max_crashes=2,
+                 device="cpu")
+    d = _begun(deliver(store, worker=cpu))
+    with pytest.raises(Reject) as rejected:
+        check_manifest(d)
+    assert rejected.value.requeue is True  # a GPU worker of the fleet takes it
+    (record,) = ledger.attempt_errors(store, "shard-000000")
+    assert "top_k 20" in record["error"] and record.get("error_kind") == "error"
+
+
 def test_check_manifest_of_a_staged_run_needs_layers_only_to_capture(tmp_path, deliver):
     store = _store(tmp_path, capture="staged")
     blind = Worker("gpu2@host", WORKER.model_fingerprint, "/models/tiny", [], max_attempts=3, max_crashes=2)

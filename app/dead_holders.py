@@ -1,0 +1,207 @@
+"""Shards held by dead processes come back within a few lease lengths, not after the broker's visibility timeout.
+
+Why: a worker fetches a shard's message, and kombu's Redis transport keeps it in the `unacked` hash until the
+worker acks it. When the worker's host dies (power cut, kernel panic, SIGKILL of its namespace) nothing acks or
+returns the message: Redis restores it only once the visibility timeout (4 h by default) has passed, and at the
+end of a run that is hours of idle fleet. Storage already knows sooner: every attempt on the shard is dead (its
+process gone on this host, or its lease run out on the fleet's shared clock, app/liveness.py and app/clock.py).
+
+What `resend_dead_holders` does, on any process that reaches the broker (an idle worker's periodic check,
+workers/dead_holder_watch.py; `regen run`'s watch, app/cli/run.py):
+1. reads the unacked messages' task names and arguments (kombu's own decoders) and keeps the shard tasks;
+2. for each, judges the shard's stage key on storage: no completion marker, no dead letter, no attempt alive,
+   and its newest attempt's process died holding it (when the newest recorded an error, Celery retries it with
+   a new message, which a live worker may hold unacked until its countdown ends). A message whose shard has no attempt at all was fetched by a host that died before
+   starting it (a live worker records its attempt within milliseconds of the fetch: its engine is built before
+   it consumes, and it fetches no more than its task slots): it counts once this checker has seen it held for
+   `UNSTARTED_LEASES` lease lengths, and its Celery `eta` (a retry's countdown, held unacked by a live worker
+   meanwhile) has passed by as long;
+3. claims the re-send in Redis (`SET NX` on the run, key and the newest dead attempt's id, or the unstarted
+   message's tag, so the fleet's many checkers re-send one shard once per death, and a shard whose re-sent copy
+   dies too is re-sent again);
+4. moves that message from the unacked hash back to the head of its queue with kombu's own `restore_by_tag`,
+   the very transaction its visibility-timeout sweep runs (atomic: a second mover finds nothing to move).
+The next free worker takes it first. Exactly-once still rests on storage: if the judged-dead holder was in fact
+alive, two attempts run and the exclusive completion marker keeps one output; any other copy of the shard
+(a re-publish, a reconcile) finds the marker and is skipped.
+
+Why the broker's own message and not a re-send from the inputs (`regen reconcile`): the message is there, so
+nothing is re-read, workers need no producer code, and the shard's other copies are untouched. Shards whose
+message left Redis altogether are `app/ops/fleet.lost_from_broker`'s, re-sent by `regen reconcile`.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from app.celery_app import CAPTURE_TASK, GENERATE_TASK, redis_client
+from app.clock import shared_now
+from app.config import mask_text
+from app.ledger import CAPTURE, GENERATE, attempt_errors, is_dead, is_finished, stage_key
+from app.liveness import attempt_state, lease_seconds
+from app.storage import RunStore, Storage
+
+log = logging.getLogger("regen.dead_holders")
+
+UNACKED = "unacked"  # kombu's Redis transport default (regen does not change it)
+UNSTARTED_LEASES = 2.0  # how long a fetched message may show no attempt before its holder counts as dead
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+CLAIM_PREFIX = "regen.resent"
+CLAIM_TTL_S = 7 * 86400  # a claim outlives any shard; a run's shard dies with a new attempt id next time
+_STAGES = {GENERATE_TASK: GENERATE, CAPTURE_TASK: CAPTURE}
+
+
+@dataclass(frozen=True)
+class Held:
+    """One unacked shard message: its delivery tag and what it asks for."""
+
+    tag: str
+    run_id: str
+    storage: str
+    key: str  # the shard's stage key (app/ledger.stage_key)
+    eta: float | None = None  # a Celery retry's countdown end (POSIX seconds)
+
+
+def decode_held(tag: str, raw: bytes) -> Held | None:
+    """The shard task an unacked hash entry holds (`[message, exchange, routing key]`, as kombu writes it); None
+    for anything else (another task, an unreadable body)."""
+    from kombu import compression
+    from kombu.serialization import loads
+    from kombu.utils.json import loads as kombu_json
+
+    try:
+        message = kombu_json(raw.decode() if isinstance(raw, bytes) else raw)[0]  # bytes travel as typed JSON
+        headers = message.get("headers") or {}
+        stage = _STAGES.get(headers.get("task"))
+        if stage is None:
+            return None
+        body = message["body"]
+        if (message.get("properties") or {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        if headers.get("compression"):
+            body = compression.decompress(body if isinstance(body, bytes) else body.encode(), headers["compression"])
+        _, kwargs, _ = loads(body, message.get("content-type"), message.get("content-encoding") or "utf-8",
+                             accept={"application/json"})
+        eta = headers.get("eta")
+        return Held(tag, str(kwargs["run_id"]), str(kwargs["storage"]), stage_key(str(kwargs["shard_id"]), stage),
+                    dt.datetime.fromisoformat(eta).timestamp() if eta else None)
+    except Exception:  # not a shard message regen can read: the visibility timeout stays its only way back
+        return None
+
+
+def died_holding(records: list[dict], now: float, stale_after: float | None) -> dict | None:
+    """The newest of a key's attempt records when its process died holding the key and no attempt is alive; None
+    otherwise (one runs, or the newest recorded an error or its end: Celery's retry, a new message, is then the
+    key's way back, and may be held with its `eta` by a live worker)."""
+    if not records:
+        return None
+    states = [attempt_state(r, now, stale_after) for r in records]
+    newest = max(range(len(records)), key=lambda i: (records[i].get("started") or "", records[i].get("attempt") or ""))
+    if "alive" in states or states[newest] != "dead":
+        return None
+    return records[newest]
+
+
+def dead_holder(store: RunStore, key: str, now: float, stale_after: float | None) -> dict | None:
+    """What holds `key` when its holder died: its newest attempt when that one's process died holding it and
+    none is alive (`died_holding`), `{}` when it has no attempt at all (a fetch its holder never began, judged
+    by how long it has been held), None when the key is finished, dead-lettered, running or being retried."""
+    if is_finished(store, key) or is_dead(store, key):
+        return None
+    records = attempt_errors(store, key)
+    if not records:
+        return {}
+    return died_holding(records, now, stale_after)
+
+
+class DeadHolderCheck:
+    """Finds and re-sends the shards held by dead processes on one broker (see the module docstring).
+
+    Decoded messages are remembered by delivery tag (a message's tag never changes), so a periodic check reads
+    only the messages fetched since the last one. `storage_for` maps a message's storage URL to this host's (a
+    worker's `--storage`); `restore(tag)` moves one message back (default: kombu's `restore_by_tag` on a
+    connection of the app `app` or one made for `broker_url`)."""
+
+    def __init__(self, broker_url: str, stale_after: float | None, app=None,
+                 storage_for: Callable[[str], str] | None = None):
+        self.broker_url, self.stale_after, self.app = broker_url, stale_after, app
+        self.storage_for = storage_for or (lambda url: url)
+        self._decoded: dict[str, Held | None] = {}
+        self._first_seen: dict[str, float] = {}  # tag -> when this checker first saw it held (monotonic)
+
+    def held(self, client) -> list[Held]:
+        tags = [t.decode() if isinstance(t, bytes) else t for t in client.hkeys(UNACKED)]
+        self._decoded = {t: self._decoded[t] for t in tags if t in self._decoded}
+        self._first_seen = {t: self._first_seen.get(t, time.monotonic()) for t in tags}
+        new = [t for t in tags if t not in self._decoded]
+        if new:
+            for tag, raw in zip(new, client.hmget(UNACKED, new), strict=True):
+                self._decoded[tag] = decode_held(tag, raw) if raw is not None else None
+        return [h for h in self._decoded.values() if h is not None]
+
+    def run(self) -> list[dict]:
+        """One check: re-send what dead processes hold; returns one dict per shard re-sent (shard, run, worker,
+        host, last heartbeat). Broker or storage trouble is logged and ends the check, never raised."""
+        if not self.broker_url.startswith(REDIS_SCHEMES):
+            return []  # kombu's filesystem transport has no unacked hash: it delivers at most once
+        try:
+            client = redis_client(self.broker_url)
+            try:
+                return self._run(client)
+            finally:
+                client.close()
+        except Exception as exc:
+            log.warning("check for shards held by dead workers failed: %s", mask_text(str(exc)))
+            return []
+
+    def _run(self, client) -> list[dict]:
+        now = shared_now(self.broker_url)
+        by_key: dict[tuple, list[Held]] = {}
+        for h in self.held(client):
+            by_key.setdefault((self.storage_for(h.storage), h.run_id, h.key), []).append(h)
+        resent = []
+        for (storage, run_id, key), messages in sorted(by_key.items()):
+            try:
+                holder = dead_holder(RunStore(Storage(storage), run_id), key, now, self.stale_after)
+            except Exception as exc:  # one run's unreachable storage does not stop the others'
+                log.warning("could not judge %s/%s: %s", run_id, key, exc)
+                continue
+            if holder is None:
+                continue
+            if holder:
+                tag, claim = messages[0].tag, f"{CLAIM_PREFIX}:{run_id}:{key}:{holder.get('attempt')}"
+            else:  # never started: only a message held long enough, past its eta, counts
+                wait = UNSTARTED_LEASES * lease_seconds()
+                old = [m for m in messages if time.monotonic() - self._first_seen[m.tag] >= wait
+                       and (m.eta is None or now - m.eta >= wait)]
+                if not old:
+                    continue
+                tag, claim = old[0].tag, f"{CLAIM_PREFIX}:{run_id}:{key}:unstarted:{old[0].tag}"
+            if not client.set(claim, "1", nx=True, ex=CLAIM_TTL_S):
+                continue  # another checker re-sent it for this death
+            self.restore(tag)
+            found = {"shard": key, "run": run_id, "worker": holder.get("worker"), "host": holder.get("host"),
+                     "last_heartbeat": holder.get("heartbeat") or holder.get("started")}
+            if holder:
+                log.warning("re-sent %s of run %s: every attempt died (last held by %s on host %s, last heartbeat "
+                            "%s)", key, run_id, found["worker"], found["host"], found["last_heartbeat"])
+            else:
+                log.warning("re-sent %s of run %s: fetched %.0f s ago and never started (its holder died)", key,
+                            run_id, time.monotonic() - self._first_seen[tag])
+            resent.append(found)
+        return resent
+
+    def restore(self, tag: str) -> None:
+        """Move the message back to the head of its queue: kombu's own restore transaction."""
+        from app.celery_app import create_app
+        from app.settings import current
+
+        if self.app is None:
+            self.app = create_app(current().broker_for(self.broker_url))
+        with self.app.connection_for_write() as conn:
+            conn.default_channel.qos.restore_by_tag(tag, leftmost=False)
