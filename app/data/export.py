@@ -10,6 +10,8 @@ Formats:
 - `parquet`      `data/{shard}.parquet`, one row per record, one fixed schema for every shard.
 - `specforge-dflash`, `specforge-eagle3`, `speculators`: hidden states laid out as each trainer's own reader
                  loads them (app/data/export_trainers.py and the modules it names).
+- `specforge-online`, `speculators-online`: ids and loss masks only, for trainers that run the target
+                 themselves; every run, `--capture off` included (app/data/export_online.py).
 
 Text formats (`sharegpt`, `specforge-jsonl`, `parquet`) leave out samples whose thinking never ended unless
 `include_unterminated` (app/data/export_text.py says why); every left-out sample is counted by reason.
@@ -26,12 +28,12 @@ from dataclasses import dataclass
 import orjson
 
 from app.data import export_text
-from app.data.export_trainers import TRAINER_FORMATS
+from app.data.export_trainers import ONLINE_FORMATS, TRAINER_FORMATS
 from app.data.run_reader import RunReader, ShardInfo
 from app.errors import RegenError
 from app.storage import Storage
 
-FORMATS = ("sharegpt", "parquet", "specforge-jsonl", *TRAINER_FORMATS)
+FORMATS = ("sharegpt", "parquet", "specforge-jsonl", *TRAINER_FORMATS, *ONLINE_FORMATS)
 TEXT_FORMATS = ("sharegpt", "parquet", "specforge-jsonl")
 EXPORT_FORMAT = "regen.export/1"
 
@@ -113,7 +115,7 @@ class Exporter:
                              "turn; use --format sharegpt or parquet to keep unterminated samples")
         self.reader, self.opts, self.out = reader, opts, Storage(out)
         self.trainer = None
-        if opts.fmt in TRAINER_FORMATS:
+        if opts.fmt in TRAINER_FORMATS or opts.fmt in ONLINE_FORMATS:
             from app.data.export_trainers import formats
 
             cls = formats()[opts.fmt]
@@ -136,7 +138,7 @@ class Exporter:
         """(done shards still to export, shards already exported)."""
         exported = {n[: -len(".json")] for n in self.out.listdir("done") if n.endswith(".json")}
         infos = list(self.reader.shards())
-        if self.reader.capture_mode == "staged" and self.trainer:
+        if self.reader.capture_mode == "staged" and self.trainer and self.trainer.needs_states:
             infos = [i for i in infos if i.captured is not None]  # capture not finished: a later rerun does it
         return [i for i in infos if i.shard_id not in exported], sorted(exported)
 
@@ -197,6 +199,8 @@ class Exporter:
         if self.opts.fmt == "specforge-jsonl":
             export_text.join_shard_files(self.out, [n for n in self.out.listdir("done") if n.endswith(".json")])
             totals["file"] = export_text.SPECFORGE_FILE
+        elif self.trainer and self.trainer.file:
+            totals["file"] = self.trainer.file
         return totals
 
     def totals(self) -> dict:
