@@ -3,7 +3,8 @@
 Two real CPU runs of the session's worker (tiny Qwen3), one `--capture off` and one capturing inline, are
 exported in both formats; SpecForge 0.2.0's `prepare_prompt_tasks` (what `data.prompts_path` goes through) and
 speculators 0.9.0's `ArrowDataset` must get every ok record, its ids and loss mask exactly as stored, in the
-run's order. What SpecForge does with over-long rows and rows with too few supervised ids (docs/formats.md says
+run's order. speculators' `on_missing="generate"` path then runs for real against a vLLM endpoint on the CPU
+(tests/support/hidden_state_server.py), whose states must be those the capture run stored. What SpecForge does with over-long rows and rows with too few supervised ids (docs/formats.md says
 it) is pinned against its code on a synthetic run, as are the staged-capture and resume cases.
 """
 
@@ -17,7 +18,8 @@ import pytest
 from click.testing import CliRunner
 
 from app.cli import main
-from tests.support.runs import produce, prompts_file, run_records, wait_run_done
+from tests.support.hidden_state_server import hidden_state_server
+from tests.support.runs import produce, prompts_file, run_records, run_states, wait_run_done
 from tests.support.synthetic_run import Spec, build_run, ok_records
 
 RUNS = {"off": "online-capture-off", "inline": "online-capture-inline"}
@@ -99,6 +101,43 @@ def test_online_exports_of_a_real_run_load_in_specforge_and_speculators(capture,
     export(e2e_storage, RUNS[capture], tmp_path / "spec", "speculators-online")
     check_speculators(tmp_path / "spec", records)
     check_token_freq(tmp_path / "spec", records)
+
+
+@pytest.fixture(scope="module")
+def endpoint(tiny_qwen3, tmp_path_factory):
+    """A vLLM endpoint on the runs' model that extracts vLLM layers 1-3 and the last one, 4, as speculators'
+    launch_vllm.py would (`--target-layer-ids 1 2 3`, the last layer appended)."""
+    folder = tmp_path_factory.mktemp("hidden-state-server")
+    with hidden_state_server(tiny_qwen3, [1, 2, 3, 4], folder / "states", folder / "server.log") as url:
+        yield url, folder / "states"
+
+
+def test_speculators_generates_the_states_of_an_online_export_from_a_vllm_endpoint(runs, endpoint, e2e_storage,
+                                                                                    tmp_path):
+    """The whole online path: speculators' own loader asks a real vLLM endpoint for every row's states, and
+    gets the states regen captured for the same ids (the endpoint also covers the last id, which no capture has)."""
+    import torch
+    from speculators.train.data import ArrowDataset
+
+    url, scratch = endpoint
+    records, captured = runs["inline"], run_states(e2e_storage, RUNS["inline"])
+    export(e2e_storage, RUNS["inline"], tmp_path / "spec", "speculators-online")
+    ds = ArrowDataset(max_len=4096, datapath=str(tmp_path / "spec"), vllm_endpoint=url, on_missing="generate")
+    worst = 0.0
+    for i, rec in enumerate(records):
+        item = ds[i]
+        assert isinstance(item, dict), f"speculators dropped sample {i}: {item}"
+        n = len(rec["input_ids"])
+        assert item["input_ids"].tolist() == rec["input_ids"] and item["loss_mask"].tolist() == rec["loss_mask"]
+        got = torch.cat([item["hidden_states"].view(n, 3, -1), item["verifier_last_hidden_states"][:, None]], 1)
+        tokens, states = captured[rec["sample_id"]]
+        assert tokens.tolist() == rec["input_ids"][:-1]
+        want = torch.from_numpy(states.view("<i2")).view(torch.bfloat16).float()
+        err = (got[: n - 1].float() - want).abs().amax() / want.abs().amax()
+        worst = max(worst, float(err))
+    print(f"online vs captured states: worst max error {worst:.4f} of the largest value")
+    assert worst < 0.02  # bf16 noise between a prefill and generation's decode steps
+    assert not [p for p in scratch.rglob("*.safetensors")]  # speculators deletes what it loaded
 
 
 def test_specforge_cuts_rows_from_the_head_and_drops_rows_short_of_supervised_ids(tmp_path):
