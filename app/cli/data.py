@@ -139,7 +139,8 @@ def _print_verify(report, strict: bool) -> None:
 @click.argument("run_id", metavar="RUN")
 @_storage
 @click.option("--format", "fmt", required=True, type=click.Choice(
-    ["sharegpt", "parquet", "specforge-jsonl", "specforge-dflash", "specforge-eagle3", "speculators"]))
+    ["sharegpt", "parquet", "specforge-jsonl", "specforge-dflash", "specforge-eagle3", "speculators",
+     "specforge-online", "speculators-online"]))
 @click.option("--out", required=True, help="Output folder (path or URL); a rerun resumes it.")
 @click.option("--exclude-flags", default="", help="Comma-separated quality flags to leave out, e.g. stub_answer,truncated.")
 @click.option("--min-response-tokens", type=click.IntRange(min=0), default=0, show_default=True,
@@ -156,8 +157,9 @@ def _print_verify(report, strict: bool) -> None:
 def export_cmd(run_id: str, storage: str, fmt: str, out: str, exclude_flags: str, min_response_tokens: int,
                include_unterminated: bool, layers: str | None, model: str | None, processes: int,
                part_spec: str | None) -> None:
-    """Export RUN's ok records (done shards): text rows (ShareGPT, SpecForge JSONL), Parquet, or trainer-ready
-    hidden states (SpecForge DFlash / EAGLE-3, speculators)."""
+    """Export RUN's ok records (done shards): text rows (ShareGPT, SpecForge JSONL), Parquet, trainer-ready
+    hidden states (SpecForge DFlash / EAGLE-3, speculators), or ids and loss masks only for trainers that run the
+    target themselves (SpecForge online, speculators on_missing=generate)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.table import Table
 

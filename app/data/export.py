@@ -17,6 +17,8 @@ Formats:
 - `parquet`      `data/{shard}.parquet`, one row per record, one fixed schema for every shard.
 - `specforge-dflash`, `specforge-eagle3`, `speculators`: hidden states laid out as each trainer's own reader
                  loads them (app/data/export_trainers.py and the modules it names).
+- `specforge-online`, `speculators-online`: ids and loss masks only, for trainers that run the target
+                 themselves; every run, `--capture off` included (app/data/export_online.py).
 
 Text formats (`sharegpt`, `specforge-jsonl`, `parquet`) leave out samples whose thinking never ended unless
 `include_unterminated` (app/data/export_text.py says why); every left-out sample is counted by reason.
@@ -34,13 +36,13 @@ from dataclasses import dataclass
 import orjson
 
 from app.data import export_claims, export_plan, export_text
-from app.data.export_trainers import TRAINER_FORMATS
+from app.data.export_trainers import ONLINE_FORMATS, TRAINER_FORMATS
 from app.data.fanout import WHOLE, Part, process_pool
 from app.data.run_reader import RunReader, ShardInfo
 from app.errors import RegenError
 from app.storage import Storage
 
-FORMATS = ("sharegpt", "parquet", "specforge-jsonl", *TRAINER_FORMATS)
+FORMATS = ("sharegpt", "parquet", "specforge-jsonl", *TRAINER_FORMATS, *ONLINE_FORMATS)
 TEXT_FORMATS = ("sharegpt", "parquet", "specforge-jsonl")
 EXPORT_FORMAT = "regen.export/1"
 
@@ -124,7 +126,7 @@ class Exporter:
         self.reader, self.opts, self.out = reader, opts, Storage(out)
         self.out_url = out
         self.trainer = None
-        if opts.fmt in TRAINER_FORMATS:
+        if opts.fmt in TRAINER_FORMATS or opts.fmt in ONLINE_FORMATS:
             from app.data.export_trainers import formats
 
             cls = formats()[opts.fmt]
@@ -146,7 +148,7 @@ class Exporter:
     def candidates(self) -> list[str]:
         """The run's done shards an export can take now, in id order."""
         infos = list(self.reader.shards())
-        if self.reader.capture_mode == "staged" and self.trainer:
+        if self.reader.capture_mode == "staged" and self.trainer and self.trainer.needs_states:
             infos = [i for i in infos if i.captured is not None]  # capture not finished: a later rerun does it
         return [i.shard_id for i in infos]
 
@@ -257,6 +259,8 @@ class Exporter:
                   "shards_claimed_elsewhere": tally["claimed"], "assembly": assembled, "part": str(part)}
         if self.opts.fmt == "specforge-jsonl":
             totals["file"] = export_text.SPECFORGE_FILE
+        elif self.trainer and self.trainer.file:
+            totals["file"] = self.trainer.file
         return totals
 
     def _number(self, pool: ShardPool, batch: dict, mine: list[str]) -> dict[str, int]:

@@ -60,6 +60,10 @@ class Speculators(StateExport):
             "hidden_states": ("BF16", states.shape, states.astype("<u2", copy=False).tobytes()),
             "token_ids": ("I64", ids.shape, ids.tobytes()),
         }))
+        self.keep_row(index, sample)
+
+    def keep_row(self, index: int, sample) -> None:
+        """The sample's dataset row (ids and mask), written with the shard's others by `shard_done`."""
         self._rows.append(orjson.dumps({"index": index, "id": sample.sample_id, "input_ids": sample.input_ids,
                                         "loss_mask": sample.loss_mask, "seq_len": len(sample.input_ids)}))
 
@@ -70,13 +74,7 @@ class Speculators(StateExport):
         self._rows = []
 
     def _all_rows(self):
-        starts = []
-        for name in self.out.listdir("done"):
-            if name.endswith(".json"):
-                d = self.out.read_json(f"done/{name}")
-                if d["exported"]:
-                    starts.append((int(d["first_index"]), d["shard_id"]))
-        for _, shard in sorted(starts):
+        for shard in self.shards_in_order():
             with self.out.open(f"rows/{shard}.jsonl") as fh:
                 for line in fh:
                     row = orjson.loads(line)

@@ -106,7 +106,7 @@ class Sample:
     sample_id: str
     input_ids: list[int]
     loss_mask: list[int]
-    states: np.ndarray  # uint16 bf16 bit patterns, [n, captured layers, H]
+    states: np.ndarray | None  # uint16 bf16 bit patterns, [n, captured layers, H]; None: a token-only format
 
 
 def covered_sample(rec: dict, tokens: np.ndarray, states: np.ndarray, where: str) -> Sample:

@@ -14,6 +14,8 @@ shards through it and keeps the export resumable like the text formats (app/data
   vocabularies) is rebuilt from all of them when the export is assembled (app/data/export.py).
 - Samples with nothing to learn from are left out and counted (`no_supervised_tokens`, and for DFlash
   `no_two_consecutive_supervised_tokens`, which SpecForge refuses).
+- The token-only formats (app/data/export_online.py) are subclasses that write no states (`needs_states`
+  False): they take each record's ids whole and share the numbering, the plan, resumability and `token_freq.pt`.
 
 Many exporter processes per output folder at a time: each shard is claimed (app/data/export_claims.py).
 """
@@ -25,6 +27,7 @@ from collections import Counter
 
 from app.data.export_states import (
     ExportLayers,
+    Sample,
     choose_layers,
     covered_sample,
     supervised_counts,
@@ -39,6 +42,8 @@ class StateExport:
     """Base of the hidden-state formats; subclasses set the class fields and `write_sample`."""
 
     name = ""
+    needs_states = True  # False: a token-only format, which reads no states and writes none
+    file: str | None = None  # the one file holding every row, where a format writes one
     needs_final = False
     aux_count: int | None = None
     consecutive_supervision = False
@@ -47,9 +52,10 @@ class StateExport:
         self.reader, self.out = reader, out
         model = reader.settings.get("model") or {}
         self.model = model
-        self.layers: ExportLayers = choose_layers(self.name, reader.run_id, reader.layers,
-                                                  int(model.get("num_layers") or 0), layers_spec,
-                                                  self.needs_final, self.aux_count)
+        self.layers: ExportLayers | None = None
+        if self.needs_states:
+            self.layers = choose_layers(self.name, reader.run_id, reader.layers, int(model.get("num_layers") or 0),
+                                        layers_spec, self.needs_final, self.aux_count)
 
     def meta(self) -> dict:
         """What goes into export.json: the layers and where they are in each sample's tensors."""
@@ -58,7 +64,17 @@ class StateExport:
 
     def count_shard(self, info: ShardInfo, kept, filtered: Counter) -> int:
         """How many of the shard's kept records `export_shard` writes (the rest counted in `filtered`), from the
-        hidden file's index alone: the states' token count decides which ids and mask positions are exported."""
+        hidden file's index alone: the states' token count decides which ids and mask positions are exported.
+        A token-only format exports every id and the whole mask, so the record alone decides."""
+        if not self.needs_states:
+            n = 0
+            for rec in kept:
+                problem = supervision_problem(rec["loss_mask"], self.consecutive_supervision)
+                if problem:
+                    filtered[problem] += 1
+                else:
+                    n += 1
+            return n
         reader = self.reader.hidden_reader(info)
         n = 0
         for rec in kept:
@@ -85,10 +101,7 @@ class StateExport:
         index = first
         freq: Counter = Counter()
         for rec in kept:
-            got = self.reader.states(info, rec)
-            if got is None:
-                raise RegenError(f"shard {info.shard_id} sample {rec['sample_id']}: no hidden states")
-            sample = covered_sample(rec, *got, where=f"shard {info.shard_id}")
+            sample = self.sample(info, rec)
             problem = supervision_problem(sample.loss_mask, self.consecutive_supervision)
             if problem:
                 filtered[problem] += 1
@@ -101,6 +114,13 @@ class StateExport:
         return {"shard_id": info.shard_id, "exported": index - first, "first_index": first,
                 "filtered": dict(filtered), "file": None}
 
+    def sample(self, info: ShardInfo, rec: dict) -> Sample:
+        """The record as the format writes it: here the ids its stored states cover, with those states."""
+        got = self.reader.states(info, rec)
+        if got is None:
+            raise RegenError(f"shard {info.shard_id} sample {rec['sample_id']}: no hidden states")
+        return covered_sample(rec, *got, where=f"shard {info.shard_id}")
+
     def write_sample(self, index: int, sample) -> None:
         raise NotImplementedError
 
@@ -108,6 +128,16 @@ class StateExport:
         """Hook after a shard's samples are written (speculators keeps the shard's rows for its dataset)."""
 
     # -- assembling the export ----------------------------------------------------------------------------
+    def shards_in_order(self) -> list[str]:
+        """The exported shards that hold samples, in the order of their samples' numbers."""
+        starts = []
+        for name in self.out.listdir("done"):
+            if name.endswith(".json"):
+                d = self.out.read_json(f"done/{name}")
+                if d["exported"]:
+                    starts.append((int(d["first_index"]), d["shard_id"]))
+        return [shard for _, shard in sorted(starts)]
+
     def finish(self, done: set[str], samples: int) -> None:
         """Write the files made from every exported shard (`done`; `samples` in all), after the last shard."""
         import torch
@@ -121,10 +151,12 @@ class StateExport:
 
 
 def formats() -> dict[str, type[StateExport]]:
+    from app.data.export_online import SpecForgeOnline, SpeculatorsOnline
     from app.data.export_specforge import SpecForgeDFlash, SpecForgeEagle3
     from app.data.export_speculators import Speculators
 
-    return {c.name: c for c in (SpecForgeDFlash, SpecForgeEagle3, Speculators)}
+    return {c.name: c for c in (SpecForgeDFlash, SpecForgeEagle3, Speculators, SpecForgeOnline, SpeculatorsOnline)}
 
 
-TRAINER_FORMATS = ("specforge-dflash", "specforge-eagle3", "speculators")
+TRAINER_FORMATS = ("specforge-dflash", "specforge-eagle3", "speculators")  # hidden states: capture runs only
+ONLINE_FORMATS = ("specforge-online", "speculators-online")  # token-only: every run, capture off included
