@@ -129,14 +129,15 @@ def test_an_exporter_killed_mid_shard_and_rerun_alone_writes_the_same_bytes(run,
     assert files(out) == reference["speculators"]
 
 
-@pytest.mark.parametrize("fmt", ["specforge-jsonl", "parquet"])
-def test_text_exports_fan_out_to_the_same_bytes(run, tmp_path, fmt):
+@pytest.mark.parametrize("fmt", ["specforge-jsonl", "parquet", "specforge-online", "speculators-online"])
+def test_text_and_token_only_exports_fan_out_to_the_same_bytes(run, tmp_path, fmt):
     export_in_process(run, tmp_path / "one", fmt)
     export_in_process(run, tmp_path / "procs", fmt, "--processes", "2")
     for i in (2, 1):
         export_in_process(run, tmp_path / "parts", fmt, "--part", f"{i}/2")
     want = files(tmp_path / "one")
-    assert sum(k.startswith("data/") for k in want) == 6
+    per_shard = "done/" if fmt.endswith("-online") else "data/"
+    assert sum(k.startswith(per_shard) for k in want) == 6  # every shard written
     assert files(tmp_path / "procs") == want and files(tmp_path / "parts") == want
 
 
