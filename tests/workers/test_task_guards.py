@@ -1,4 +1,4 @@
-"""Each guard of a shard's delivery on its own (workers/task_guards.py), on real storage: a tmp run with a real
+"""Each guard of a shard's delivery on its own (workers/shard/task_guards.py), on real storage: a tmp run with a real
 manifest, real attempt records, a real in-flight registry; plus the ledger's stage keys and the pause."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from app.liveness import identity
 from app.manifest import QualitySettings, RunSettings, Sampling, open_or_create
 from app.storage import RunStore, Storage
 from tests.support.faults import dead_process
-from workers.inflight import InFlight
-from workers.shard_output import publish_shard
-from workers.task_guards import (
+from workers.process.inflight import InFlight
+from workers.shard.shard_output import publish_shard
+from workers.shard.task_guards import (
     BEFORE,
     Delivery,
     Worker,

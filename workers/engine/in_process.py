@@ -27,9 +27,8 @@ from workers.engine.jobs import BatchJob, ExclusiveCall, one_by_one
 from workers.engine.llm_arguments import llm_kwargs, sampling_params
 from workers.engine.options import EngineOptions
 from workers.engine.request import EngineSpan, GenRequest, GenResult, check_capture_requests
+from workers.engine.scheduling import name_thread
 from workers.engine.self_test import run_self_test
-from workers.process_env import prepare_vllm_env
-from workers.scheduling import name_thread
 
 log = logging.getLogger("regen.engine")
 ENGINE_THREAD = "regen-engine"  # the engine thread's OS-level name; its OpenMP threads inherit it
@@ -37,13 +36,15 @@ _SHUTDOWN = object()
 
 
 class InProcessEngine(Engine):
-    """One vLLM `LLM` per process, driven by one thread; `run()` takes a batch and streams results back."""
+    """One vLLM `LLM` per process, driven by one thread; `run()` takes a batch and streams results back.
+
+    Its builder prepares vLLM's environment first (workers/process/process_env.prepare_vllm_env: the worker's
+    context does, and an engine process inherits it), so the engine reaches up into no plumbing."""
 
     def __init__(self, options: EngineOptions, read_captures: bool = True):
         self.options = options
         # False in an engine process's child: results carry `capture_path` and the worker process reads the file.
         self._read_captures = read_captures
-        prepare_vllm_env(options.in_process)
         self._counter = 0
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -102,7 +103,7 @@ class InProcessEngine(Engine):
 
     @property
     def delivery_thread_id(self) -> int | None:
-        """The delivery thread's native id (the worker lowers its scheduling priority: workers/scheduling.py)."""
+        """The delivery thread's native id (the worker lowers its scheduling priority: workers/engine/scheduling.py)."""
         return self._delivery.native_id
 
     def _own_engine(self, built: threading.Event, failure: list) -> None:
@@ -118,7 +119,7 @@ class InProcessEngine(Engine):
         self._loop()
 
     # The engine thread ------------------------------------------------------------------------------
-    # Tasks run in Celery's thread pool (the worker's task slots, workers/devices.py), so one shard can be
+    # Tasks run in Celery's thread pool (the worker's task slots, workers/process/devices.py), so one shard can be
     # written to storage while the next one is already generating. vLLM is driven by one dedicated thread; tasks hand it jobs and wait.
     def run(self, requests: list[GenRequest], on_done: Callable[[GenResult], None]) -> EngineSpan | None:
         """Generate every request (continuous batching) and call `on_done` as each one finishes.
@@ -145,7 +146,7 @@ class InProcessEngine(Engine):
         """Run `fn(llm, *args)` on the engine thread, between steps, once nothing is in the engine; return its result.
 
         Jobs that arrive meanwhile wait until it returns. What it is for: the fleet bench's in-process baseline
-        (`LLM.generate` on this very engine, workers/bench_task.py), which must not run beside the engine
+        (`LLM.generate` on this very engine, workers/process/bench_task.py), which must not run beside the engine
         thread: vLLM is not thread-safe, and a second thread running torch ops slows an OpenMP CPU engine.
         """
         return self._submit(ExclusiveCall(fn, args)).result

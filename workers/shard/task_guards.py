@@ -1,6 +1,6 @@
 """The guards a shard's delivery passes before and after its work, in order; each one small and testable alone.
 
-In the spirit of dramatiq's middleware: the task (workers/tasks.py) runs `BEFORE` in order, and the first guard
+In the spirit of dramatiq's middleware: the task (workers/shard/tasks.py) runs `BEFORE` in order, and the first guard
 that has an answer ends the delivery there (a result string, or Celery's `Reject`); the work runs only when every
 guard passed. Around the work, `pause_on_stubs` follows a generated shard's records and `settle_failure` decides
 what a failed attempt leaves on storage and what the task does next. Every guard reads and writes the shard
@@ -28,15 +28,15 @@ from app import ledger
 from app.errors import EngineDead, EngineLost, InvalidTask, ManifestMismatch, PermanentError
 from app.quality import StubWindow, is_stub
 from app.storage import RunStore
-from workers.engine_limits import unsupported
-from workers.inflight import Claim, InFlight
+from workers.engine.limits import unsupported
+from workers.process.inflight import Claim, InFlight
 
 log = logging.getLogger("regen.tasks")
 
 
 @dataclass(frozen=True)
 class Worker:
-    """What the guards need to know of the worker process (workers/context.WorkerContext holds it all)."""
+    """What the guards need to know of the worker process (workers/process/context.WorkerContext holds it all)."""
 
     name: str
     model_fingerprint: str
@@ -45,7 +45,7 @@ class Worker:
     max_attempts: int = 5
     max_crashes: int = 10
     engine: dict | None = None  # what attempt records say about the engine
-    device: str = "cuda"  # "cpu" or "cuda": what workers/engine_limits.py judges
+    device: str = "cuda"  # "cpu" or "cuda": what workers/engine/limits.py judges
 
     @classmethod
     def of(cls, ctx) -> Worker:

@@ -5,9 +5,9 @@ Order inside `generate_shard` (and `capture_shard`), and why:
    in the dead-message list (app/dead_messages.py) and acked; nothing else is touched.
 1. The engine already died (another slot saw it) -> the shard is re-published, the process exits for a restart.
 2. Another delivery of the same shard already runs in this process -> this one starts no attempt
-   (workers/inflight.py: a different message is acked, the running one covers the shard; the same message,
+   (workers/process/inflight.py: a different message is acked, the running one covers the shard; the same message,
    restored by the visibility timeout, is deferred with Celery's retry).
-3. The guards, in order (workers/task_guards.py, each testable alone): skip done, skip dead, drop when paused
+3. The guards, in order (workers/shard/task_guards.py, each testable alone): skip done, skip dead, drop when paused
    (ack, no requeue: `regen resume-run` re-sends), require the run (not on storage -> a few retries with backoff,
    then recorded in the dead-message list and acked), count the attempt (dead-letter past `max_attempts`
    failures of its own or `max_crashes` processes that died holding it), check the manifest (another model or
@@ -37,10 +37,10 @@ from app.celery_app import CAPTURE_TASK, GENERATE_TASK
 from app.errors import InvalidId, InvalidTask
 from app.ledger import CAPTURE, GENERATE, stage_key
 from app.storage import RunStore, Storage
-from workers.context import WorkerContext
-from workers.inflight import InFlight
-from workers.shard_output import hidden_file_stream, publish_shard
-from workers.task_guards import Delivery, Worker, pause_on_stubs, run_guards, settle_failure
+from workers.process.context import WorkerContext
+from workers.process.inflight import InFlight
+from workers.shard.shard_output import hidden_file_stream, publish_shard
+from workers.shard.task_guards import Delivery, Worker, pause_on_stubs, run_guards, settle_failure
 
 log = logging.getLogger("regen.tasks")
 RETRYABLE = (OSError, TimeoutError)
@@ -112,7 +112,7 @@ _claims = InFlight()
 
 
 def holds_no_shard() -> bool:
-    """Whether this process runs no shard now (workers/dead_holder_watch.py checks only then)."""
+    """Whether this process runs no shard now (workers/process/dead_holder_watch.py checks only then)."""
     return not _claims.held()
 
 
@@ -225,7 +225,7 @@ def register(celery) -> None:
         task_started = time.time()
 
         def work(ctx, delivery):
-            from workers.generate import generate_records as run_generation
+            from workers.shard.generate import generate_records as run_generation
 
             store, manifest, attempt = delivery.store, delivery.manifest, delivery.attempt
             inline = manifest["settings"]["capture_mode"] == "inline"
@@ -251,7 +251,7 @@ def register(celery) -> None:
     @celery.task(name=CAPTURE_TASK, bind=True, acks_late=True, max_retries=None, base=GuardedTask)
     def capture_shard(self, run_id: str, storage: str, shard_id: str):
         def work(ctx, delivery):
-            from workers.capture_stage import capture_records as run_capture
+            from workers.shard.capture_stage import capture_records as run_capture
 
             won = run_capture(ctx, delivery.store, delivery.manifest, shard_id, delivery.attempt)
             return "done" if won else "duplicate"
