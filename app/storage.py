@@ -38,7 +38,7 @@ from collections.abc import Iterator
 import fsspec
 import orjson
 
-from app.errors import RetryableError
+from app.errors import InvalidId
 from app.ids import validate_id
 from app.settings import current
 
@@ -64,7 +64,7 @@ class Storage:
         parts = [p for p in rel.split("/") if p]
         for p in parts:
             if p in (".", "..") or "\\" in p or "\x00" in p:
-                raise RetryableError(f"refusing path component {p!r} in {rel!r}")
+                raise InvalidId(f"refusing path component {p!r} in {rel!r}")
         return "/".join([self.root.rstrip("/"), *parts])
 
     # -- reads ------------------------------------------------------------------------------------------
