@@ -90,7 +90,7 @@ def _start_watchers(celery: Celery, **_):
     from workers.process.context import WorkerContext
     from workers.process.engine_watch import watch_engine
     from workers.process.inflight import sweep_dead_attempts
-    from workers.shard.tasks import holds_no_shard, visibility_timeout
+    from workers.shard.delivery import holds_no_shard, visibility_timeout
 
     skew = clock_skew_warning()
     if skew:
