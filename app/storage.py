@@ -254,6 +254,8 @@ class RunStore:
 
     # markers
     def is_done(self, shard: str) -> bool:
+        """Whether the generation's marker exists: the primitive app/ledger.is_finished(store, key) calls, the one
+        answer to "is this stage finished" (either stage) that the worker's guards ask."""
         return self.storage.exists(self.done_path(shard))
 
     def done_marker(self, shard: str) -> dict | None:
