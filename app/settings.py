@@ -12,7 +12,7 @@ at that call, so a test that sets a variable is seen.
 Every variable, its default and its meaning: docs/configuration.md ("Environment variables"); the fields below
 name theirs. Flags that read a variable (`--storage` from `REGEN_STORAGE`, ...) are defined once, in
 app/cli/options.py. What regen writes into a child's environment (its GPUs, its WorkerConfig, vLLM's switches)
-is in workers/process/process_env.py.
+is in app/process_env.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Entry point of one worker process (one per GPU, or one on the CPU).
 
-Started by `regen worker` with CUDA_VISIBLE_DEVICES and REGEN_WORKER_CONFIG already set (workers/process/process_env.py),
+Started by `regen worker` with CUDA_VISIBLE_DEVICES and REGEN_WORKER_CONFIG already set (app/process_env.py),
 so nothing touches CUDA before the device is pinned. It reads its settings once (app/settings.py); the engine is
 built and self-tested *before* the Celery app is built with them (workers/celery_worker.build_worker_app) and its
 consumer starts, so a broken engine never takes a shard (exit 70: the supervisor restarts it with backoff).

@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 # What a process looks like: Celery apps alive, receivers of the worker's signals, kombu's envelope parser,
-# and the variables regen writes (workers/process/process_env.py).
+# and the variables regen writes (app/process_env.py).
 PROBE = """
 import json, os
 from celery import _state, signals

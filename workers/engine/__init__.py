@@ -14,6 +14,5 @@ self_test.py          the few tokens generated before a worker consumes
 limits.py             settings an engine is known to crash on, refused before it runs
 scheduling.py         how the engine and the worker's side threads share a CPU's cores
 
-Nothing here imports the rest of workers/: whoever builds an engine prepares vLLM's environment first
-(workers/process/process_env.prepare_vllm_env, called by workers/process/context.py).
+Nothing here imports the rest of workers/ (vLLM's environment is written by the base's app/process_env.py).
 """

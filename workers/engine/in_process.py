@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from app.errors import EngineDead, PermanentError
+from app.process_env import prepare_vllm_env
 from workers.engine.capture_file import attach_capture, still_being_written
 from workers.engine.interface import Engine
 from workers.engine.jobs import BatchJob, ExclusiveCall, one_by_one
@@ -36,15 +37,13 @@ _SHUTDOWN = object()
 
 
 class InProcessEngine(Engine):
-    """One vLLM `LLM` per process, driven by one thread; `run()` takes a batch and streams results back.
-
-    Its builder prepares vLLM's environment first (workers/process/process_env.prepare_vllm_env: the worker's
-    context does, and an engine process inherits it), so the engine reaches up into no plumbing."""
+    """One vLLM `LLM` per process, driven by one thread; `run()` takes a batch and streams results back."""
 
     def __init__(self, options: EngineOptions, read_captures: bool = True):
         self.options = options
         # False in an engine process's child: results carry `capture_path` and the worker process reads the file.
         self._read_captures = read_captures
+        prepare_vllm_env(options.in_process)
         self._counter = 0
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()

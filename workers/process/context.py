@@ -1,7 +1,7 @@
 """What one worker process holds for its whole life: the engine, the model's identity and its settings.
 
 Built once per process (never per task) from `REGEN_WORKER_CONFIG`, a JSON object the supervisor (`regen worker`)
-puts in the child's environment together with `CUDA_VISIBLE_DEVICES` (workers/process/process_env.py), and which the
+puts in the child's environment together with `CUDA_VISIBLE_DEVICES` (app/process_env.py), and which the
 child's settings carry (app/settings.py).
 """
 
@@ -25,7 +25,6 @@ from app.settings import Settings
 from app.settings import current as current_settings
 from workers.engine.scheduling import ENV as SIDE_THREADS_ENV
 from workers.engine.scheduling import POLICY_NAMES, lower_priority, name_thread, side_threads_policy
-from workers.process.process_env import prepare_vllm_env
 
 if TYPE_CHECKING:
     from workers.engine.interface import Engine
@@ -142,8 +141,6 @@ class WorkerContext:
         options.scratch_dir = os.path.join(scratch_root(need), f"regen-capture-{os.getpid()}")
         _remove_stale_scratch(os.path.dirname(options.scratch_dir))
         self.engine: Engine
-        # vLLM's switches, before an engine is built here or in a child that inherits this environment
-        prepare_vllm_env(options.in_process)
         if options.host_process:
             from workers.engine.process import PROCESS_NAME, EngineProcess
 

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass, field
 
 from app.config import mask_url
+from app.process_env import worker_child_env
 from workers.process.context import WorkerConfig
-from workers.process.process_env import worker_child_env
 
 log = logging.getLogger("regen.supervisor")
 
