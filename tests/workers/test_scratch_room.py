@@ -13,7 +13,7 @@ import tempfile
 import pytest
 
 from app.errors import ConfigError
-from workers import context
+from workers.process import context
 from workers.process.context import capture_room, scratch_root
 
 MB = 10**6
