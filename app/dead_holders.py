@@ -7,7 +7,7 @@ end of a run that is hours of idle fleet. Storage already knows sooner: every at
 process gone on this host, or its lease run out on the fleet's shared clock, app/liveness.py and app/clock.py).
 
 What `resend_dead_holders` does, on any process that reaches the broker (an idle worker's periodic check,
-workers/dead_holder_watch.py; `regen run`'s watch, app/cli/run.py):
+workers/process/dead_holder_watch.py; `regen run`'s watch, app/cli/run.py):
 1. reads the unacked messages' task names and arguments (kombu's own decoders) and keeps the shard tasks;
 2. for each, judges the shard's stage key on storage: no completion marker, no dead letter, no attempt alive,
    and its newest attempt's process died holding it (when the newest recorded an error, Celery retries it with

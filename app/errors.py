@@ -1,10 +1,35 @@
-"""One exception tree for the whole project.
+"""One exception tree for the whole project, and what a worker does with each kind of failure.
 
 `RegenError` and its children carry a one-line, user-facing message; the CLI prints it and exits non-zero
-without a traceback. Retryable failures (storage hiccups, a broker that went away) are kept apart from
-permanent ones (bad input, a shard that does not belong to the loaded model) so the worker can decide between
-Celery's retry machinery and dead-lettering.
+without a traceback. Every error regen raises on purpose is one of them:
+
+    RegenError
+    |-- ConfigError, InputError, ManifestMismatch   for the person at the command line
+    |-- RetryableError                              transient: a later attempt may pass
+    |   |-- EngineDead -> EngineLost                the engine died: the process restarts for a fresh one
+    |   `-- InvalidTask                             the run is not on storage (yet): a few retries, then set aside
+    `-- PermanentError                              repeats on every attempt
+        |-- InvalidId                               an id that could escape the storage root
+        |-- CorruptHiddenFile (app/hidden_file.py)  a stored file whose structure or checksum does not hold
+        |-- NonFiniteStates (app/states_codec.py)   NaN/Inf states a lossy codec cannot store
+        `-- Rejected (producer/normalise.py)        an input row that cannot become a sample
+
+CorruptHiddenFile and NonFiniteStates are also `ValueError`s, as their callers have always caught them.
+
+`classify(exc)` is the one place a failure's class decides what the worker does (workers/shard/delivery.py and
+workers/shard/task_guards.settle_failure act on its answer, nothing else looks at the class). Two kinds of
+failure are not regen's on purpose, and are classed here too:
+- an `OSError` or `TimeoutError` (a storage hiccup, a full disk, a broker that went away) is transient, like a
+  `RetryableError`: retried with backoff; a shard's attempt count on storage (`--max-attempts`) still
+  dead-letters one that keeps failing;
+- anything else (a bug, or a `ConfigError` raised mid-shard) is unexpected: inside an attempt it is retried
+  under the same attempt limit; before an attempt exists nothing would bound the retries, so Celery records the
+  task's failure instead.
 """
+
+from __future__ import annotations
+
+from enum import StrEnum
 
 
 class RegenError(Exception):
@@ -23,19 +48,20 @@ class ManifestMismatch(RegenError):
     """A run is reopened, or a shard is served, with settings that differ from the run manifest."""
 
 
-class InvalidId(RegenError):
-    """A run or shard id that could escape the storage root or is otherwise malformed."""
-
-
 class RetryableError(RegenError):
     """A transient failure: the task may be retried (storage I/O, broker connection)."""
 
 
 class PermanentError(RegenError):
-    """A failure that will repeat on every attempt: the shard is dead-lettered at once."""
+    """A failure that will repeat on every attempt: a worker dead-letters the shard at once."""
 
 
-class EngineDead(RegenError):
+class InvalidId(PermanentError):
+    """A run or shard id (or a storage path component) that could escape the storage root or is otherwise
+    malformed; a task message naming one cannot be a shard and is set aside."""
+
+
+class EngineDead(RetryableError):
     """The inference engine died; the worker process must exit without acking so the shard is redelivered."""
 
 
@@ -44,6 +70,35 @@ class EngineLost(EngineDead):
     machine around a shard, counted as such (app/ledger.record_attempt), not as the shard's failure."""
 
 
-class InvalidTask(RegenError):
+class InvalidTask(RetryableError):
     """A task message whose arguments cannot be a shard of a run (wrong names or types, a run that is not on
     storage): recorded in the dead-message list, never retried forever."""
+
+
+class Failure(StrEnum):
+    """What a worker does with a failed delivery, by the failure's class (`classify`)."""
+
+    RESTART = "restart"  # the engine died: re-publish the shard, exit for a fresh engine
+    SET_ASIDE = "set-aside"  # the message cannot name a shard: recorded in the dead-message list, acked
+    DEAD_LETTER = "dead-letter"  # it repeats on every attempt: the shard is dead-lettered at once
+    RETRY_A_FEW = "retry-a-few"  # the run is not on storage yet: a few retries, then set aside
+    RETRY = "retry"  # transient: retried with backoff, the attempt count bounds it
+    UNEXPECTED = "unexpected"  # a bug: retried within an attempt (bounded), Celery's failure before one
+
+
+TRANSIENT = (RetryableError, OSError, TimeoutError)
+
+
+def classify(exc: BaseException) -> Failure:
+    """The one answer to "what does a worker do with this failure", from its class alone (most specific first)."""
+    if isinstance(exc, EngineDead):
+        return Failure.RESTART
+    if isinstance(exc, InvalidId):
+        return Failure.SET_ASIDE
+    if isinstance(exc, PermanentError):
+        return Failure.DEAD_LETTER
+    if isinstance(exc, InvalidTask):
+        return Failure.RETRY_A_FEW
+    if isinstance(exc, TRANSIENT):
+        return Failure.RETRY
+    return Failure.UNEXPECTED

@@ -42,6 +42,7 @@ import orjson
 import zstandard
 
 from app import states_codec
+from app.errors import PermanentError
 
 MAGIC = b"RGHS\x00\x01\x00\x00"
 FOOTER_MAGIC = b"RGHSIDX1"
@@ -50,8 +51,9 @@ FORMAT = "regen.hidden/1"
 FORMAT_LOSSY = "regen.hidden/2"  # an index with lossy entries (see the module docstring)
 
 
-class CorruptHiddenFile(ValueError):
-    """The file's structure, a checksum or a length does not hold."""
+class CorruptHiddenFile(PermanentError, ValueError):
+    """The file's structure, a checksum or a length does not hold (it will not on a second read either). A
+    ValueError too, as callers have caught it."""
 
 
 def split_bytes(states_u16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -9,7 +9,7 @@ paths, this module the rules written at them):
   (`renew_lease`, app/liveness.py) so other machines can tell a dead attempt from a slow one;
 - dead letters: a key that failed too often gets one (`dead_letter`), holding every attempt's record; `regen
   retry-dead` archives the letter and the attempts before re-sending (`archive_dead`);
-- completion markers (written by the publishers, workers/shard_output.py and workers/capture_stage.py): a key
+- completion markers (written by the publishers, workers/shard/shard_output.py and workers/shard/capture_stage.py): a key
   is finished exactly when its marker exists (`is_finished`, `finished`, `dead`, `missing_captures`);
 - the pause: a run whose stub rate crossed its threshold is paused until `regen resume-run` clears it;
 - the sweep: what dead attempts left half-written (`atomic_writer` temporaries) is removed once they are known
@@ -85,7 +85,7 @@ def record_attempt(store: RunStore, key: str, attempt: str, worker: str, stale_a
                    **extra) -> AttemptCount:
     """Write this attempt's start file; return what the key's earlier attempts count against it.
 
-    An attempt is one delivery of the shard in one process (workers/inflight.py keeps a process from running two
+    An attempt is one delivery of the shard in one process (workers/process/inflight.py keeps a process from running two
     copies at once). Earlier attempts count in two ways:
     - `failures`: each one that recorded an error of its own (`error_kind` "error"). These are the shard's own
       merits: a prompt the engine fails on fails every time.

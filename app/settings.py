@@ -12,7 +12,7 @@ at that call, so a test that sets a variable is seen.
 Every variable, its default and its meaning: docs/configuration.md ("Environment variables"); the fields below
 name theirs. Flags that read a variable (`--storage` from `REGEN_STORAGE`, ...) are defined once, in
 app/cli/options.py. What regen writes into a child's environment (its GPUs, its WorkerConfig, vLLM's switches)
-is in workers/process_env.py.
+is in app/process_env.py.
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ class Settings:
     heartbeat_s: float = DEFAULT_HEARTBEAT_S  # REGEN_HEARTBEAT_S: a worker's lease renewals (at least 0.5 s)
     state_dir: str = field(default_factory=_default_state_dir)  # REGEN_STATE_DIR: a worker host's attempt journal
     scratch: str | None = None  # REGEN_SCRATCH: where capture files go (None: /dev/shm, else the temp dir)
-    # REGEN_SIDE_THREADS, stripped and lower-cased; workers/scheduling.py decides what it means
+    # REGEN_SIDE_THREADS, stripped and lower-cased; workers/engine/scheduling.py decides what it means
     side_threads: str = ""
     missing_run_retries: int = DEFAULT_MISSING_RUN_RETRIES  # REGEN_MISSING_RUN_RETRIES (at least 0)
     log_level: str = DEFAULT_LOG_LEVEL  # REGEN_LOG_LEVEL: worker and engine processes
     queues: str = DEFAULT_QUEUE  # REGEN_QUEUES: what a worker child consumes (set by `regen worker`)
-    worker_config: str | None = None  # REGEN_WORKER_CONFIG: a worker child's WorkerConfig as JSON (workers/context.py)
+    worker_config: str | None = None  # REGEN_WORKER_CONFIG: a worker child's WorkerConfig as JSON (workers/process/context.py)
     bench_tasks: bool = False  # REGEN_BENCH_TASKS=1: the worker registers the fleet bench's task too
 
     @classmethod

@@ -40,12 +40,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from app.errors import PermanentError
+
 E4M3_MAX = 448.0
 _BLOCK_VALUES = 1 << 18  # float32 temporaries of 1 MiB per block: in L2
 
 
-class NonFiniteStates(ValueError):
-    """The states hold NaN/Inf: no lossy codec stores them (the sample is kept as captured)."""
+class NonFiniteStates(PermanentError, ValueError):
+    """The states hold NaN/Inf: no lossy codec stores them (the sample is kept as captured). A ValueError too,
+    as callers have caught it."""
 
 
 @dataclass

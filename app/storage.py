@@ -38,7 +38,7 @@ from collections.abc import Iterator
 import fsspec
 import orjson
 
-from app.errors import RetryableError
+from app.errors import InvalidId
 from app.ids import validate_id
 from app.settings import current
 
@@ -64,7 +64,7 @@ class Storage:
         parts = [p for p in rel.split("/") if p]
         for p in parts:
             if p in (".", "..") or "\\" in p or "\x00" in p:
-                raise RetryableError(f"refusing path component {p!r} in {rel!r}")
+                raise InvalidId(f"refusing path component {p!r} in {rel!r}")
         return "/".join([self.root.rstrip("/"), *parts])
 
     # -- reads ------------------------------------------------------------------------------------------
@@ -254,6 +254,8 @@ class RunStore:
 
     # markers
     def is_done(self, shard: str) -> bool:
+        """Whether the generation's marker exists: the primitive app/ledger.is_finished(store, key) calls, the one
+        answer to "is this stage finished" (either stage) that the worker's guards ask."""
         return self.storage.exists(self.done_path(shard))
 
     def done_marker(self, shard: str) -> dict | None:

@@ -36,9 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app.quality import states_problem
 from app.states_codec import DEFAULT_LOSSY, LOSSY_CODECS
-from workers.context import scratch_root
 from workers.engine.capture_file import read_capture_file
-from workers.generate import check_and_encode
+from workers.process.context import scratch_root
+from workers.shard.generate import check_and_encode
 
 
 def copying_read(path: str) -> tuple[np.ndarray, np.ndarray]:
@@ -145,7 +145,7 @@ def main() -> None:
         print(f"capture work on the single delivery thread: before {ms['copy'] + ms['check']:.0f} ms per sample "
               f"(copying read + check: at most {old_delivery:,.0f} tokens/s per worker), now {ms['map']:.2f} ms "
               f"(mapped read: {new_delivery / old_delivery:.0f}x the ceiling); each encoder thread adds "
-              f"{per_thread:,.0f} tokens/s (a GPU worker has 2-8, workers/devices.encode_threads_for)")
+              f"{per_thread:,.0f} tokens/s (a GPU worker has 2-8, workers/process/devices.encode_threads_for)")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -27,7 +27,7 @@ is as large as the target's margin, and with one direct and one worker it decide
 `--directs` direct processes and `--fleets` workers (2 each by default), times one pass of every one per round,
 and takes the ratio of the fleet's mean rate to direct's mean rate; each process's own median against the
 round's direct mean is printed too, so the spread shows. `--in-worker` adds `LLM.generate` run by each worker
-on its own engine (in its engine's process, between shards: workers/bench_task.py), which takes that worker's
+on its own engine (in its engine's process, between shards: workers/process/bench_task.py), which takes that worker's
 own process difference out of its comparison.
 
 How the comparison is kept fair on a noisy machine (speeds here move by 20-30% within minutes):
@@ -114,7 +114,7 @@ results = os.fdopen(os.dup(1), "w", buffering=1)
 os.dup2(2, 1)
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 sys.path.insert(0, {str(REPO)!r})
-from workers.context import scratch_root
+from workers.process.context import scratch_root
 from workers.engine.options import EngineOptions
 o = EngineOptions(model={model!r}, capture_layers=tuple({LAYERS!r}), max_model_len={MAX_PROMPT_TOKENS + max_tokens},
                   scratch_dir=os.path.join(scratch_root(), f"regen-bench-{tag}-{{os.getpid()}}"))
@@ -307,7 +307,7 @@ class Fleet:
         return produced["counts"]["shards"]
 
     def direct_in_worker(self, round_name: str, sampling_of: str) -> tuple[int, float, list[float], dict]:
-        """`LLM.generate` over the round's prompts on the worker's own engine (workers/bench_task.py), with the
+        """`LLM.generate` over the round's prompts on the worker's own engine (workers/process/bench_task.py), with the
         sampling of run `bench-<sampling_of>`; extras as `timed`'s (CPU by part over the whole exchange)."""
         from app.celery_app import BENCH_DIRECT_TASK
 
@@ -376,7 +376,7 @@ class Fleet:
 
 def write_prompts(tokenizer, scratch: str, round_name: str, n: int) -> None:
     """The round's prompts, as a producer input file (fleet) and as rendered token ids (direct, engine-only)."""
-    from workers.generate import render_prompt
+    from workers.shard.generate import render_prompt
 
     rows = [{"question": f"Round {round_name}, question {i}: what is {i} * {i + 3}? Explain the steps briefly."}
             for i in range(n)]
@@ -389,7 +389,7 @@ def _engine_host_default() -> bool:
     """Whether the CPU worker runs its engine in a process of its own (workers/engine/process.py) without flags."""
     import click
 
-    from workers.devices import PRESETS
+    from workers.process.devices import PRESETS
 
     choice = os.environ.get("REGEN_ENGINE_HOST")  # read as `regen worker --engine-host` reads it
     return PRESETS["cpu"].get("host_process", False) if choice is None else click.BOOL.convert(choice, None, None)
@@ -488,7 +488,7 @@ def main() -> None:
             write_prompts(tok, tmp, f"{r}a", args.prompts)
             if args.in_worker:
                 write_prompts(tok, tmp, f"{r}b", args.prompts)
-        from workers.devices import PRESETS, task_slots_for
+        from workers.process.devices import PRESETS, task_slots_for
 
         slots = task_slots_for(PRESETS["cpu"]["max_num_seqs"], args.shard_size, "cpu")
         pass_shards = -(-args.prompts // args.shard_size)

@@ -30,7 +30,7 @@ from app.data.export_speculators import safetensors_bytes
 from app.hidden_file import encode_sample, float32_to_bf16
 from app.records import loss_mask
 from app.storage import RunStore, Storage
-from workers.shard_output import publish_shard
+from workers.shard.shard_output import publish_shard
 
 
 def write_run(root: Path, args) -> tuple[list[Path], list[Path]]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import orjson
 
+from app.errors import PermanentError
 from app.ids import sample_id
 
 REJECT_REASONS = (
@@ -69,8 +70,10 @@ _SOURCE_ID_KEYS = ("id", "prompt_id", "idx")
 _ANSWERABLE = ("user", "tool")
 
 
-class Rejected(Exception):
-    """A row that cannot become a sample; `reason` is one of REJECT_REASONS, `detail` says where and why."""
+class Rejected(PermanentError):
+    """A row that cannot become a sample; `reason` is one of REJECT_REASONS, `detail` says where and why.
+    The producer records it as a reject and goes on (producer/produce.py); it is a PermanentError: the row
+    never becomes one."""
 
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(reason, detail)

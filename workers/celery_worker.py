@@ -1,5 +1,5 @@
 """The Celery app as a worker process sees it: `build_worker_app(settings)` registers the tasks, guards the
-transport (workers/message_guard.py) and connects the worker's signals (engine built, heap frozen, watchers
+transport (workers/process/message_guard.py) and connects the worker's signals (engine built, heap frozen, watchers
 started, engine closed at shutdown).
 
 Importing this module does none of that: an app and its signal handlers exist only once an entry point asks.
@@ -21,8 +21,8 @@ from celery.signals import worker_process_init, worker_process_shutdown, worker_
 
 from app.celery_app import create_app
 from app.settings import Settings, install
-from workers.message_guard import install as guard_messages
-from workers.tasks import register
+from workers.process.message_guard import install as guard_messages
+from workers.shard.tasks import register
 
 log = logging.getLogger("regen.worker")
 
@@ -33,8 +33,8 @@ def build_worker_app(settings: Settings) -> Celery:
     celery = create_app(settings.broker)
     guard_messages(celery)
     register(celery)
-    if settings.bench_tasks:  # the fleet bench's in-worker baseline (workers/bench_task.py)
-        from workers.bench_task import register_bench
+    if settings.bench_tasks:  # the fleet bench's in-worker baseline (workers/process/bench_task.py)
+        from workers.process.bench_task import register_bench
 
         register_bench(celery)
     connect_worker_signals(celery)
@@ -61,7 +61,7 @@ def __getattr__(name: str) -> Celery:
 
 
 def _build_engine(**_):
-    from workers.context import WorkerContext
+    from workers.process.context import WorkerContext
 
     try:
         WorkerContext.get()
@@ -72,25 +72,25 @@ def _build_engine(**_):
 
 
 def _freeze_heap(**_):
-    """Once the consumer runs, this process's start-up heap is frozen out of full collections (workers/heap.py)."""
-    from workers.heap import freeze_startup_heap
+    """Once the consumer runs, this process's start-up heap is frozen out of full collections (workers/process/heap.py)."""
+    from workers.process.heap import freeze_startup_heap
 
     log.info("worker process: %d start-up objects frozen out of garbage collection", freeze_startup_heap())
 
 
 def _start_watchers(celery: Celery, **_):
-    """The engine watchdog (workers/engine/watch.py), the sweep of this host's dead attempts' temporaries
-    (workers/inflight.py; in a thread: storage may be slow to answer), the idle worker's re-send of shards held by
-    dead processes (workers/dead_holder_watch.py), and a warning when this host's clock is off the fleet's shared
+    """The engine watchdog (workers/process/engine_watch.py), the sweep of this host's dead attempts' temporaries
+    (workers/process/inflight.py; in a thread: storage may be slow to answer), the idle worker's re-send of shards held by
+    dead processes (workers/process/dead_holder_watch.py), and a warning when this host's clock is off the fleet's shared
     one by more than a lease (app/liveness.py)."""
     import threading
 
     from app.liveness import clock_skew_warning
-    from workers import dead_holder_watch
-    from workers.context import WorkerContext
-    from workers.engine.watch import watch_engine
-    from workers.inflight import sweep_dead_attempts
-    from workers.tasks import holds_no_shard, visibility_timeout
+    from workers.process import dead_holder_watch
+    from workers.process.context import WorkerContext
+    from workers.process.engine_watch import watch_engine
+    from workers.process.inflight import sweep_dead_attempts
+    from workers.shard.delivery import holds_no_shard, visibility_timeout
 
     skew = clock_skew_warning()
     if skew:
@@ -104,7 +104,7 @@ def _start_watchers(celery: Celery, **_):
 
 
 def _close_engine(**_):
-    from workers.context import WorkerContext
+    from workers.process.context import WorkerContext
 
     if WorkerContext.current is not None:
         WorkerContext.current.close()

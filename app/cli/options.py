@@ -36,13 +36,13 @@ def model_option(*, help: str | None = None):
 
 
 def task_slots_option(*, help: str):
-    """`--task-slots N` [env REGEN_TASK_SLOTS]; None: from the engine and the shard size (workers/devices.py)."""
+    """`--task-slots N` [env REGEN_TASK_SLOTS]; None: from the engine and the shard size (workers/process/devices.py)."""
     return click.option("--task-slots", type=click.IntRange(min=1), envvar="REGEN_TASK_SLOTS", default=None,
                         help=help)
 
 
 def encode_threads_option(*, help: str):
-    """`--encode-threads N` [env REGEN_ENCODE_THREADS]; None: from the device (workers/devices.py)."""
+    """`--encode-threads N` [env REGEN_ENCODE_THREADS]; None: from the device (workers/process/devices.py)."""
     return click.option("--encode-threads", type=click.IntRange(min=1), envvar="REGEN_ENCODE_THREADS", default=None,
                         help=help)
 

@@ -153,7 +153,7 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
     from app.vllm_args import worker_vllm_args
     from producer.produce import produce
     from producer.run_setup import ProduceOptions
-    from workers.plan import (
+    from workers.process.plan import (
         manifest_engine_args,
         run_speculative,
         settings_from_run,
@@ -161,7 +161,7 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
         staged_split,
         worker_configs,
     )
-    from workers.supervisor import Supervisor
+    from workers.process.supervisor import Supervisor
 
     console = Console(stderr=True)
     from app.vllm_args import data_changing, parse_vllm_args, split_item
@@ -172,7 +172,7 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
     worker_args = [a for a in vllm_args if a not in pinned_args]
     if cpu and top_k is None and capture != "off":
         top_k = 0
-    from workers.engine_limits import unsupported
+    from workers.engine.limits import unsupported
 
     why = unsupported("cpu" if cpu else "cuda", {"top_k": top_k}, capture != "off")
     if why:  # before anything is produced: the local workers could only crash on every shard

@@ -19,7 +19,7 @@ from app.cli.options import (
 from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
 from app.errors import ConfigError
 from app.settings import current
-from workers.plan import (
+from workers.process.plan import (
     manifest_engine_args,
     refuse_unrunnable,
     run_speculative,
@@ -76,7 +76,7 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
     """Start one Celery worker process per GPU (or one on the CPU) and supervise them."""
     from app.layers import parse_layers
     from app.model_info import read_model_info
-    from workers.supervisor import Supervisor
+    from workers.process.supervisor import Supervisor
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     broker_settings = current().broker_for(broker)

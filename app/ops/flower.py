@@ -6,7 +6,7 @@ Why Flower needs its own app module:
   `celery`: its Broker page and `/api/queues/length` listed one queue, `celery`, with 0 messages, while
   shards waited in `regen`.
 - `celery -A workers.celery_worker flower` answered "'redis' broker is not supported": the worker's app runs on
-  the guarded transport (workers/message_guard.py, `broker_transport` given as a class path), and kombu's
+  the guarded transport (workers/process/message_guard.py, `broker_transport` given as a class path), and kombu's
   `Connection.as_uri()` then starts the URL with that class path instead of `redis://`; Flower picks its broker
   client by that URL's scheme (flower/utils/broker.py, `Broker`) and finds none. Flower does not consume tasks,
   so it needs neither the guard nor the worker's tasks and signals: this app is `create_app` on the same

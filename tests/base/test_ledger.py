@@ -11,8 +11,8 @@ import time
 from app import ledger
 from app.storage import RunStore, Storage
 from tests.support.faults import dead_process
-from workers.inflight import sweep_dead_attempts
-from workers.shard_output import publish_shard
+from workers.process.inflight import sweep_dead_attempts
+from workers.shard.shard_output import publish_shard
 
 
 def test_a_lease_renewal_racing_the_attempts_error_never_erases_it(tmp_path):

@@ -108,7 +108,7 @@ def test_regen_run_refuses_vllm_arg_speculative_config_on_a_staged_run(tmp_path,
 def test_only_generation_engines_get_it(tmp_path, producer_redis, tiny_mtp_hybrid):
     from workers.engine.llm_arguments import llm_kwargs
     from workers.engine.options import EngineOptions
-    from workers.plan import run_speculative
+    from workers.process.plan import run_speculative
 
     assert _produce(tmp_path, tiny_mtp_hybrid, "--capture", "staged", "--speculative", "mtp").exit_code == 0
     storage = str(tmp_path / "s")
@@ -126,8 +126,8 @@ def test_only_generation_engines_get_it(tmp_path, producer_redis, tiny_mtp_hybri
 
 
 def test_regen_run_starts_generation_and_capture_workers_apart_for_a_staged_mtp_run(tiny_mtp_hybrid):
-    from workers.plan import speculative_staged_configs, staged_split, worker_configs
-    from workers.supervisor import Supervisor
+    from workers.process.plan import speculative_staged_configs, staged_split, worker_configs
+    from workers.process.supervisor import Supervisor
 
     assert staged_split("staged", "mtp:2") and not staged_split("staged", None) and not staged_split("off", "mtp:2")
 

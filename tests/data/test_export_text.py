@@ -23,8 +23,8 @@ from app.storage import RunStore, Storage
 from producer.accounting import Accounting, write_produce_state
 from producer.normalise import normalise
 from tests.support.paths import FIXTURES_DIR
-from workers.generate import shard_summary
-from workers.shard_output import publish_shard
+from workers.shard.generate import shard_summary
+from workers.shard.shard_output import publish_shard
 
 FIXTURES = FIXTURES_DIR / "chat"
 
@@ -87,9 +87,9 @@ def ok_record(sample: dict, messages: list[dict], *, reasoning: str | None = "Le
 
 
 def multi_turn_records(sample: dict, answers: list[str], reject_at: int | None = None) -> list[dict]:
-    """What workers/multiturn.py writes for one conversation: a record per turn, the turn's prompt being the
+    """What workers/shard/multiturn.py writes for one conversation: a record per turn, the turn's prompt being the
     conversation so far with the earlier turns as regenerated."""
-    from workers.multiturn import turns_to_regenerate
+    from workers.shard.multiturn import turns_to_regenerate
 
     conv = [dict(m) for m in sample["messages"]]
     out = []

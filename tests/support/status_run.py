@@ -14,7 +14,7 @@ import numpy as np
 from app.hidden_file import encode_sample
 from app.ledger import dead_letter, record_attempt, record_attempt_error
 from app.storage import RunStore, Storage
-from workers.shard_output import publish_shard
+from workers.shard.shard_output import publish_shard
 
 STATUS_QUEUE = "regen-status-test"
 DONE = {  # shard -> (worker, samples, stubs, prompt tokens per sample, generated tokens per sample, seconds)

@@ -1,8 +1,8 @@
 """Build small but real runs on tmp storage for the data-command tests: the same files a producer and workers write.
 
-Records are built like workers/generate.py builds them (flags from app.quality, summary from
-workers.generate.shard_summary), states are encoded with app.hidden_file.encode_sample and shards are written by
-workers.shard_output.publish_shard; run.json and produce.json are written with the producer's own code.
+Records are built like workers/shard/generate.py builds them (flags from app.quality, summary from
+workers.shard.generate.shard_summary), states are encoded with app.hidden_file.encode_sample and shards are written by
+workers.shard.shard_output.publish_shard; run.json and produce.json are written with the producer's own code.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from app.records import loss_mask, rejected_record
 from app.states_codec import promised_bound
 from app.storage import RunStore, Storage
 from producer.accounting import Accounting, write_produce_state
-from workers.generate import shard_summary
-from workers.shard_output import publish_shard
+from workers.shard.generate import shard_summary
+from workers.shard.shard_output import publish_shard
 
 LAYERS = [1, 2, 4]
 HIDDEN = 16
@@ -144,7 +144,7 @@ def build_run(root: Path, spec: Spec | None = None) -> Built:
 
 
 def _write_capture(store: RunStore, shard: str, encoded: list) -> None:
-    """What workers/capture_stage.py writes: a hidden file under a `c` attempt and the captured/ marker."""
+    """What workers/shard/capture_stage.py writes: a hidden file under a `c` attempt and the captured/ marker."""
     import orjson
 
     from app.hidden_file import HiddenFileWriter

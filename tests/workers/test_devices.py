@@ -19,9 +19,9 @@ from app.cli import main
 from app.errors import ConfigError
 from tests.support.paths import FIXTURES_DIR
 from tests.support.redis_db import redis_url
-from workers.devices import PRESETS, choose_tensor_parallel, detect_gpus, encode_threads_for
-from workers.plan import worker_configs
-from workers.supervisor import Supervisor
+from workers.process.devices import PRESETS, choose_tensor_parallel, detect_gpus, encode_threads_for
+from workers.process.plan import worker_configs
+from workers.process.supervisor import Supervisor
 
 FAKE_HOST = FIXTURES_DIR / "fake_gpu_host"
 GIB = 1 << 30

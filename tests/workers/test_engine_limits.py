@@ -1,4 +1,4 @@
-"""Settings an engine is known to reject are refused in one line before any engine starts (workers/engine_limits.py):
+"""Settings an engine is known to reject are refused in one line before any engine starts (workers/engine/limits.py):
 `regen worker --cpu --run` on a run sampled with top_k and captured, `regen run --cpu --top-k N`, and a worker
 started without `--run` that meets such a run's shard (tests/workers/test_task_guards.py)."""
 
@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from app.cli import main
 from tests.support.redis_db import OPS_BROKER
 from tests.support.runs import produce, prompts_file
-from workers.engine_limits import unsupported
+from workers.engine.limits import unsupported
 
 
 def test_only_top_k_with_capture_on_the_cpu_is_known_to_fail():

@@ -1,4 +1,4 @@
-"""workers/heap.py: the start-up heap leaves the collector's generations, later garbage is still collected.
+"""workers/process/heap.py: the start-up heap leaves the collector's generations, later garbage is still collected.
 
 Run in a child process: freezing pytest's own heap would change every test after this one."""
 
@@ -12,7 +12,7 @@ CHILD = r"""
 import gc, json
 startup = [[i] for i in range(50_000)]  # long-lived start-up state (lists are tracked by the collector)
 before = len(gc.get_objects())
-from workers.heap import freeze_startup_heap
+from workers.process.heap import freeze_startup_heap
 frozen = freeze_startup_heap()
 after = len(gc.get_objects())
 cycle = []

@@ -95,7 +95,7 @@ def test_dry_run_on_the_multimodal_wrapper_sizes_states_by_its_language_model(ti
 
 
 def test_tensor_parallel_sizing_divides_the_linear_attention_heads_too(tmp_path):
-    from workers.devices import Device, choose_tensor_parallel, head_counts
+    from workers.process.devices import Device, choose_tensor_parallel, head_counts
 
     folder = tmp_path / "m"
     folder.mkdir()

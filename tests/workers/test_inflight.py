@@ -8,7 +8,7 @@ from pathlib import Path
 from app.ledger import new_attempt_id, record_attempt
 from app.storage import RunStore, Storage
 from tests.support.faults import dead_process
-from workers.inflight import InFlight, sweep_dead_attempts
+from workers.process.inflight import InFlight, sweep_dead_attempts
 
 
 def test_a_second_delivery_of_a_shard_finds_the_first_one_holding_it():

@@ -23,8 +23,8 @@ from producer.normalise import normalise
 from tests.support.paths import FIXTURES_DIR
 from tests.support.runs import produce, run_records, run_states, wait_run_done
 from tests.support.workers import E2E_LAYERS
-from workers.generate import render_prompt
-from workers.multiturn import turns_to_regenerate
+from workers.shard.generate import render_prompt
+from workers.shard.multiturn import turns_to_regenerate
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 E2E_VLLM_IDS = E2E_LAYERS.removeprefix("vllm:").split(",")  # the session worker's captured layers

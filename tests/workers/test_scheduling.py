@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 from app.errors import ConfigError
-from workers.scheduling import BATCH, BATCH_NICE, ENV, IDLE, lower_priority, name_thread, side_threads_policy
+from workers.engine.scheduling import (
+    BATCH,
+    BATCH_NICE,
+    ENV,
+    IDLE,
+    lower_priority,
+    name_thread,
+    side_threads_policy,
+)
 
 
 def test_side_threads_yield_on_the_cpu_only_unless_told(monkeypatch):

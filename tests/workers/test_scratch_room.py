@@ -1,4 +1,4 @@
-"""Where capture files go when the default place is too small (workers/context.py `scratch_root`).
+"""Where capture files go when the default place is too small (workers/process/context.py `scratch_root`).
 
 Containers get a 64 MB /dev/shm by default (Docker, Kubernetes), while one real sample's states take hundreds of
 MB; the worker must notice at start-up, not when vLLM's write fails mid-shard. Free space is given per folder
@@ -13,8 +13,8 @@ import tempfile
 import pytest
 
 from app.errors import ConfigError
-from workers import context
-from workers.context import capture_room, scratch_root
+from workers.process import context
+from workers.process.context import capture_room, scratch_root
 
 MB = 10**6
 

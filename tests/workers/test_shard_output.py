@@ -16,7 +16,7 @@ from app.jsonl_zst import loads_jsonl_zst
 from app.ledger import attempt_errors, dead_letter, new_attempt_id, record_attempt
 from app.storage import RunStore, Storage
 from tests.support.faults import dead_process
-from workers.shard_output import hidden_file_stream, publish_shard
+from workers.shard.shard_output import hidden_file_stream, publish_shard
 
 
 def _outputs(tag: str):

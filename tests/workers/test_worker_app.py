@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 # What a process looks like: Celery apps alive, receivers of the worker's signals, kombu's envelope parser,
-# and the variables regen writes (workers/process_env.py).
+# and the variables regen writes (app/process_env.py).
 PROBE = """
 import json, os
 from celery import _state, signals
@@ -64,4 +64,4 @@ probe(generate=GENERATE_TASK in plain_tasks, bench_plain=BENCH_DIRECT_TASK in pl
     assert seen["generate"] and seen["bench"] and not seen["bench_plain"], seen
     assert seen["apps"] == 2 and seen["receivers"] == {"worker_process_init": 1, "worker_ready": 2,
                                                        "worker_shutdown": 1, "worker_process_shutdown": 1}, seen
-    assert seen["kombu_patched"] and seen["transport"] == "workers.message_guard:Transport", seen
+    assert seen["kombu_patched"] and seen["transport"] == "workers.process.message_guard:Transport", seen

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from app.hidden_file import bf16_to_float32
 from tests.support.paths import REPO
 from tests.support.runs import produce, prompts_file, run_records, run_states, wait_run_done
-from workers.generate import render_prompt
+from workers.shard.generate import render_prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -203,9 +203,9 @@ def test_a_cpu_workers_side_threads_yield_to_the_engine(inline_run, cpu_worker):
     # The engine runs in a process of its own (workers/engine/process.py): there the engine thread and its OpenMP
     # team keep the normal policy, the rest runs under SCHED_BATCH at nice 19. In the worker process every thread
     # does: the main thread (Celery's consumer and every task slot it starts), the delivery thread and the
-    # encoders (workers/scheduling.py).
+    # encoders (workers/engine/scheduling.py).
     from tests.support.workers import engine_host_pid
-    from workers.scheduling import BATCH_NICE
+    from workers.engine.scheduling import BATCH_NICE
 
     side = (os.SCHED_BATCH, BATCH_NICE)
     (pid,) = cpu_worker.child_pids()
@@ -226,13 +226,13 @@ def test_a_cpu_workers_side_threads_yield_to_the_engine(inline_run, cpu_worker):
     assert {p for n, p in threads if n.startswith("[celeryd")} == {side}, threads
     assert "side threads run under SCHED_BATCH at nice 19" in cpu_worker.text()
     # Task slots from the preset: 16 sequences fill one 64-sample shard, plus one queued, one being written and
-    # the CPU's four spare (workers/devices.py).
+    # the CPU's four spare (workers/process/devices.py).
     assert "concurrency: 7 (thread)" in cpu_worker.text()
     assert "task slots: 7; hidden-state encoder threads: 2" in cpu_worker.text()  # the CPU's 2 (devices.py)
 
 
 def test_the_worker_process_freezes_its_start_up_heap_once_consuming(cpu_worker):
-    # workers/heap.py: torch, transformers, Celery and the tokenizer, hundreds of thousands of objects, leave
+    # workers/process/heap.py: torch, transformers, Celery and the tokenizer, hundreds of thousands of objects, leave
     # the collector's generations, so a full collection no longer stops every task slot for ~200 ms of CPU.
     frozen = [int(n) for n in re.findall(r"worker process: (\d+) start-up objects frozen", cpu_worker.text())]
     assert frozen and min(frozen) > 100_000, frozen  # one line per start of the worker process
@@ -240,13 +240,13 @@ def test_the_worker_process_freezes_its_start_up_heap_once_consuming(cpu_worker)
 
 def test_the_fleet_benchs_baseline_runs_generate_on_the_workers_own_engine(inline_run, cpu_worker, e2e_storage,
                                                                            tiny_qwen3, tmp_path):
-    # bench/bench_fleet.py times `LLM.generate` on the worker's own engine (workers/bench_task.py), sent here right after
+    # bench/bench_fleet.py times `LLM.generate` on the worker's own engine (workers/process/bench_task.py), sent here right after
     # a run's shards (usually still in flight): `Engine.call` waits until nothing is in the engine; the shards finish.
     from app.celery_app import BENCH_DIRECT_TASK, create_app
     from app.config import BrokerSettings
     from tests.support.polling import wait_for
     from tests.support.redis_db import E2E_BROKER
-    from workers.context import scratch_root
+    from workers.process.context import scratch_root
 
     tok = AutoTokenizer.from_pretrained(str(tiny_qwen3))
     prompts = [render_prompt(tok, [{"role": "user", "content": f"Baseline question {i}?"}], None, True)

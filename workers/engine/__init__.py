@@ -11,5 +11,8 @@ settings.py           settings chosen from the model's config; the vLLM a hybrid
 capture_connector.py  vLLM's hidden-state connector, made to work on the CPU
 capture_file.py       reading and removing the connector's per-request files
 self_test.py          the few tokens generated before a worker consumes
-watch.py              the watchdog that stops a worker whose engine died
+limits.py             settings an engine is known to crash on, refused before it runs
+scheduling.py         how the engine and the worker's side threads share a CPU's cores
+
+Nothing here imports the rest of workers/ (vLLM's environment is written by the base's app/process_env.py).
 """

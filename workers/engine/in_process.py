@@ -21,15 +21,15 @@ import time
 from collections.abc import Callable
 
 from app.errors import EngineDead, PermanentError
+from app.process_env import prepare_vllm_env
 from workers.engine.capture_file import attach_capture, still_being_written
 from workers.engine.interface import Engine
 from workers.engine.jobs import BatchJob, ExclusiveCall, one_by_one
 from workers.engine.llm_arguments import llm_kwargs, sampling_params
 from workers.engine.options import EngineOptions
 from workers.engine.request import EngineSpan, GenRequest, GenResult, check_capture_requests
+from workers.engine.scheduling import name_thread
 from workers.engine.self_test import run_self_test
-from workers.process_env import prepare_vllm_env
-from workers.scheduling import name_thread
 
 log = logging.getLogger("regen.engine")
 ENGINE_THREAD = "regen-engine"  # the engine thread's OS-level name; its OpenMP threads inherit it
@@ -102,7 +102,7 @@ class InProcessEngine(Engine):
 
     @property
     def delivery_thread_id(self) -> int | None:
-        """The delivery thread's native id (the worker lowers its scheduling priority: workers/scheduling.py)."""
+        """The delivery thread's native id (the worker lowers its scheduling priority: workers/engine/scheduling.py)."""
         return self._delivery.native_id
 
     def _own_engine(self, built: threading.Event, failure: list) -> None:
@@ -118,7 +118,7 @@ class InProcessEngine(Engine):
         self._loop()
 
     # The engine thread ------------------------------------------------------------------------------
-    # Tasks run in Celery's thread pool (the worker's task slots, workers/devices.py), so one shard can be
+    # Tasks run in Celery's thread pool (the worker's task slots, workers/process/devices.py), so one shard can be
     # written to storage while the next one is already generating. vLLM is driven by one dedicated thread; tasks hand it jobs and wait.
     def run(self, requests: list[GenRequest], on_done: Callable[[GenResult], None]) -> EngineSpan | None:
         """Generate every request (continuous batching) and call `on_done` as each one finishes.
@@ -145,7 +145,7 @@ class InProcessEngine(Engine):
         """Run `fn(llm, *args)` on the engine thread, between steps, once nothing is in the engine; return its result.
 
         Jobs that arrive meanwhile wait until it returns. What it is for: the fleet bench's in-process baseline
-        (`LLM.generate` on this very engine, workers/bench_task.py), which must not run beside the engine
+        (`LLM.generate` on this very engine, workers/process/bench_task.py), which must not run beside the engine
         thread: vLLM is not thread-safe, and a second thread running torch ops slows an OpenMP CPU engine.
         """
         return self._submit(ExclusiveCall(fn, args)).result

@@ -1,9 +1,9 @@
 """What every engine a worker holds offers: `Engine`, implemented in this process (workers/engine/in_process.py)
 and in a child process of its own (workers/engine/process.py).
 
-The worker's code (workers/context.py, generate.py, capture_stage.py, bench_task.py, engine/watch.py) holds
-"an engine" and uses only this, so where the engine runs (a GPU worker's, beside vLLM's own engine core; a CPU
-worker's, in a process that does nothing else) is decided once, when the worker builds it.
+The worker's code (workers/process/context.py, engine_watch.py, bench_task.py; workers/shard/generate.py,
+capture_stage.py) holds "an engine" and uses only this, so where the engine runs (a GPU worker's, beside vLLM's
+own engine core; a CPU worker's, in a process that does nothing else) is decided once, when the worker builds it.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ class Engine(Protocol):
 
     @property
     def dead(self) -> str | None:
-        """Why the engine died, or None while it runs (the watchdog, workers/engine/watch.py, polls it)."""
+        """Why the engine died, or None while it runs (the watchdog, workers/process/engine_watch.py, polls it)."""
         ...
 
     @property
     def delivery_thread_id(self) -> int | None:
         """The native id of the thread that calls `on_done` (the worker lowers its priority:
-        workers/scheduling.py)."""
+        workers/engine/scheduling.py)."""
         ...
 
     def run(self, requests: list[GenRequest], on_done: Callable[[GenResult], None]) -> EngineSpan | None:

@@ -41,8 +41,8 @@ from workers.engine.interface import Engine
 from workers.engine.jobs import BatchJob, ExclusiveCall, one_by_one
 from workers.engine.options import EngineOptions
 from workers.engine.request import EngineSpan, GenRequest, GenResult, check_capture_requests
+from workers.engine.scheduling import lower_priority, name_thread, side_threads_policy
 from workers.engine.self_test import run_self_test
-from workers.scheduling import lower_priority, name_thread, side_threads_policy
 
 log = logging.getLogger("regen.engine")
 
@@ -93,7 +93,7 @@ class EngineProcess(Engine):
 
     @property
     def delivery_thread_id(self) -> int | None:
-        """The thread that reads results and capture files and calls `on_done` (workers/scheduling.py idles it)."""
+        """The thread that reads results and capture files and calls `on_done` (workers/engine/scheduling.py idles it)."""
         return self._receiver.native_id
 
     def run(self, requests: list[GenRequest], on_done: Callable[[GenResult], None]) -> EngineSpan | None:

@@ -87,7 +87,7 @@ CORES_PER_ENGINE = 2  # a GPU engine's own processes: the engine core's busy loo
 
 
 def encode_threads_for(device_class: str, workers_on_host: int, cpus: int | None = None) -> int:
-    """Threads one worker uses to check and compress finished samples' hidden states (workers/generate.py).
+    """Threads one worker uses to check and compress finished samples' hidden states (workers/shard/generate.py).
 
     A real model's sample is large ([4000 tokens, 5 layers, 5120] bf16 = 205 MB) and checking plus encoding it
     takes ~0.45 s of one core (~550 MB/s). A B200 finishing a few such samples a second needs several threads, or

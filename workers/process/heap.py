@@ -6,7 +6,7 @@ CPython's oldest-generation collection walks all of them, and it runs whenever e
 since the last one (a quarter of the long-lived heap: every few dozen shards of the tiny model, whose records and
 results outlive a young collection while the shard runs). One such collection took ~200 ms of CPU, holding the
 GIL, so every task slot, encoder and the delivery thread stopped for it; on the CPU those threads run at a low
-priority (workers/scheduling.py), and one collection stopped them for 1.25 s of wall time: no shard was started
+priority (workers/engine/scheduling.py), and one collection stopped them for 1.25 s of wall time: no shard was started
 or handed to the engine meanwhile, and the engine stood idle 215 ms between two shards (bench/bench_fleet.py,
 a worker without the freeze beside one with it, 12 rounds: 215 ms against at most 28 ms; in earlier runs 226 and
 238 ms, once in every few hundred gaps). Frozen, a full collection there takes ~1-2 ms.

@@ -22,8 +22,8 @@ def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: li
     `task_slots` None: from the engine's max_num_seqs and the shard size (devices.task_slots_for).
     `encode_threads` None: from the device and the host's cores per worker (devices.encode_threads_for).
     """
-    from workers.context import WorkerConfig
-    from workers.devices import (
+    from workers.process.context import WorkerConfig
+    from workers.process.devices import (
         choose_tensor_parallel,
         detect_gpus,
         encode_threads_for,
@@ -137,10 +137,10 @@ def speculative_staged_configs(generate: list[tuple], capture: list[tuple], cpu:
 
 def refuse_unrunnable(configs, storage: str, run_id: str) -> None:
     """A ConfigError (one line) when a planned worker's engine cannot run the run's settings
-    (workers/engine_limits.py), before any engine starts."""
+    (workers/engine/limits.py), before any engine starts."""
     from app import manifest as manifest_mod
     from app.storage import RunStore, Storage
-    from workers.engine_limits import unsupported
+    from workers.engine.limits import unsupported
 
     sampling = manifest_mod.load(RunStore(Storage(storage), run_id))["settings"]["sampling"]
     for config, _ in configs:

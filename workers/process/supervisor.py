@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass, field
 
 from app.config import mask_url
-from workers.context import WorkerConfig
-from workers.process_env import worker_child_env
+from app.process_env import worker_child_env
+from workers.process.context import WorkerConfig
 
 log = logging.getLogger("regen.supervisor")
 
@@ -47,7 +47,7 @@ class Supervisor:
         self.stopping = threading.Event()
         self.children: list[Child] = []
         for config, visible, *own_queues in configs:  # an entry may name its own queues (regen run's split)
-            self.children.append(Child(config, worker_child_env(config, visible, broker_url,
+            self.children.append(Child(config, worker_child_env(config.to_env(), visible, broker_url,
                                                                 own_queues[0] if own_queues else queues,
                                                                 extra_env)))
 

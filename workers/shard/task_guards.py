@@ -1,19 +1,27 @@
 """The guards a shard's delivery passes before and after its work, in order; each one small and testable alone.
 
-In the spirit of dramatiq's middleware: the task (workers/tasks.py) runs `BEFORE` in order, and the first guard
-that has an answer ends the delivery there (a result string, or Celery's `Reject`); the work runs only when every
-guard passed. Around the work, `pause_on_stubs` follows a generated shard's records and `settle_failure` decides
-what a failed attempt leaves on storage and what the task does next. Every guard reads and writes the shard
-ledger (app/ledger.py); none knows Celery beyond `Reject`, so each runs on a plain `Delivery`.
+In the spirit of dramatiq's middleware: the delivery (workers/shard/delivery.py) runs `BEFORE` in order, and the
+first guard that has an answer ends the delivery there (`Ends.SKIPPED`, or Celery's `Reject`); the work runs
+only when every guard passed. Around the work, `pause_on_stubs` follows a generated shard's records and
+`settle_failure` decides what a failed attempt leaves on storage and what the task does next. Every guard reads
+and writes the shard ledger (app/ledger.py); none knows Celery beyond `Reject`, so each runs on a plain
+`Delivery`.
+
+Each guard states its contract in code (`@guard`): what it may end the delivery with (`ends`), which of the
+delivery's facts it fills when it passes (`gives`: the run's manifest, the attempt's id) and which it needs an
+earlier guard to have filled (`needs`). `in_order` refuses a list of guards where one needs a fact no guard
+before it gives, so `BEFORE` cannot be reordered wrongly (it fails at import), and a guard asks for a fact with
+`Delivery.given`, which fails loudly instead of reading a None.
 
     skip_done         its completion marker exists (a redelivery, a re-run, a duplicate publish) -> "skipped"
     skip_dead         it was dead-lettered (`regen retry-dead` re-sends it) -> "skipped"
     drop_when_paused  the run is paused -> Reject(requeue=False); `regen resume-run` re-sends every shard
                       without a marker, so nothing is lost and paused shards do not bounce through Redis
-    require_run       the run's manifest, read once per process; a run not on storage -> InvalidTask
-    count_attempt     record this attempt; at `max_attempts` failures of its own or `max_crashes` processes that
-                      died holding it, dead-letter it -> "skipped"
-    check_manifest    another model, other layers -> the error recorded on the attempt, Reject(requeue=True)
+    require_run       gives the run's manifest, read once per process; a run not on storage -> InvalidTask
+    count_attempt     gives the attempt: recorded; at `max_attempts` failures of its own or `max_crashes`
+                      processes that died holding it, dead-letter it -> "skipped"
+    check_manifest    needs the manifest and the attempt: another model, other layers -> the error recorded on
+                      the attempt, Reject(requeue=True)
 """
 
 from __future__ import annotations
@@ -21,22 +29,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from celery.exceptions import Reject
 
 from app import ledger
-from app.errors import EngineDead, EngineLost, InvalidTask, ManifestMismatch, PermanentError
+from app.errors import EngineLost, Failure, InvalidTask, ManifestMismatch, classify
 from app.quality import StubWindow, is_stub
 from app.storage import RunStore
-from workers.engine_limits import unsupported
-from workers.inflight import Claim, InFlight
+from workers.engine.limits import unsupported
+from workers.process.inflight import Claim, InFlight
 
 log = logging.getLogger("regen.tasks")
 
 
 @dataclass(frozen=True)
 class Worker:
-    """What the guards need to know of the worker process (workers/context.WorkerContext holds it all)."""
+    """What the guards need to know of the worker process (workers/process/context.WorkerContext holds it all)."""
 
     name: str
     model_fingerprint: str
@@ -45,7 +54,7 @@ class Worker:
     max_attempts: int = 5
     max_crashes: int = 10
     engine: dict | None = None  # what attempt records say about the engine
-    device: str = "cuda"  # "cpu" or "cuda": what workers/engine_limits.py judges
+    device: str = "cuda"  # "cpu" or "cuda": what workers/engine/limits.py judges
 
     @classmethod
     def of(cls, ctx) -> Worker:
@@ -67,8 +76,9 @@ class Delivery:
     claim: Claim
     manifests: dict = field(default_factory=dict)  # the process's cache of run manifests
     windows: dict = field(default_factory=dict)  # the process's stub windows, by run
-    manifest: dict | None = None  # set by require_run
-    attempt: str | None = None  # set by count_attempt
+    # The facts guards give (FACTS): None until the guard that gives it passed; read them with `given`.
+    manifest: dict | None = None  # given by require_run
+    attempt: str | None = None  # given by count_attempt
 
     @property
     def key(self) -> str:
@@ -78,24 +88,82 @@ class Delivery:
     def run_id(self) -> str:
         return self.store.run_id
 
+    def given(self, fact: str):
+        """The fact an earlier guard gave (`"manifest"`, `"attempt"`); GuardOrderError when none has yet."""
+        value = getattr(self, fact) if fact in FACTS else None
+        if value is None:
+            raise GuardOrderError(f"{self.run_id}/{self.key}: the delivery's {fact} is needed before a guard gave "
+                                  f"it ({FACTS.get(fact, 'no guard gives it')})")
+        return value
 
-Guard = Callable[[Delivery], "str | None"]
+
+FACTS = {"manifest": "require_run gives it", "attempt": "count_attempt gives it"}
 
 
-def skip_done(d: Delivery) -> str | None:
+class GuardOrderError(RuntimeError):
+    """A guard (or the work) needs a fact of the delivery that no guard before it gives: a bug in the order."""
+
+
+class Ends(StrEnum):
+    """A guard's answer that ends the delivery, acked; it is the task's result."""
+
+    SKIPPED = "skipped"
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a guard may end a delivery with, and the delivery's facts it needs and gives (see the module)."""
+
+    ends: tuple = ()  # Ends values it returns, exceptions it raises (Celery's Reject, InvalidTask)
+    needs: frozenset[str] = frozenset()
+    gives: frozenset[str] = frozenset()
+
+
+Guard = Callable[[Delivery], "Ends | None"]
+
+
+def guard(*, ends: tuple = (), needs: tuple[str, ...] = (), gives: tuple[str, ...] = ()):
+    """Declare a guard's contract on it (`fn.contract`)."""
+    unknown = (set(needs) | set(gives)) - set(FACTS)
+    if unknown:
+        raise ValueError(f"unknown delivery facts {sorted(unknown)}: one of {sorted(FACTS)}")
+
+    def declare(fn: Guard) -> Guard:
+        fn.contract = Contract(tuple(ends), frozenset(needs), frozenset(gives))
+        return fn
+
+    return declare
+
+
+def in_order(*guards: Guard) -> tuple[Guard, ...]:
+    """`guards` as a tuple, refused when one needs a fact that no guard before it gives."""
+    given: set[str] = set()
+    for g in guards:
+        missing = g.contract.needs - given
+        if missing:
+            raise GuardOrderError(f"{g.__name__} needs the delivery's {', '.join(sorted(missing))}, which no guard "
+                                  f"before it gives ({'; '.join(FACTS[f] for f in sorted(missing))})")
+        given |= g.contract.gives
+    return tuple(guards)
+
+
+@guard(ends=(Ends.SKIPPED,))
+def skip_done(d: Delivery) -> Ends | None:
     if ledger.is_finished(d.store, d.key):
         log.info("%s/%s: already done, skipping", d.run_id, d.shard)
-        return "skipped"
+        return Ends.SKIPPED
     return None
 
 
-def skip_dead(d: Delivery) -> str | None:
+@guard(ends=(Ends.SKIPPED,))
+def skip_dead(d: Delivery) -> Ends | None:
     if ledger.is_dead(d.store, d.key):
         log.info("%s/%s: dead-lettered, skipping (regen retry-dead %s re-sends it)", d.run_id, d.shard, d.run_id)
-        return "skipped"
+        return Ends.SKIPPED
     return None
 
 
+@guard(ends=(Reject,))
 def drop_when_paused(d: Delivery) -> None:
     pause = ledger.pause_state(d.store)
     if pause:
@@ -103,6 +171,7 @@ def drop_when_paused(d: Delivery) -> None:
         raise Reject("run paused", requeue=False)
 
 
+@guard(ends=(InvalidTask,), gives=("manifest",))
 def require_run(d: Delivery) -> None:
     """The run's manifest, read once per process (it never changes); before any attempt is recorded, so a run
     that is not on storage (yet: a late NFS mount) is retried by the task without counting against its shards."""
@@ -115,9 +184,11 @@ def require_run(d: Delivery) -> None:
     d.manifest = d.manifests[cache_key]
 
 
-def count_attempt(d: Delivery) -> str | None:
+@guard(ends=(Ends.SKIPPED,), gives=("attempt",))
+def count_attempt(d: Delivery) -> Ends | None:
     """Record this attempt (its lease renewed from now on); dead-letter the shard when its earlier attempts
-    used up either limit. A shard that got done meanwhile (a duplicate published it) is never dead-lettered."""
+    used up either limit. A stage that got finished meanwhile (a duplicate published it) is never dead-lettered
+    (app/ledger.is_finished: the one answer to "is this stage finished")."""
     d.attempt = ledger.new_attempt_id()
     engine = {"engine": d.worker.engine} if d.worker.engine is not None else {}
     counted = ledger.record_attempt(d.store, d.key, d.attempt, d.worker.name, stale_after=d.stale_after, **engine,
@@ -126,19 +197,22 @@ def count_attempt(d: Delivery) -> str | None:
     limits = d.worker.max_attempts, d.worker.max_crashes
     if counted.failures < limits[0] and counted.crashes < limits[1]:
         return None
-    if d.stage == ledger.GENERATE and d.store.is_done(d.shard):
+    if ledger.is_finished(d.store, d.key):
         return None
     reason = (f"{counted.failures} attempts failed (limit {limits[0]})" if counted.failures >= limits[0] else
               f"{counted.crashes} worker processes died holding it (limit {limits[1]})")
     ledger.record_attempt_end(d.store, d.key, d.attempt, f"not run, dead-lettered: {reason}")
     ledger.dead_letter(d.store, d.key, f"{reason}: {counted.records - 1} attempts without success")
     log.error("%s/%s dead-lettered: %s", d.run_id, d.shard, reason)
-    return "skipped"
+    return Ends.SKIPPED
 
 
+@guard(ends=(Reject,), needs=("manifest", "attempt"))
 def check_manifest(d: Delivery) -> None:
-    """The shard is this worker's: the run's model and, where this stage captures, its layers."""
-    settings = d.manifest["settings"]
+    """The shard is this worker's: the run's model and, where this stage captures, its layers. A refusal is
+    recorded on the attempt, so it needs one."""
+    manifest, attempt = d.given("manifest"), d.given("attempt")
+    settings = manifest["settings"]
     problems = []
     if settings["model"]["fingerprint"] != d.worker.model_fingerprint:
         problems.append(f"model fingerprint {settings['model']['fingerprint']} != loaded {d.worker.model_fingerprint} "
@@ -153,20 +227,21 @@ def check_manifest(d: Delivery) -> None:
     if why:
         problems.append(why)
     if problems:
-        exc = ManifestMismatch(f"run {d.manifest['run_id']}: worker {d.worker.name} refuses shard: "
+        exc = ManifestMismatch(f"run {manifest['run_id']}: worker {d.worker.name} refuses shard: "
                                + "; ".join(problems))
-        ledger.record_attempt_error(d.store, d.key, d.attempt, str(exc))
+        ledger.record_attempt_error(d.store, d.key, attempt, str(exc))
         log.error("%s", exc)
         raise Reject(str(exc), requeue=True)
 
 
-BEFORE: tuple[Guard, ...] = (skip_done, skip_dead, drop_when_paused, require_run, count_attempt, check_manifest)
+BEFORE: tuple[Guard, ...] = in_order(skip_done, skip_dead, drop_when_paused, require_run, count_attempt,
+                                     check_manifest)
 
 
-def run_guards(d: Delivery, guards: tuple[Guard, ...] = BEFORE) -> str | None:
-    """Run `guards` in order; the first answer (a result string) ends the delivery, None lets the work run."""
-    for guard in guards:
-        result = guard(d)
+def run_guards(d: Delivery, guards: tuple[Guard, ...] = BEFORE) -> Ends | None:
+    """Run `guards` (checked by `in_order`) in order; the first answer ends the delivery, None lets the work run."""
+    for g in in_order(*guards):
+        result = g(d)
         if result is not None:
             return result
     return None
@@ -174,7 +249,7 @@ def run_guards(d: Delivery, guards: tuple[Guard, ...] = BEFORE) -> str | None:
 
 def pause_on_stubs(d: Delivery, records: list[dict]) -> None:
     """Feed the run's stub window; pause the run when the recent stub-or-empty rate crosses its threshold."""
-    q = d.manifest["settings"].get("quality", {})
+    q = d.given("manifest")["settings"].get("quality", {})
     window = d.windows.setdefault(d.run_id, StubWindow(int(q.get("pause_window", 256))))
     for r in records:
         if r.get("status") == "ok":
@@ -189,18 +264,21 @@ def pause_on_stubs(d: Delivery, records: list[dict]) -> None:
 
 
 def settle_failure(d: Delivery, exc: Exception) -> str:
-    """Record why the attempt failed; return what the task does next:
+    """Record why the attempt failed; return what the task does next, as app/errors.classify decides by class:
     - "restart": the engine died. EngineLost (its process vanished under a signal) counts as a crash, any other
       engine death as the shard's failure; the task re-publishes the shard and exits for a fresh engine.
-    - "dead": a PermanentError repeats on every attempt, so the shard is dead-lettered at once.
-    - "retry": storage trouble or a bug; Celery retries with backoff, the attempt count dead-letters it."""
-    if isinstance(exc, EngineDead):
+    - "dead": a PermanentError (an InvalidId among them) repeats on every attempt: dead-lettered at once.
+    - "retry": anything else, storage trouble or a bug; Celery retries with backoff, the attempt count
+      dead-letters it."""
+    attempt = d.given("attempt")
+    failure = classify(exc)
+    if failure is Failure.RESTART:
         kind = "crash" if isinstance(exc, EngineLost) else "error"
-        ledger.record_attempt_error(d.store, d.key, d.attempt, str(exc), kind=kind)
+        ledger.record_attempt_error(d.store, d.key, attempt, str(exc), kind=kind)
         return "restart"
-    if isinstance(exc, PermanentError):
-        ledger.record_attempt_error(d.store, d.key, d.attempt, str(exc))
+    if failure in (Failure.DEAD_LETTER, Failure.SET_ASIDE):
+        ledger.record_attempt_error(d.store, d.key, attempt, str(exc))
         ledger.dead_letter(d.store, d.key, str(exc))
         return "dead"
-    ledger.record_attempt_error(d.store, d.key, d.attempt, f"{type(exc).__name__}: {exc}")
+    ledger.record_attempt_error(d.store, d.key, attempt, f"{type(exc).__name__}: {exc}")
     return "retry"

@@ -6,7 +6,7 @@ next shard came). The watchdog polls the worker's `Engine.dead` (workers/engine/
 The CPU worker's `EngineProcess` (workers/engine/process.py) sets it the moment its child process's pipe closes; an
 `InProcessEngine` (GPUs) sets it when its own loop fails. On a death it asks Celery for a warm shutdown (SIGTERM to this process): the consumer
 stops, the prefetched messages go back to the queue (kombu restores a channel's unacked messages when it closes),
-a shard still running meets the dead engine and exits the process itself (workers/tasks.py), and the supervisor
+a shard still running meets the dead engine and exits the process itself (workers/shard/delivery.py), and the supervisor
 starts a fresh worker.
 """
 
@@ -22,7 +22,7 @@ POLL_SECONDS = 0.5
 
 
 def _watch(stop: threading.Event) -> None:
-    from workers.context import WorkerContext
+    from workers.process.context import WorkerContext
 
     while not stop.wait(POLL_SECONDS):
         ctx = WorkerContext.current

@@ -1,7 +1,7 @@
 """What one worker process holds for its whole life: the engine, the model's identity and its settings.
 
 Built once per process (never per task) from `REGEN_WORKER_CONFIG`, a JSON object the supervisor (`regen worker`)
-puts in the child's environment together with `CUDA_VISIBLE_DEVICES` (workers/process_env.py), and which the
+puts in the child's environment together with `CUDA_VISIBLE_DEVICES` (app/process_env.py), and which the
 child's settings carry (app/settings.py).
 """
 
@@ -23,8 +23,8 @@ from app.model_info import ModelInfo, read_model_info
 from app.quality import StubWindow
 from app.settings import Settings
 from app.settings import current as current_settings
-from workers.scheduling import ENV as SIDE_THREADS_ENV
-from workers.scheduling import POLICY_NAMES, lower_priority, name_thread, side_threads_policy
+from workers.engine.scheduling import ENV as SIDE_THREADS_ENV
+from workers.engine.scheduling import POLICY_NAMES, lower_priority, name_thread, side_threads_policy
 
 if TYPE_CHECKING:
     from workers.engine.interface import Engine
@@ -43,8 +43,8 @@ class WorkerConfig:
     max_attempts: int = 5  # failed attempts (the shard's own errors) before a dead letter
     max_crashes: int = 10  # processes that died holding the shard before a dead letter (app/ledger.py)
     engine: dict = field(default_factory=dict)
-    task_slots: int = 3  # Celery thread-pool slots (workers/devices.task_slots_for)
-    encode_threads: int = 2  # threads checking and compressing hidden states (workers/devices.encode_threads_for)
+    task_slots: int = 3  # Celery thread-pool slots (workers/process/devices.task_slots_for)
+    encode_threads: int = 2  # threads checking and compressing hidden states (workers/process/devices.encode_threads_for)
     self_test: bool = True
 
     @classmethod

@@ -2,7 +2,7 @@
 
 The whole shard goes to the engine at once (continuous batching). As each request finishes, its hidden
 states are checked, compressed and appended to the attempt's hidden-state file on an encoder thread while the
-engine keeps generating the others (workers/shard_output.HiddenFileStream).
+engine keeps generating the others (workers/shard/shard_output.HiddenFileStream).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from app.records import conversation_id, loss_mask, rejected_record
 from workers.engine.request import GenRequest, GenResult
 
 if TYPE_CHECKING:
-    from workers.context import WorkerContext
+    from workers.process.context import WorkerContext
 
 
 def render_prompt(tokenizer, messages: list[dict], tools, thinking: bool) -> list[int]:
@@ -53,7 +53,7 @@ class ShardGeneration:
     `add` renders a sample's prompt (or rejects it with a reason) and returns its request; `finish` fills the
     record from the engine's result on the delivery thread and hands its states to the encoder pool; `collect`
     waits for the encodings and returns (records, summary). Single-turn runs add one sample per input sample
-    and run the engine once; multi-turn runs (workers/multiturn.py) add one per regenerated turn, round by round.
+    and run the engine once; multi-turn runs (workers/shard/multiturn.py) add one per regenerated turn, round by round.
     """
 
     def __init__(self, ctx: WorkerContext, manifest: dict, run_id: str, shard_id: str, hidden_out=None):
@@ -166,10 +166,10 @@ class ShardGeneration:
 def generate_records(ctx: WorkerContext, manifest: dict, run_id: str, shard_id: str, samples: list[dict],
                      hidden_out=None):
     """Return (records, summary) for one shard; with inline capture each sample's states go into `hidden_out`
-    (a `workers.shard_output.HiddenFileStream`) as soon as they are encoded."""
+    (a `workers.shard.shard_output.HiddenFileStream`) as soon as they are encoded."""
     gen = ShardGeneration(ctx, manifest, run_id, shard_id, hidden_out)
     if manifest["settings"].get("regenerate") == "all":
-        from workers.multiturn import regenerate_turns
+        from workers.shard.multiturn import regenerate_turns
 
         return regenerate_turns(gen, samples)
     requests = [req for i, sample in enumerate(samples)

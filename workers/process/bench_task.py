@@ -20,10 +20,10 @@ import time
 import orjson
 
 from app.celery_app import BENCH_DIRECT_TASK
-from workers.context import WorkerContext
 from workers.engine.capture_file import remove_capture_file
 from workers.engine.llm_arguments import sampling_params
 from workers.engine.request import GenRequest
+from workers.process.context import WorkerContext
 
 
 def direct_generate(ctx: WorkerContext, prompts: list[list[int]], sampling: dict) -> tuple[int, float]:

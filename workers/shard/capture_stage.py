@@ -16,11 +16,11 @@ import orjson
 from app.jsonl_zst import loads_jsonl_zst
 from app.storage import RunStore
 from workers.engine.request import GenRequest
-from workers.generate import encode_into, states_dtype
-from workers.shard_output import hidden_file_stream
+from workers.shard.generate import encode_into, states_dtype
+from workers.shard.shard_output import hidden_file_stream
 
 if TYPE_CHECKING:
-    from workers.context import WorkerContext
+    from workers.process.context import WorkerContext
 
 
 def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_id: str, attempt: str) -> bool:

@@ -1,0 +1,79 @@
+"""The Celery tasks a worker runs: `generate_shard` and `capture_shard`, module-level functions.
+
+Each is one delivery of one shard at one stage: `run_delivery` (workers/shard/delivery.py) claims it, runs the
+guards (workers/shard/task_guards.py) and settles a failure; the stage's work in between is `generate_and_publish`
+or `capture_and_publish` below. `register` binds the tasks to a worker's Celery app (workers/celery_worker.py
+calls it); only worker processes import this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+
+from celery import Celery, Task
+
+from app.celery_app import CAPTURE_TASK, GENERATE_TASK
+from app.ledger import CAPTURE, GENERATE
+from workers.process.context import WorkerContext
+from workers.shard.capture_stage import capture_records
+from workers.shard.delivery import GuardedTask, run_delivery
+from workers.shard.generate import generate_records
+from workers.shard.shard_output import hidden_file_stream, publish_shard
+from workers.shard.task_guards import Delivery, pause_on_stubs
+
+log = logging.getLogger("regen.tasks")
+
+
+def generate_shard(task: Task, run_id: str, storage: str, shard_id: str, samples: list[dict]) -> str:
+    """Task `regen.generate_shard`: generate a shard's samples (capturing their states inline, or handing them to
+    the capture stage of a staged run) and publish them."""
+    work = functools.partial(generate_and_publish, task, storage=storage, samples=samples, task_started=time.time())
+    kwargs = {"run_id": run_id, "storage": storage, "shard_id": shard_id, "samples": samples}
+    return run_delivery(task, GENERATE, kwargs, work)
+
+
+def capture_shard(task: Task, run_id: str, storage: str, shard_id: str) -> str:
+    """Task `regen.capture_shard`: the second stage of a staged run, the hidden states of a generated shard."""
+    kwargs = {"run_id": run_id, "storage": storage, "shard_id": shard_id}
+    return run_delivery(task, CAPTURE, kwargs, capture_and_publish)
+
+
+def generate_and_publish(task: Task, ctx: WorkerContext, d: Delivery, *, storage: str, samples: list[dict],
+                         task_started: float) -> str:
+    """Generation's work on a delivery that passed its guards: records (and inline states) written under the
+    attempt's names, the completion marker created; a staged run's capture task sent (on the `storage` the
+    message named); the stub window fed."""
+    store, manifest, attempt = d.store, d.given("manifest"), d.given("attempt")
+    settings = manifest["settings"]
+    inline = settings["capture_mode"] == "inline"
+    with hidden_file_stream(store, d.shard, attempt) if inline else contextlib.nullcontext() as stream:
+        records, summary = generate_records(ctx, manifest, d.run_id, d.shard, samples, stream)
+    summary["task_started"] = round(task_started, 4)
+    t_pub = time.time()
+    won = publish_shard(store, d.shard, attempt, records, stream.written if inline else None, summary,
+                        level=int(settings.get("compression_level", 3)), stale_after=d.stale_after)
+    log.info("%s/%s timings: begin %.1f ms, engine-end->publish %.1f ms, publish %.1f ms", d.run_id, d.shard,
+             (summary["engine_started"] - task_started) * 1000, (t_pub - summary["engine_finished"]) * 1000,
+             (time.time() - t_pub) * 1000)
+    if settings["capture_mode"] == "staged" and won:
+        task.app.send_task(CAPTURE_TASK, kwargs={"run_id": d.run_id, "storage": storage, "shard_id": d.shard},
+                           queue=settings.get("capture_queue", "regen.capture"))
+    pause_on_stubs(d, records)
+    return "done" if won else "duplicate"
+
+
+def capture_and_publish(ctx: WorkerContext, d: Delivery) -> str:
+    """The capture stage's work: the states of the generated records, published with the stage's marker."""
+    won = capture_records(ctx, d.store, d.given("manifest"), d.shard, d.given("attempt"))
+    return "done" if won else "duplicate"
+
+
+def register(celery: Celery) -> None:
+    """Register the tasks on `celery`: late acks, retries without a Celery limit (the attempt count on storage
+    decides the dead letter), arguments checked before they run (`GuardedTask`)."""
+    options = {"bind": True, "acks_late": True, "max_retries": None, "base": GuardedTask}
+    celery.task(name=GENERATE_TASK, **options)(generate_shard)
+    celery.task(name=CAPTURE_TASK, **options)(capture_shard)
