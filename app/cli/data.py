@@ -71,10 +71,13 @@ def verify_cmd(run_id: str, storage: str, reference: int, workers: int, strict: 
     """
     from app.data.run_reader import RunReader
     from app.data.verify import verify_run
+    from app.packages import require
 
     part = _part(part_spec)
     if reference and not part.whole:
         raise click.UsageError("--reference recomputes a few samples of the whole run: run it without --part")
+    if reference:
+        require("torch", "regen verify --reference")
     reader = RunReader(storage, run_id)
     err = _console(stderr=True)
     done = set(reader.done_shards())
@@ -214,8 +217,11 @@ def stats_cmd(run_id: str, storage: str, html_path: str | None, as_json: bool, p
 
     from app.data.run_reader import RunReader
     from app.data.stats import collect, plots, print_terminal, render_html, states_summary
+    from app.packages import require
 
     part = _part(part_spec)
+    if html_path:
+        require("matplotlib", "regen stats --html")
     st = collect(RunReader(storage, run_id), processes=processes, part=part)
     if as_json:
         t = st.total

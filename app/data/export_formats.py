@@ -8,7 +8,7 @@ and the README's tables to it.
 
 This module imports nothing heavy (the CLI reads it for `--help`): a writer class is named as
 `module:Class` and imported by `writer_class()` when an export starts; a format's optional dependencies are
-imported by `require()` before any work, so a missing one is one line with the pip command, not a traceback
+imported by `require()` (app/packages.py) before any work, so a missing one is one line with the pip command, not a traceback
 half-way through an export.
 """
 
@@ -18,6 +18,7 @@ import importlib
 from dataclasses import dataclass
 
 from app.errors import ConfigError
+from app.packages import require
 
 TEXT, STATES, TOKENS = "text", "hidden states", "token-only"
 
@@ -33,7 +34,7 @@ class ExportFormat:
     final_norm: bool = False  # applies the target's final norm: reads the checkpoint (`--model`)
     keeps_unterminated: bool = True  # `--include-unterminated` is allowed (TEXT)
     file: str | None = None  # the one file holding every row, where the format writes one
-    requires: tuple[tuple[str, str], ...] = ()  # (module, pip requirement) imported before any work
+    requires: tuple[str, ...] = ()  # optional modules imported before any work (app/packages.py)
 
     @property
     def needs_states(self) -> bool:
@@ -56,18 +57,14 @@ class ExportFormat:
         return getattr(importlib.import_module(module), cls)
 
     def require(self) -> None:
-        """Import the format's optional dependencies; a missing one is a ConfigError with the pip command."""
-        for module, requirement in self.requires:
-            try:
-                importlib.import_module(module)
-            except ImportError:
-                raise ConfigError(f"regen export --format {self.name} needs {module}: pip install "
-                                  f"'{requirement}'") from None
+        """Import the format's optional packages; a missing one is a ConfigError with the pip command."""
+        for module in self.requires:
+            require(module, f"regen export --format {self.name}")
 
 
-TORCH = ("torch", "torch")  # token_freq.pt and SpecForge's .ckpt files are torch.save output
-DATASETS = ("datasets", "datasets>=3")
-PYARROW = ("pyarrow", "pyarrow>=15")
+TORCH = "torch"  # token_freq.pt and SpecForge's .ckpt files are torch.save output
+DATASETS = "datasets"  # speculators' dataset (save_to_disk)
+PYARROW = "pyarrow"
 
 # In the order `regen export --help` lists them.
 FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
@@ -113,7 +110,7 @@ def markdown_table() -> str:
     lines = ["| `--format` | kind | needs | optional packages | what is written | read with |",
              "|---|---|---|---|---|---|"]
     for f in FORMATS.values():
-        packages = ", ".join(f"`{module}`" for module, _ in f.requires) or "-"
+        packages = ", ".join(f"`{module}`" for module in f.requires) or "-"
         lines.append(f"| `{f.name}` | {f.kind} | {f.needs} | {packages} | {f.description} | {f.reads_with} |")
     return "\n".join(lines) + "\n"
 
