@@ -107,7 +107,7 @@ def loops(graph: dict[str, set[str]]) -> list[str]:
 def test_no_module_imports_itself_back_through_any_import():
     graph = import_graph()
     for source, target in LOOPS_BEING_REMOVED:
-        graph[source].discard(target)
+        graph.get(source, set()).discard(target)
     found = loops(graph)
     assert not found, "\n".join(found)
 
@@ -116,7 +116,7 @@ def test_each_loop_being_removed_is_still_a_loop():
     """An entry whose import is gone, or no longer closes a loop, is removed from the list, not left to hide one."""
     graph = import_graph()
     for source, target in LOOPS_BEING_REMOVED:
-        assert target in graph[source], f"{source} no longer imports {target}: remove the entry"
+        assert target in graph.get(source, ()), f"{source} no longer imports {target}: remove the entry"
         assert any(f"{source} -> {target}" in loop for loop in loops(graph)), f"{source} -> {target} closes no loop"
 
 
