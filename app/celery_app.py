@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from app.config import DEFAULT_QUEUE, BrokerSettings
+from app.settings import DEFAULT_QUEUE, BrokerSettings
 
 GENERATE_TASK = "regen.generate_shard"
 CAPTURE_TASK = "regen.capture_shard"

@@ -22,8 +22,7 @@ import logging
 import threading
 import time
 
-from app.config import mask_text
-from app.settings import current
+from app.settings import current, mask_text
 
 log = logging.getLogger("regen.clock")
 

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 from app.celery_app import CAPTURE_TASK, GENERATE_TASK, redis_client
 from app.clock import shared_now
-from app.config import mask_text
 from app.ledger import CAPTURE, GENERATE, attempt_errors, is_dead, is_finished, stage_key
 from app.liveness import attempt_state, lease_seconds
+from app.settings import mask_text
 from app.storage import RunStore, Storage
 
 log = logging.getLogger("regen.dead_holders")

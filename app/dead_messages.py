@@ -22,7 +22,7 @@ import socket
 
 import orjson
 
-from app.config import mask_text
+from app.settings import mask_text
 
 LIST_KEY = "regen.dead-messages"
 COUNT_KEY = "regen.dead-messages.count"

@@ -42,6 +42,7 @@ import orjson
 import zstandard
 
 from app import states_codec
+from app.byte_planes import join_bytes, split_bytes
 from app.errors import PermanentError
 
 MAGIC = b"RGHS\x00\x01\x00\x00"
@@ -54,33 +55,6 @@ FORMAT_LOSSY = "regen.hidden/2"  # an index with lossy entries (see the module d
 class CorruptHiddenFile(PermanentError, ValueError):
     """The file's structure, a checksum or a length does not hold (it will not on a second read either). A
     ValueError too, as callers have caught it."""
-
-
-def split_bytes(states_u16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """bf16 bit patterns (uint16) -> (high bytes, low bytes), each uint8 of the same element count.
-
-    In blocks of 64K values, so the shifted copy stays in cache: 2.3x faster than two strided byte copies on
-    a small sample and 1.7x on a real one ([4000, 5, 5120]); this runs once per sample beside the engine.
-    """
-    flat = np.ascontiguousarray(states_u16).reshape(-1)
-    high, low = np.empty(flat.size, dtype=np.uint8), np.empty(flat.size, dtype=np.uint8)
-    shifted = np.empty(min(_SPLIT_BLOCK, flat.size), dtype=np.uint16)
-    for start in range(0, flat.size, _SPLIT_BLOCK):
-        part = flat[start:start + _SPLIT_BLOCK]
-        end = start + part.size
-        high[start:end] = np.right_shift(part, 8, out=shifted[:part.size])
-        low[start:end] = part  # the cast keeps the low byte
-    return high, low
-
-
-_SPLIT_BLOCK = 1 << 16
-
-
-def join_bytes(high: np.ndarray, low: np.ndarray) -> np.ndarray:
-    out = np.empty((high.size, 2), dtype=np.uint8)
-    out[:, 0] = low
-    out[:, 1] = high
-    return out.reshape(-1).view(np.uint16)
 
 
 @functools.cache

@@ -13,23 +13,81 @@ Every variable, its default and its meaning: docs/configuration.md ("Environment
 name theirs. Flags that read a variable (`--storage` from `REGEN_STORAGE`, ...) are defined once, in
 app/cli/options.py. What regen writes into a child's environment (its GPUs, its WorkerConfig, vLLM's switches)
 is in app/process_env.py.
+
+The defaults producer, workers and Flower share (queues, shard size, the visibility timeout) and the broker's
+settings are here too. The broker URL may carry a password (`redis://:secret@host:6379/0`) or use TLS
+(`rediss://`); it is passed through untouched, and every place that prints it uses `mask_url` so the password
+never reaches a log line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 import orjson
 
-from app.config import DEFAULT_BROKER_URL, DEFAULT_QUEUE, DEFAULT_VISIBILITY_TIMEOUT, BrokerSettings
 from app.errors import ConfigError
+
+DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_QUEUE = "regen"
+DEFAULT_CAPTURE_QUEUE = "regen.capture"
+# Samples per shard (one Celery message): `regen produce --shard-size`; workers size their task slots by it.
+DEFAULT_SHARD_SIZE = 64
+# Redis re-delivers an unacked message after this many seconds *even if it is still running* (docs/measured-facts.md), so it
+# must exceed the longest shard. Four hours covers a 64-sample shard of long thinking traces on one GPU.
+DEFAULT_VISIBILITY_TIMEOUT = 4 * 3600
+
+_URL_SCHEME = re.compile(r"[a-z][a-z0-9+.-]*://", re.I)
+_URL_PASSWORD = re.compile(r"(?P<scheme>[a-z0-9+.-]+://)(?P<user>[^:@/]*):(?P<password>[^@/]+)@", re.I)
+
+
+def mask_url(url: str) -> str:
+    """Return `url` with any password replaced by `***` (user names are kept, they help debugging)."""
+    return _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:***@", url)
+
+
+def mask_text(text: str) -> str:
+    """Mask every URL password inside a free-form text (an exception message, a log line)."""
+    return mask_url(text)
+
+
+@dataclass(frozen=True)
+class BrokerSettings:
+    """Everything Celery needs to reach the broker; one instance is shared by producer, workers and Flower."""
+
+    url: str = DEFAULT_BROKER_URL
+    visibility_timeout: int = DEFAULT_VISIBILITY_TIMEOUT
+    # Seconds between calls of kombu's unacked sweep (None: kombu's 10); kombu 5.7.0 scans on every 10th call
+    # only, and then restores every message older than the visibility timeout (docs/configuration.md).
+    unacked_restore_interval: int | None = None
+
+    @classmethod
+    def from_env(cls, url: str | None = None, visibility_timeout: int | None = None) -> BrokerSettings:
+        """This process's broker settings (`REGEN_BROKER_URL` and the timeouts, from `current()`), with a URL or
+        timeout given on a command line winning."""
+        return current().broker_for(url, visibility_timeout)
+
+    @property
+    def masked_url(self) -> str:
+        return mask_url(self.url)
+
+    def __repr__(self) -> str:
+        """Masked: these settings ride on the Celery app's configuration (`conf.regen_settings`), which every
+        worker hands out as text to `celery inspect conf` and Flower's worker pages."""
+        return (f"BrokerSettings(url={self.masked_url!r}, visibility_timeout={self.visibility_timeout}, "
+                f"unacked_restore_interval={self.unacked_restore_interval})")
+
 
 DEFAULT_HEARTBEAT_S = 30.0
 DEFAULT_MISSING_RUN_RETRIES = 5
 DEFAULT_LOG_LEVEL = "INFO"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # what both logging and Celery's --loglevel take
+SIDE_THREADS = ("idle", "batch", "normal")  # REGEN_SIDE_THREADS: workers/scheduling.py says what each does
 
 
 def _default_state_dir() -> str:
@@ -46,35 +104,35 @@ class Settings:
     heartbeat_s: float = DEFAULT_HEARTBEAT_S  # REGEN_HEARTBEAT_S: a worker's lease renewals (at least 0.5 s)
     state_dir: str = field(default_factory=_default_state_dir)  # REGEN_STATE_DIR: a worker host's attempt journal
     scratch: str | None = None  # REGEN_SCRATCH: where capture files go (None: /dev/shm, else the temp dir)
-    # REGEN_SIDE_THREADS, stripped and lower-cased; workers/engine/scheduling.py decides what it means
-    side_threads: str = ""
+    side_threads: str = ""  # REGEN_SIDE_THREADS: "" (the device's default) or one of SIDE_THREADS (workers/engine/scheduling.py)
     missing_run_retries: int = DEFAULT_MISSING_RUN_RETRIES  # REGEN_MISSING_RUN_RETRIES (at least 0)
-    log_level: str = DEFAULT_LOG_LEVEL  # REGEN_LOG_LEVEL: worker and engine processes
+    log_level: str = DEFAULT_LOG_LEVEL  # REGEN_LOG_LEVEL: worker and engine processes (upper-cased)
     queues: str = DEFAULT_QUEUE  # REGEN_QUEUES: what a worker child consumes (set by `regen worker`)
     worker_config: str | None = None  # REGEN_WORKER_CONFIG: a worker child's WorkerConfig as JSON (workers/process/context.py)
     bench_tasks: bool = False  # REGEN_BENCH_TASKS=1: the worker registers the fleet bench's task too
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
-        """Read every variable once; a malformed value (a number that is not one, storage options that are not a
-        JSON object, a switch other than 0 or 1) is a one-line ConfigError naming the variable. Numbers below
-        their floor are raised to it (a lease renewal of at least 0.5 s, retries of at least 0)."""
+        """Read every variable once; a malformed value (a number that is not one or is below 1 where 0 means
+        nothing, a broker URL without a scheme, storage options or a worker config that are not a JSON object, a
+        switch other than 0 or 1, a name outside its list) is a one-line ConfigError naming the variable.
+        Numbers below their floor are raised to it (a lease renewal of at least 0.5 s, retries of at least 0)."""
         env = os.environ if environ is None else environ
         return cls(
             broker=BrokerSettings(
-                url=env.get("REGEN_BROKER_URL") or DEFAULT_BROKER_URL,
-                visibility_timeout=_int(env, "REGEN_VISIBILITY_TIMEOUT", DEFAULT_VISIBILITY_TIMEOUT),
-                unacked_restore_interval=_int(env, "REGEN_UNACKED_RESTORE_INTERVAL"),
+                url=_broker_url(env.get("REGEN_BROKER_URL") or DEFAULT_BROKER_URL),
+                visibility_timeout=_positive(env, "REGEN_VISIBILITY_TIMEOUT", DEFAULT_VISIBILITY_TIMEOUT),
+                unacked_restore_interval=_positive(env, "REGEN_UNACKED_RESTORE_INTERVAL"),
             ),
-            storage_options=_storage_options(env.get("REGEN_STORAGE_OPTIONS", "")),
+            storage_options=_json_object("REGEN_STORAGE_OPTIONS", env.get("REGEN_STORAGE_OPTIONS", "")) or {},
             heartbeat_s=max(0.5, _float(env, "REGEN_HEARTBEAT_S", DEFAULT_HEARTBEAT_S)),
             state_dir=env.get("REGEN_STATE_DIR") or _default_state_dir(),
             scratch=env.get("REGEN_SCRATCH") or None,
-            side_threads=env.get("REGEN_SIDE_THREADS", "").strip().lower(),
+            side_threads=_one_of(env, "REGEN_SIDE_THREADS", SIDE_THREADS),
             missing_run_retries=max(0, _int(env, "REGEN_MISSING_RUN_RETRIES", DEFAULT_MISSING_RUN_RETRIES)),
-            log_level=env.get("REGEN_LOG_LEVEL", DEFAULT_LOG_LEVEL),
-            queues=env.get("REGEN_QUEUES", DEFAULT_QUEUE),
-            worker_config=env.get("REGEN_WORKER_CONFIG") or None,
+            log_level=_log_level(env.get("REGEN_LOG_LEVEL") or DEFAULT_LOG_LEVEL),
+            queues=_queues(env.get("REGEN_QUEUES", DEFAULT_QUEUE)),
+            worker_config=_worker_config(env.get("REGEN_WORKER_CONFIG") or None),
             bench_tasks=_switch(env, "REGEN_BENCH_TASKS"),
         )
 
@@ -94,17 +152,58 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int |
         raise ConfigError(f"{name}={raw!r} is not an integer") from None
 
 
-def _storage_options(raw: str) -> dict:
+def _positive(env: Mapping[str, str], name: str, default: int | None = None) -> int | None:
+    value = _int(env, name, default)
+    if value is not None and value < 1:
+        raise ConfigError(f"{name}={value}: use a number of seconds of at least 1")
+    return value
+
+
+def _json_object(name: str, raw: str) -> dict | None:
     raw = raw.strip()
     if not raw:
-        return {}
+        return None
     try:
         options = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise ConfigError(f"REGEN_STORAGE_OPTIONS is not valid JSON: {exc}") from None
+        raise ConfigError(f"{name} is not valid JSON: {exc}") from None
     if not isinstance(options, dict):
-        raise ConfigError("REGEN_STORAGE_OPTIONS must be a JSON object")
+        raise ConfigError(f"{name} must be a JSON object")
     return options
+
+
+def _worker_config(raw: str | None) -> str | None:
+    if raw is not None:
+        _json_object("REGEN_WORKER_CONFIG", raw)  # kept as text: workers/process/context.py builds the WorkerConfig from it
+    return raw
+
+
+def _broker_url(url: str) -> str:
+    if not _URL_SCHEME.match(url):
+        shown = re.sub(r":[^:@/]*@", ":***@", url)  # a password, even without a scheme, never reaches a log line
+        raise ConfigError(f"REGEN_BROKER_URL={shown!r} is not a URL (e.g. redis://host:6379/0)")
+    return url
+
+
+def _one_of(env: Mapping[str, str], name: str, allowed: tuple[str, ...]) -> str:
+    value = env.get(name, "").strip().lower()
+    if value and value not in allowed:
+        raise ConfigError(f"{name}={value!r}: expected {', '.join(repr(a) for a in allowed[:-1])} or {allowed[-1]!r}")
+    return value
+
+
+def _log_level(raw: str) -> str:
+    level = raw.strip().upper()
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"REGEN_LOG_LEVEL={raw!r}: use one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+def _queues(raw: str) -> str:
+    names = [q.strip() for q in raw.split(",")]
+    if not all(names):
+        raise ConfigError(f"REGEN_QUEUES={raw!r}: comma-separated queue names, none empty")
+    return ",".join(names)
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
@@ -112,9 +211,12 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
     if raw is None or raw == "":
         return default
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
         raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if not math.isfinite(value):
+        raise ConfigError(f"{name}={raw!r} is not a finite number")
+    return value
 
 
 def _switch(env: Mapping[str, str], name: str) -> bool:

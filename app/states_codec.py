@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from app.byte_planes import join_bytes
 from app.errors import PermanentError
 
 E4M3_MAX = 448.0
@@ -117,8 +118,6 @@ def dequantise(codec: str, arrays: tuple[np.ndarray, ...], shape: tuple[int, int
             flat_out[start:start + step] = _fp8_decode(rows[start:start + step], flat_scales[start:start + step])
         return out
     if codec in MANTISSA_BITS:
-        from app.hidden_file import join_bytes  # hidden_file imports this module
-
         high, low = arrays
         return join_bytes(high.reshape(-1), low.reshape(-1)).reshape(shape)
     raise ValueError(f"unknown lossy states codec {codec!r}")

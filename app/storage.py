@@ -38,9 +38,10 @@ from collections.abc import Iterator
 import fsspec
 import orjson
 
-from app.errors import InvalidId
+from app.errors import ConfigError, InvalidId
 from app.ids import validate_id
-from app.settings import current
+from app.packages import REQUIREMENTS
+from app.settings import current, mask_url
 
 
 class Storage:
@@ -50,7 +51,11 @@ class Storage:
         self.url = root
         if "://" in root and not root.startswith("file://"):
             storage_options = {**current().storage_options, **storage_options}
-        self.fs, self.root = fsspec.core.url_to_fs(root, **storage_options)
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(root, **storage_options)
+        except ImportError as exc:  # fsspec imports a protocol's package on first use: s3fs for s3://
+            raise ConfigError(f"storage {mask_url(root)}: {exc}" + (f" (pip install '{REQUIREMENTS['s3fs']}')"
+                              if root.startswith(("s3://", "s3a://")) else "")) from None
         self.is_local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
         if self.is_local:
             self.root = os.path.abspath(self.root)

@@ -271,7 +271,7 @@ class Fleet:
         import redis
 
         from app.celery_app import create_app
-        from app.config import BrokerSettings
+        from app.settings import BrokerSettings
 
         if not tag:  # the first fleet only: a second one must not wipe the first worker's remote-control bindings
             redis.Redis.from_url(BROKER).flushdb()

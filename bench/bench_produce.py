@@ -110,7 +110,7 @@ def child_stage(path: str, stage: str) -> dict:
 
 def child_baseline(path: str, rows: int) -> dict:
     from app.celery_app import GENERATE_TASK, create_app
-    from app.config import BrokerSettings
+    from app.settings import BrokerSettings
 
     app = create_app(BrokerSettings.from_env(BROKER))
     start, cpu = time.perf_counter(), _cpu_s()

@@ -33,8 +33,8 @@ import warnings
 from collections.abc import Callable
 
 from app.celery_app import GENERATE_TASK, create_app
-from app.config import BrokerSettings, mask_url
 from app.errors import ConfigError, RetryableError
+from app.settings import BrokerSettings, mask_url
 from producer.sharding import Shard
 
 COMPRESS_ABOVE = 4096

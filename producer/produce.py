@@ -213,7 +213,7 @@ def send_captures(store: RunStore, app, storage_url: str, settings: dict, shards
     """Send a staged capture task for each of `shards` (generated, not captured) on the run's capture queue:
     `--resume` for captures whose message was lost, `regen retry-dead` for dead-lettered ones."""
     from app.celery_app import CAPTURE_TASK
-    from app.config import DEFAULT_CAPTURE_QUEUE
+    from app.settings import DEFAULT_CAPTURE_QUEUE
 
     queue = settings.get("capture_queue", DEFAULT_CAPTURE_QUEUE)
     for shard in shards:

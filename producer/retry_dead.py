@@ -57,8 +57,8 @@ def retry_dead(opts: ProduceOptions, shards: list[str]) -> RetryResult:
         result.sent = produce(replace(opts, resume=True, only_shards=only)).accounting.shards_sent
     if by_stage[CAPTURE]:
         from app.celery_app import create_app
-        from app.config import BrokerSettings
         from app.manifest import load
+        from app.settings import BrokerSettings
         from producer.produce import send_captures, storage_url_for_workers
 
         app = create_app(BrokerSettings.from_env(opts.broker))
@@ -74,9 +74,9 @@ def _preflight(store: RunStore, opts: ProduceOptions, resends_inputs: bool) -> N
     import os
 
     from app.celery_app import create_app
-    from app.config import BrokerSettings
     from app.errors import InputError
     from app.manifest import load
+    from app.settings import BrokerSettings
 
     if resends_inputs:
         for entry in load(store)["settings"].get("inputs", []):

@@ -13,11 +13,11 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from app.config import DEFAULT_SHARD_SIZE
 from app.errors import ConfigError, InputError, ManifestMismatch
 from app.layers import parse_layers
 from app.manifest import CAPTURE_MODES, QualitySettings, RunSettings, Sampling, StatesStorage
 from app.model_info import read_model_info
+from app.settings import DEFAULT_SHARD_SIZE
 from app.speculative import check_speculative, parse_speculative
 from app.states_codec import STATES_DTYPES, promised_bound, resolve
 from app.vllm_args import split_item

@@ -15,8 +15,8 @@ import sys
 
 import click
 
-from app.config import mask_text
 from app.errors import RegenError
+from app.settings import mask_text
 from app.settings import scope as settings_scope
 
 

@@ -12,6 +12,7 @@ import click
 import orjson
 
 from app.cli.options import STORAGE_HELP, storage_option
+from app.data import export_formats
 
 _storage = storage_option(required=True, help=STORAGE_HELP)
 
@@ -70,10 +71,13 @@ def verify_cmd(run_id: str, storage: str, reference: int, workers: int, strict: 
     """
     from app.data.run_reader import RunReader
     from app.data.verify import verify_run
+    from app.packages import require
 
     part = _part(part_spec)
     if reference and not part.whole:
         raise click.UsageError("--reference recomputes a few samples of the whole run: run it without --part")
+    if reference:
+        require("torch", "regen verify --reference")
     reader = RunReader(storage, run_id)
     err = _console(stderr=True)
     done = set(reader.done_shards())
@@ -138,9 +142,7 @@ def _print_verify(report, strict: bool) -> None:
 @click.command("export")
 @click.argument("run_id", metavar="RUN")
 @_storage
-@click.option("--format", "fmt", required=True, type=click.Choice(
-    ["sharegpt", "parquet", "specforge-jsonl", "specforge-dflash", "specforge-eagle3", "speculators",
-     "specforge-online", "speculators-online"]))
+@click.option("--format", "fmt", required=True, type=click.Choice(export_formats.names()))
 @click.option("--out", required=True, help="Output folder (path or URL); a rerun resumes it.")
 @click.option("--exclude-flags", default="", help="Comma-separated quality flags to leave out, e.g. stub_answer,truncated.")
 @click.option("--min-response-tokens", type=click.IntRange(min=0), default=0, show_default=True,
@@ -184,7 +186,7 @@ def export_cmd(run_id: str, storage: str, fmt: str, out: str, exclude_flags: str
     if totals["shards_claimed_elsewhere"]:
         table.add_row("shards left to other exporters (claimed)", str(totals["shards_claimed_elsewhere"]))
     table.add_row("files of every shard (token_freq.pt, dataset, joined JSONL)", _ASSEMBLY[totals["assembly"]])
-    table.add_row("conversations exported" if fmt in ("sharegpt", "specforge-jsonl") else "samples exported",
+    table.add_row("conversations exported" if export_formats.get(fmt).per_conversation else "samples exported",
                   str(totals["exported"]))
     for reason, n in totals["filtered"].items():
         table.add_row(f"left out: {reason}", str(n))
@@ -215,8 +217,11 @@ def stats_cmd(run_id: str, storage: str, html_path: str | None, as_json: bool, p
 
     from app.data.run_reader import RunReader
     from app.data.stats import collect, plots, print_terminal, render_html, states_summary
+    from app.packages import require
 
     part = _part(part_spec)
+    if html_path:
+        require("matplotlib", "regen stats --html")
     st = collect(RunReader(storage, run_id), processes=processes, part=part)
     if as_json:
         t = st.total

@@ -13,8 +13,7 @@ import time
 import click
 
 from app.cli.options import BROKER_HELP, STORAGE_HELP, broker_option, storage_option
-from app.config import DEFAULT_VISIBILITY_TIMEOUT, mask_url
-from app.settings import current
+from app.settings import DEFAULT_VISIBILITY_TIMEOUT, current, mask_url
 
 
 def collect(storage_root: str, run_id: str | None, broker_url: str, inspect_timeout: float,

@@ -21,9 +21,9 @@ from rich.progress import (
 from rich.table import Table
 
 from app.cli.options import broker_option, model_option, storage_option
-from app.config import DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
 from app.errors import ConfigError
 from app.manifest import CAPTURE_MODES
+from app.settings import DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
 from app.states_codec import STATES_DTYPES
 from producer.enqueue import COMPRESS_MODES
 from producer.normalise import REGENERATE_MODES

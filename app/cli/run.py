@@ -25,9 +25,9 @@ from app.cli.options import (
     task_slots_option,
     vllm_arg_option,
 )
-from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, BrokerSettings, mask_url
 from app.embedded_broker import broker_for_run
 from app.ledger import pause_state, split_key
+from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, BrokerSettings, mask_url
 from app.storage import RunStore, Storage
 
 

@@ -16,9 +16,8 @@ from app.cli.options import (
     task_slots_option,
     vllm_arg_option,
 )
-from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
 from app.errors import ConfigError
-from app.settings import current
+from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, current
 from workers.process.plan import (
     manifest_engine_args,
     refuse_unrunnable,

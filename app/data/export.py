@@ -12,13 +12,13 @@ process's. What makes that hold: the plan numbers every sample before anything i
 files made from every shard (token_freq.pt, speculators' dataset, SpecForge's joined JSONL) are assembled by the
 exporter that finds every planned shard exported when it ends (`assemble`). docs/formats.md says how to use it.
 
-Formats:
-- `sharegpt`, `specforge-jsonl`  one row per conversation with every turn the model saw (app/data/export_text.py).
-- `parquet`      `data/{shard}.parquet`, one row per record, one fixed schema for every shard.
-- `specforge-dflash`, `specforge-eagle3`, `speculators`: hidden states laid out as each trainer's own reader
-                 loads them (app/data/export_trainers.py and the modules it names).
-- `specforge-online`, `speculators-online`: ids and loss masks only, for trainers that run the target
-                 themselves; every run, `--capture off` included (app/data/export_online.py).
+Formats: every one, with what it needs and the class that writes it, is listed in app/data/export_formats.py.
+- text, per conversation (`sharegpt`, `specforge-jsonl`): every turn the model saw (app/data/export_text.py).
+- text, per record (`parquet`): `data/{shard}.parquet`, one fixed schema for every shard.
+- hidden states (`specforge-dflash`, `specforge-eagle3`, `speculators`): laid out as each trainer's own reader
+  loads them (app/data/export_trainers.py and the writer classes the list names).
+- token-only (`specforge-online`, `speculators-online`): ids and loss masks, for trainers that run the target
+  themselves; every run, `--capture off` included (app/data/export_online.py).
 
 Text formats (`sharegpt`, `specforge-jsonl`, `parquet`) leave out samples whose thinking never ended unless
 `include_unterminated` (app/data/export_text.py says why); every left-out sample is counted by reason.
@@ -35,16 +35,14 @@ from dataclasses import dataclass
 
 import orjson
 
-from app.data import export_claims, export_plan, export_text
-from app.data.export_trainers import ONLINE_FORMATS, TRAINER_FORMATS
+from app.data import export_claims, export_formats, export_plan, export_text
 from app.data.fanout import WHOLE, Part, process_pool
 from app.data.run_reader import RunReader, ShardInfo
 from app.errors import RegenError
 from app.storage import Storage
 
-FORMATS = ("sharegpt", "parquet", "specforge-jsonl", *TRAINER_FORMATS, *ONLINE_FORMATS)
-TEXT_FORMATS = ("sharegpt", "parquet", "specforge-jsonl")
 EXPORT_FORMAT = "regen.export/1"
+PARQUET = "parquet"  # the one per-record text format, written here
 
 
 @dataclass(frozen=True)
@@ -72,7 +70,7 @@ def filter_reason(rec: dict, opts: ExportOptions) -> str | None:
             return f"flag:{f}"
     if rec["num_output_tokens"] < opts.min_response_tokens:
         return "min_response_tokens"
-    if opts.fmt in TEXT_FORMATS:
+    if export_formats.get(opts.fmt).kind == export_formats.TEXT:
         return export_text.unterminated_reason(rec, opts.include_unterminated)
     return None
 
@@ -116,22 +114,19 @@ class Exporter:
     whose done marker exists; `run(processes, part)` fans the shards out (module docstring)."""
 
     def __init__(self, reader: RunReader, out: str, opts: ExportOptions, pin: bool = True):
-        if opts.fmt not in FORMATS:
-            raise RegenError(f"unknown export format {opts.fmt!r} (one of {', '.join(FORMATS)})")
-        if opts.fmt in TRAINER_FORMATS and reader.capture_mode == "off":
+        self.format = spec = export_formats.get(opts.fmt)
+        spec.require()  # its optional packages, before any work
+        if spec.needs_states and reader.capture_mode == "off":
             raise RegenError(f"run {reader.run_id!r} captured no hidden states: the {opts.fmt} format needs them")
-        if opts.fmt == "specforge-jsonl" and opts.include_unterminated:
+        if opts.include_unterminated and not spec.keeps_unterminated:  # specforge-jsonl
             raise RegenError("--include-unterminated: SpecForge's rows need a non-empty answer on every assistant "
                              "turn; use --format sharegpt or parquet to keep unterminated samples")
         self.reader, self.opts, self.out = reader, opts, Storage(out)
         self.out_url = out
         self.trainer = None
-        if opts.fmt in TRAINER_FORMATS or opts.fmt in ONLINE_FORMATS:
-            from app.data.export_trainers import formats
-
-            cls = formats()[opts.fmt]
-            extra = {"model_path": opts.model} if opts.fmt == "specforge-eagle3" else {}
-            self.trainer = cls(reader, self.out, opts.layers, **extra)
+        if spec.writer:
+            extra = {"model_path": opts.model} if spec.final_norm else {}
+            self.trainer = spec.writer_class()(reader, self.out, opts.layers, **extra)
         if pin:
             self._pin()
 
@@ -192,14 +187,14 @@ class Exporter:
                                  f"{planned['exported']}; run `regen verify` on the run")
             self.out.write_json(f"done/{info.shard_id}.json", done)
             return done
-        if self.opts.fmt in export_text.FORMATS:  # one row per conversation
+        if self.format.per_conversation:
             rows, counts = export_text.conversation_rows(self.opts.fmt, self.reader.records(info),
                                                          lambda rec: filter_reason(rec, self.opts),
                                                          self.reader.settings)
         else:
             counts = Counter()
             rows = [_parquet_row(rec) for rec in self._kept(info, counts)]
-        data_rel = f"data/{info.shard_id}.{'parquet' if self.opts.fmt == 'parquet' else 'jsonl'}"
+        data_rel = f"data/{info.shard_id}.{'parquet' if self.opts.fmt == PARQUET else 'jsonl'}"
         if rows:  # no empty files: JSON readers (datasets) fail on them
             self._write_data(data_rel, rows)
         done = {"shard_id": info.shard_id, "exported": len(rows), "filtered": dict(counts),
@@ -217,7 +212,7 @@ class Exporter:
 
     def _write_data(self, data_rel: str, rows: list[dict]) -> None:
         with self.out.atomic_writer(data_rel) as fh:
-            if self.opts.fmt == "parquet":
+            if self.opts.fmt == PARQUET:
                 import pyarrow as pa
                 import pyarrow.parquet as pq
 
@@ -257,10 +252,8 @@ class Exporter:
         self.reader.close()
         totals = {**self.totals(), "shards_exported_now": tally["exported"], "shards_skipped": len(exported_before),
                   "shards_claimed_elsewhere": tally["claimed"], "assembly": assembled, "part": str(part)}
-        if self.opts.fmt == "specforge-jsonl":
-            totals["file"] = export_text.SPECFORGE_FILE
-        elif self.trainer and self.trainer.file:
-            totals["file"] = self.trainer.file
+        if self.format.file:
+            totals["file"] = self.format.file
         return totals
 
     def _number(self, pool: ShardPool, batch: dict, mine: list[str]) -> dict[str, int]:
@@ -292,7 +285,7 @@ class Exporter:
             if self.trainer:
                 self.trainer.remove_from(samples)  # files past the last number: a pre-plan attempt's
                 self.trainer.finish(done, samples)
-            if self.opts.fmt == "specforge-jsonl":
+            if self.format.per_conversation and self.format.file:  # specforge-jsonl's regenerated.jsonl
                 export_text.join_shard_files(self.out, [f"{s}.json" for s in done])
             self._remove_temporaries(before=started)
             export_plan.mark_assembled(self.out, done, samples)

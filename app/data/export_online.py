@@ -34,7 +34,7 @@ from app.data.export_states import Sample
 from app.data.export_trainers import StateExport
 from app.errors import RegenError
 
-PROMPTS_FILE = "prompts.jsonl"
+PROMPTS_FILE = "prompts.jsonl"  # app/data/export_formats.py names it as the format's one file
 
 
 def token_sample(info, rec: dict) -> Sample:
@@ -55,7 +55,6 @@ def _no_layers(fmt: str, layers_spec: str | None) -> None:
 class SpecForgeOnline(StateExport):
     name = "specforge-online"
     needs_states = False
-    file = PROMPTS_FILE
 
     def __init__(self, reader, out, layers_spec):
         _no_layers(self.name, layers_spec)

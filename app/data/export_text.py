@@ -47,9 +47,8 @@ import orjson
 
 from app.records import conversation_id
 
-FORMATS = ("sharegpt", "specforge-jsonl")  # the per-conversation text formats this module builds
 UNTERMINATED = "unterminated_thinking"
-SPECFORGE_FILE = "regenerated.jsonl"
+SPECFORGE_FILE = "regenerated.jsonl"  # app/data/export_formats.py names it as the format's one file
 SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
 _THINK_MARKERS = ("<think>", "</think>")
 

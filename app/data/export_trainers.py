@@ -43,7 +43,6 @@ class StateExport:
 
     name = ""
     needs_states = True  # False: a token-only format, which reads no states and writes none
-    file: str | None = None  # the one file holding every row, where a format writes one
     needs_final = False
     aux_count: int | None = None
     consecutive_supervision = False
@@ -148,15 +147,3 @@ class StateExport:
         buf = io.BytesIO()
         torch.save(dict(sorted(total.items())), buf)
         self.out.write_bytes("token_freq.pt", buf.getvalue())
-
-
-def formats() -> dict[str, type[StateExport]]:
-    from app.data.export_online import SpecForgeOnline, SpeculatorsOnline
-    from app.data.export_specforge import SpecForgeDFlash, SpecForgeEagle3
-    from app.data.export_speculators import Speculators
-
-    return {c.name: c for c in (SpecForgeDFlash, SpecForgeEagle3, Speculators, SpecForgeOnline, SpeculatorsOnline)}
-
-
-TRAINER_FORMATS = ("specforge-dflash", "specforge-eagle3", "speculators")  # hidden states: capture runs only
-ONLINE_FORMATS = ("specforge-online", "speculators-online")  # token-only: every run, capture off included

@@ -27,7 +27,7 @@ import random
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import orjson
@@ -35,38 +35,13 @@ import zstandard
 
 from app.data.fanout import WHOLE, Part, ordered_map
 from app.data.run_reader import RunReader, ShardInfo
+from app.data.verify_checks import Problem, ShardResult, check_states
 from app.hidden_file import CorruptHiddenFile, HiddenFileReader, bf16_to_float32
 from app.ids import shard_id as shard_name
 from app.jsonl_zst import iter_jsonl_zst
-from app.states_bound import promise, reference_excess, sample_problem
+from app.states_bound import promise, reference_excess
 
 REFERENCE_MAX_ABS = 0.05  # bf16 noise between vLLM's kernels and transformers' eager forward (docs/measured-facts.md: ~0.002)
-
-
-@dataclass
-class Problem:
-    kind: str
-    shard: str | None
-    sample: str | None
-    detail: str
-    severity: str = "error"
-
-
-@dataclass
-class ShardResult:
-    shard: str
-    state: str  # done | dead | missing
-    records: int = 0
-    conversations: int = 0  # the producer's samples: a multi-turn conversation's turns are several records
-    ok: int = 0
-    rejected: int = 0
-    problems: list[Problem] = field(default_factory=list)
-    good_samples: list[str] = field(default_factory=list)  # ok samples whose states passed: reference pool
-    stale_rows: object = field(default=None, repr=False)  # app.quality.StaleRows across the shard's samples
-    worker: str | None = None  # the worker that published it (sampled verify spreads its reads over workers)
-
-    def add(self, kind: str, detail: str, sample: str | None = None, severity: str = "error") -> None:
-        self.problems.append(Problem(kind, self.shard, sample, detail, severity))
 
 
 @dataclass
@@ -213,47 +188,6 @@ def _check_record(res: ShardResult, rec: dict, run_id: str) -> bool:
         good = False
     if mask != [0] * n_p + [1] * n_o:
         res.add("loss_mask", f"loss_mask (sum {sum(mask)}, len {len(mask)}) is not {n_p} zeros then {n_o} ones", sid)
-        good = False
-    return good
-
-
-def check_states(res: ShardResult, rec: dict, hreader: HiddenFileReader, pos: int, reader: RunReader,
-                  hidden_size: int | None) -> bool:
-    from app.quality import STATE_PROBLEMS, StaleRows, implausible_states, layer_detail, states_problem
-
-    sid = rec["sample_id"]
-    try:
-        tokens, states = hreader.read(pos)
-    except CorruptHiddenFile as exc:
-        res.add("hidden_corrupt", str(exc), sid)
-        return False
-    good = True
-    want = rec["input_ids"][:-1]
-    if tokens.shape[0] != len(want) or not np.array_equal(tokens, np.asarray(want, dtype=np.int64)):
-        res.add("token_mismatch", f"hidden file token_ids ({tokens.shape[0]}) != record input_ids[:-1] "
-                f"({len(want)})", sid)
-        good = False
-    entry = hreader.entries[pos]
-    if reader.layers is not None and list(entry["layers"]) != list(reader.layers):
-        res.add("layers", f"states for layers {entry['layers']}, run captures {reader.layers}", sid)
-        good = False
-    if hidden_size and states.shape[2] != hidden_size:
-        res.add("states_shape", f"hidden size {states.shape[2]} != model's {hidden_size}", sid)
-        good = False
-    problem = states_problem(states)
-    if problem:  # per layer, with its kind on a hybrid (linear / full attention)
-        kinds = (reader.settings.get("layers") or {}).get("kinds")
-        res.add(problem, layer_detail(states, list(entry["layers"]), kinds) or STATE_PROBLEMS[problem], sid)
-        good = False
-    else:
-        res.stale_rows = res.stale_rows or StaleRows()
-        problem = implausible_states(tokens, states, res.stale_rows)
-        if problem:
-            res.add(problem, STATE_PROBLEMS[problem], sid)
-            good = False
-    broken = sample_problem(entry, promise(reader.settings))  # a lossy sample's recorded error vs the bound
-    if broken:
-        res.add(*broken, sample=sid)
         good = False
     return good
 

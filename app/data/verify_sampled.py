@@ -66,7 +66,7 @@ def choose(results, sample: float, seed: int = 0) -> list[tuple[object, str]]:
 
 def decode_sample(reader, results, sample: float) -> dict:
     """Decode and check the chosen samples' states (problems go to their shard's result); what was read."""
-    from app.data.verify import check_states
+    from app.data.verify_checks import check_states
     from app.hidden_file import HiddenFileReader
 
     hidden_size = (reader.settings.get("model") or {}).get("hidden_size")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 
 from app.celery_app import redis_client
-from app.config import mask_text
+from app.settings import mask_text
 
 PRIORITY_SEP = "\x06\x16"
 PRIORITY_STEPS = (3, 6, 9)  # kombu's default steps besides 0, which uses the bare queue name
@@ -56,7 +56,7 @@ def _shard_of(request: dict) -> tuple[str | None, str | None]:
 def live_workers(url: str, timeout: float = 1.0) -> tuple[dict[str, dict], str | None]:
     """({worker: {online, tasks: [{run, shard, since}]}}, error) for the workers that answer within `timeout`."""
     from app.celery_app import create_app
-    from app.config import BrokerSettings
+    from app.settings import BrokerSettings
 
     try:
         redis_client(url).ping()
@@ -89,8 +89,8 @@ def overlay(status: dict, broker_url: str, lengths: dict[str, int], unacked: int
     its `last_seen` is now. `live` None
     means the workers were not asked; then `online` is None (unknown) for every worker.
     """
-    from app.config import mask_url
     from app.ops.status import iso
+    from app.settings import mask_url
 
     status["broker"] = {"url": mask_url(broker_url), "queued": lengths, "unacked": unacked,
                         "error": "; ".join(errors) or None}

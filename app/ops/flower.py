@@ -38,8 +38,7 @@ from celery import Celery
 from kombu import Queue
 
 from app.celery_app import create_app, redis_client
-from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, mask_text
-from app.settings import Settings, install
+from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, Settings, install, mask_text
 
 log = logging.getLogger("regen.flower")
 

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_VISIBILITY_TIMEOUT, mask_text
 from app.dead_holders import died_holding
 from app.errors import InvalidId
 from app.ids import validate_id
 from app.ledger import CAPTURE, GENERATE, pause_state, split_key, stage_key, stage_of
 from app.liveness import attempt_state
+from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_VISIBILITY_TIMEOUT, mask_text
 from app.storage import RunStore, Storage
 
 

@@ -36,7 +36,7 @@ def test_without_redis_server_the_filesystem_transport_is_used(tmp_path, monkeyp
     with eb.broker_for_run(None, str(tmp_path)) as (url, how):
         assert url.startswith("filesystem://") and "at-most-once" in how
         from app.celery_app import create_app
-        from app.config import BrokerSettings
+        from app.settings import BrokerSettings
 
         app = create_app(BrokerSettings(url=url))
         app.send_task("regen.generate_shard", kwargs={"run_id": "r"}, queue="regen")

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from app.cli import main
-from app.config import mask_url
+from app.settings import mask_url
 from tests.support.polling import wait_for
 from tests.support.private_redis import PrivateRedis, tls_redis
 from tests.support.producer import sharegpt_row, write_jsonl
@@ -113,8 +113,7 @@ def test_the_broker_settings_a_celery_app_carries_print_no_password():
     """`conf.regen_settings` rides on every worker's configuration, which `celery inspect conf` and Flower's
     worker pages print (tests/ops/test_flower.py checks those end to end)."""
     from app.celery_app import create_app
-    from app.config import BrokerSettings
-    from app.settings import Settings
+    from app.settings import BrokerSettings, Settings
 
     url = f"rediss://user:{PASSWORD}@head:6379/0?ssl_cert_reqs=required"
     app = create_app(BrokerSettings(url=url))

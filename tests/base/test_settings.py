@@ -10,9 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from app.config import DEFAULT_BROKER_URL, DEFAULT_VISIBILITY_TIMEOUT, BrokerSettings
 from app.errors import ConfigError
-from app.settings import Settings, current, install, scope
+from app.settings import (
+    DEFAULT_BROKER_URL,
+    DEFAULT_VISIBILITY_TIMEOUT,
+    BrokerSettings,
+    Settings,
+    current,
+    install,
+    scope,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 CODE = [p for package in ("app", "producer", "workers") for p in sorted((ROOT / package).rglob("*.py"))]
@@ -47,11 +54,30 @@ def test_each_variable_reaches_its_field():
     ({"REGEN_MISSING_RUN_RETRIES": "many"}, "REGEN_MISSING_RUN_RETRIES='many' is not an integer"),
     ({"REGEN_UNACKED_RESTORE_INTERVAL": "1.5"}, "REGEN_UNACKED_RESTORE_INTERVAL='1.5' is not an integer"),
     ({"REGEN_BENCH_TASKS": "yes"}, "REGEN_BENCH_TASKS='yes': use 1 .on. or 0 .off."),
+    ({"REGEN_HEARTBEAT_S": "nan"}, "REGEN_HEARTBEAT_S='nan' is not a finite number"),
+    ({"REGEN_HEARTBEAT_S": "inf"}, "REGEN_HEARTBEAT_S='inf' is not a finite number"),
+    ({"REGEN_VISIBILITY_TIMEOUT": "0"}, "REGEN_VISIBILITY_TIMEOUT=0: use a number of seconds of at least 1"),
+    ({"REGEN_VISIBILITY_TIMEOUT": "-60"}, "REGEN_VISIBILITY_TIMEOUT=-60: use a number of seconds of at least 1"),
+    ({"REGEN_UNACKED_RESTORE_INTERVAL": "0"}, "REGEN_UNACKED_RESTORE_INTERVAL=0: use a number of seconds"),
+    ({"REGEN_BROKER_URL": "127.0.0.1:6379"}, "REGEN_BROKER_URL='127.0.0.1:6379' is not a URL"),
+    ({"REGEN_BROKER_URL": "user:secret@h:6379"}, r"REGEN_BROKER_URL='user:\*\*\*@h:6379' is not a URL"),
+    ({"REGEN_SIDE_THREADS": "low"}, "REGEN_SIDE_THREADS='low': expected 'idle', 'batch' or 'normal'"),
+    ({"REGEN_LOG_LEVEL": "LOUD"}, "REGEN_LOG_LEVEL='LOUD': use one of DEBUG, INFO, WARNING, ERROR, CRITICAL"),
+    ({"REGEN_QUEUES": "regen,,regen.capture"}, "REGEN_QUEUES='regen,,regen.capture': comma-separated queue names"),
+    ({"REGEN_QUEUES": ""}, "REGEN_QUEUES='': comma-separated queue names"),
+    ({"REGEN_WORKER_CONFIG": "{model"}, "REGEN_WORKER_CONFIG is not valid JSON"),
+    ({"REGEN_WORKER_CONFIG": "[1]"}, "REGEN_WORKER_CONFIG must be a JSON object"),
 ])
 def test_a_malformed_value_is_refused_in_one_line_naming_the_variable(env, message):
     with pytest.raises(ConfigError, match=message) as info:
         Settings.from_env(env)
     assert "\n" not in str(info.value)
+
+
+def test_names_are_read_as_the_code_compares_them():
+    s = Settings.from_env({"REGEN_LOG_LEVEL": "debug", "REGEN_QUEUES": "regen, regen.capture",
+                           "REGEN_SIDE_THREADS": " Normal "})
+    assert (s.log_level, s.queues, s.side_threads) == ("DEBUG", "regen,regen.capture", "normal")
 
 
 def test_unparsable_values_fail_where_they_always_did():

@@ -6,7 +6,7 @@ next. A kombu upgrade that changes any of it fails here, not in a fleet."""
 from __future__ import annotations
 
 from app.celery_app import create_app
-from app.config import BrokerSettings
+from app.settings import BrokerSettings
 from tests.support.redis_db import OPS_BROKER
 
 QUEUE = "regen-restore-test"

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from app.celery_app import create_app
-from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, BrokerSettings
 from app.manifest import load
+from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, BrokerSettings
 from app.storage import RunStore, Storage
 from producer.produce import produce, send_captures
 from producer.run_setup import ProduceOptions

@@ -336,7 +336,7 @@ def test_a_real_celery_worker_receives_the_shard_as_sent(producer_redis, options
     from celery.contrib.testing.worker import start_worker
 
     from app.celery_app import create_app
-    from app.config import BrokerSettings
+    from app.settings import BrokerSettings
 
     received: list[dict] = []
     got_all = threading.Event()

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from app.celery_app import create_app
-from app.config import BrokerSettings
+from app.settings import BrokerSettings
 from tests.support.paths import REPO
 from tests.support.redis_db import OPS_BROKER
 

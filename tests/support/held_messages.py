@@ -26,7 +26,7 @@ with Connection(sys.argv[1]) as conn:
 def send_shards(broker: str, queue: str, run_id: str, storage: str, shards: list[str]) -> None:
     """One generate-task message per shard, as the producer's (the samples travel with it)."""
     from app.celery_app import GENERATE_TASK, create_app
-    from app.config import BrokerSettings
+    from app.settings import BrokerSettings
 
     app = create_app(BrokerSettings(url=broker))
     for shard in shards:

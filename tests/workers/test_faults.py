@@ -325,7 +325,7 @@ def test_copies_of_one_shard_held_by_one_worker_and_one_sigkill_give_one_output(
     # of it; one SIGKILL. Before, all six started (six attempt records, one pid) and the kill dead-lettered the
     # shard. Now one copy runs, the others are dropped, and the kill counts once.
     from app.celery_app import create_app
-    from app.config import BrokerSettings
+    from app.settings import BrokerSettings
 
     inputs = prompts_file(tmp_path, n_synthetic=8, with_formats=False)
     drops_before = cpu_worker.text().count("another copy of it runs in this process")
@@ -398,7 +398,7 @@ def test_messages_the_worker_cannot_use_are_set_aside_and_counted_and_it_keeps_r
     import base64
 
     from app.celery_app import GENERATE_TASK, create_app
-    from app.config import BrokerSettings
+    from app.settings import BrokerSettings
 
     child = cpu_worker.child_pids()[0]
     engine = engine_host_pid(child)

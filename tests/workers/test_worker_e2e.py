@@ -243,7 +243,7 @@ def test_the_fleet_benchs_baseline_runs_generate_on_the_workers_own_engine(inlin
     # bench/bench_fleet.py times `LLM.generate` on the worker's own engine (workers/process/bench_task.py), sent here right after
     # a run's shards (usually still in flight): `Engine.call` waits until nothing is in the engine; the shards finish.
     from app.celery_app import BENCH_DIRECT_TASK, create_app
-    from app.config import BrokerSettings
+    from app.settings import BrokerSettings
     from tests.support.polling import wait_for
     from tests.support.redis_db import E2E_BROKER
     from workers.process.context import scratch_root

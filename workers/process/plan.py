@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 import socket
 
-from app.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
 from app.errors import ConfigError
+from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
 
 log = logging.getLogger("regen.worker")
 

