@@ -176,10 +176,12 @@ def settings_table(pilot: dict) -> Table:
 
 
 def forecast_table(plan: dict) -> Table:
-    table = Table(title=f"forecast: {plan['input_samples']:,} samples on {len(plan['hosts'])} host(s), "
-                        f"{plan['devices']} device(s), run setting {plan['run_setting']}", show_header=False)
+    table = Table(title="forecast of the whole input on the fleet", show_header=False)
     table.add_column("what")
     table.add_column("value", justify="right")
+    table.add_row("input samples", f"{plan['input_samples']:,}")
+    table.add_row("hosts, devices", f"{len(plan['hosts'])}, {plan['devices']}")
+    table.add_row("run setting", plan["run_setting"])
     table.add_row("fleet samples/s", f"{plan['fleet_samples_per_s']:,.3f}")
     for host in plan["hosts"]:
         table.add_row(f"  {host['host']} ({host['candidate']})", f"{host['samples_per_s']:,.3f}")
