@@ -38,6 +38,11 @@ from app.errors import ConfigError
 MEMORY_POLL_S = 0.5
 
 
+def memory_kind(gpus: list[str] | None) -> str:
+    """What a candidate's peak memory is, as its table row says."""
+    return "one GPU, nvidia-smi" if gpus else "host RSS"
+
+
 class PeakMemory:
     """Polls the memory a candidate's run uses and keeps the peak: on the CPU the RSS of the run's process
     tree (its workers and CPU engines), on GPUs each visible device's used memory (nvidia-smi)."""
@@ -50,7 +55,7 @@ class PeakMemory:
 
     @property
     def what(self) -> str:
-        return "one GPU, nvidia-smi" if self.gpus else "host RSS"
+        return memory_kind(self.gpus)
 
     def _sample(self) -> int:
         if self.gpus:
@@ -342,7 +347,7 @@ def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu,
                 entry["error"] = f"measuring its run: {exc}"
             else:
                 measured["peak_memory_bytes"] = peak or None
-                measured["peak_memory_what"] = PeakMemory(0, devices["indices"]).what
+                measured["peak_memory_what"] = memory_kind(devices["indices"])
                 entry["measured"] = measured
         results.append(entry)
     pilot_json = {
