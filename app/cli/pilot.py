@@ -152,7 +152,8 @@ def setting_rows(entry: dict) -> dict[str, str]:
         "generated tokens/s per device": f"{r['tokens_per_s_per_device']:,.1f}",
         "samples/s": f"{r['samples_per_s']:,.3f}",
         "capture pass's share": f"{r['capture_share']:.0%}" if c["capture"] == "staged" else "-",
-        "measured": f"{m['samples']:,} samples in {m['window_s']:,.1f} s",
+        "measured": f"{m['samples']:,} samples in {m['window_s']:,.1f} s "
+                    f"({entry.get('seconds_with_start_up', 0):,.0f} s with start-up)",
         f"peak memory ({m.get('peak_memory_what', '?')})": (_human(m["peak_memory_bytes"])
                                                             if m.get("peak_memory_bytes") else "n/a"),
         "response tokens, median / p90": f"{resp['median']:,.0f} / {resp['p90']:,.0f}",

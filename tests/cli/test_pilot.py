@@ -56,6 +56,26 @@ def test_the_sample_is_seeded_and_counts_what_produce_would_enqueue(tmp_path, ti
     assert sample_inputs([str(inputs)], 4, seed=2).lines != sample.lines
 
 
+def test_the_candidates_are_data_and_mtp_is_tried_only_where_the_checkpoint_has_a_head(tiny_model):
+    from app.pilot import candidates, mtp_available
+
+    def slots_for(seqs):
+        return seqs // 8 + 2
+
+    names = [c.name for c in candidates(slots=10, max_num_seqs=64, slots_for=slots_for, mtp=False)]
+    assert names == ["inline", "inline-slots5", "inline-seqs32", "staged"]
+    with_mtp = candidates(slots=10, max_num_seqs=64, slots_for=slots_for, mtp=True)
+    mtp = with_mtp[-1]
+    assert (mtp.name, mtp.capture, mtp.speculative, mtp.run_setting) == ("staged-mtp2", "staged", "mtp:2",
+                                                                         "staged+mtp:2")
+    # the speculative setting goes the way of every run setting: a `regen run` flag, recorded in the manifest
+    assert mtp.run_args() == ["--capture", "staged", "--task-slots", "10", "--speculative", "mtp:2"]
+    assert with_mtp[2].run_args() == ["--capture", "inline", "--task-slots", "6", "--vllm-arg", "max_num_seqs=32"]
+    assert not mtp_available(str(tiny_model))  # no MTP weights in the tiny model's config
+    with pytest.raises(Exception, match="no candidate nope"):
+        candidates(slots=10, max_num_seqs=64, slots_for=slots_for, mtp=False, only=["staged", "nope"])
+
+
 def _measured(host: str, setting: str, rate: float, devices: int = 1, slots: int = 8) -> dict:
     capture, _, spec = setting.partition("+")
     return {"candidate": {"name": setting, "capture": capture, "task_slots": slots, "max_num_seqs": None,
