@@ -225,6 +225,8 @@ def commands(pilots: list[dict], plan: dict, pilot_paths: list[str], storage: st
         produce.append("--no-thinking")
     if s.get("regenerate", "last") != "last":
         produce.append(f"--regenerate {s['regenerate']}")
+    for key, value in (s.get("sampling") or {}).items():  # as measured: temperature, top_p, ..., max_prompt_tokens
+        produce.append(f"--{key.replace('_', '-')} {value}")
     if plan.get("speculative"):
         produce.append(f"--speculative {plan['speculative']}")
     produce += [f"--pilot {path}" for path in pilot_paths]

@@ -34,7 +34,7 @@ class InputSample:
 
 
 def sample_inputs(inputs: list[str], size: int, seed: int, regenerate: str = "last",
-                  max_prompt_chars: int | None = None) -> InputSample:
+                  max_prompt_chars: int = 0) -> InputSample:
     """Read every input once; a uniform sample (Algorithm R, `seed`) of up to `size` of the lines that become
     samples, and the counts."""
     reservoir = Reservoir(size, seed=seed)

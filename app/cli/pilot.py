@@ -153,7 +153,8 @@ def setting_rows(entry: dict) -> dict[str, str]:
         "samples/s": f"{r['samples_per_s']:,.3f}",
         "capture pass's share": f"{r['capture_share']:.0%}" if c["capture"] == "staged" else "-",
         "measured": f"{m['samples']:,} samples in {m['window_s']:,.1f} s "
-                    f"({entry.get('seconds_with_start_up', 0):,.0f} s with start-up)",
+                    f"({entry.get('seconds_with_start_up', 0):,.0f} s with start-up)"
+                    + (f", {m['dead_shards']} shards dead-lettered" if m.get("dead_shards") else ""),
         f"peak memory ({m.get('peak_memory_what', '?')})": (_human(m["peak_memory_bytes"])
                                                             if m.get("peak_memory_bytes") else "n/a"),
         "response tokens, median / p90": f"{resp['median']:,.0f} / {resp['p90']:,.0f}",
@@ -238,6 +239,12 @@ def _load_pilots(paths: list[str]) -> list[dict]:
 @click.option("--max-tokens", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("--thinking/--no-thinking", default=True, show_default=True)
 @click.option("--regenerate", type=click.Choice(["last", "all"]), default="last", show_default=True)
+@click.option("--temperature", type=float, default=None, help="Sampling, as the run will have it [default: the run's].")
+@click.option("--top-p", type=float, default=None)
+@click.option("--top-k", type=int, default=None)
+@click.option("--min-p", type=float, default=None)
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None,
+              help="As the run will have it [default: regen produce's].")
 @click.option("--shard-size", type=click.IntRange(min=1), default=DEFAULT_SHARD_SIZE, show_default=True)
 @click.option("--max-model-len", type=int, default=None)
 @vllm_arg_option("vllm_args", help="A vLLM engine argument for every candidate's run; repeatable.")
@@ -250,7 +257,8 @@ def _load_pilots(paths: list[str]) -> list[dict]:
 @click.option("--keep-runs", is_flag=True, help="Keep the candidates' scratch runs (default: removed).")
 @click.option("--timeout", type=float, default=7200.0, show_default=True, help="Seconds each candidate may take.")
 def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, layers, max_tokens, thinking,
-          regenerate, shard_size, max_model_len, vllm_args, only, host_results, forecast_only, keep_runs, timeout):
+          regenerate, shard_size, max_model_len, vllm_args, only, host_results, forecast_only, keep_runs, timeout,
+          **sampling):
     """Measure this host on a sample of INPUTS in each candidate setting, then forecast the whole job.
 
     Prints a table per setting (generated tokens/s per device, samples/s, the staged capture's share, peak
@@ -272,7 +280,7 @@ def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, la
                             cpu=cpu, gpus=gpus, sample_size=sample_size, seed=seed, layers=layers,
                             max_tokens=max_tokens, thinking=thinking, regenerate=regenerate, shard_size=shard_size,
                             max_model_len=max_model_len, vllm_args=list(vllm_args), only=only, keep_runs=keep_runs,
-                            timeout=timeout)
+                            timeout=timeout, sampling={k: v for k, v in sampling.items() if v is not None})
     pilot_json, path = measured
     console.print(settings_table(pilot_json))
     console.print(f"measurements: {path}", soft_wrap=True, markup=False)
@@ -283,8 +291,8 @@ def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, la
 
 def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, layers,
                  max_tokens, thinking, regenerate, shard_size, max_model_len, vllm_args, only, keep_runs,
-                 timeout) -> tuple[dict, str]:
-    """Sample, run every candidate, measure; write the pilot JSON. (pilot dict, its path)."""
+                 timeout, sampling: dict) -> tuple[dict, str]:
+    """`sampling`: temperature, top_p, top_k, min_p, max_prompt_tokens, where given (the run's otherwise)."""
     from app.data.pilot_measure import measure_run
     from app.ids import validate_id
     from app.model_info import read_model_info
@@ -308,7 +316,12 @@ def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu,
     chosen = candidates(slots=slots_for(seqs), max_num_seqs=seqs, slots_for=slots_for, mtp=mtp_available(model),
                         only=[n.strip() for n in only.split(",") if n.strip()] if only else None)
     files = expand_inputs(inputs)
-    sample = sample_inputs(files, sample_size, seed, regenerate=regenerate, max_prompt_chars=0)
+    from producer.run_setup import ProduceOptions
+
+    # the producer's own character cap on prompts, so the sample holds no line `regen produce` would reject
+    char_cap = ProduceOptions(**({"max_prompt_tokens": sampling["max_prompt_tokens"]}
+                                 if "max_prompt_tokens" in sampling else {})).prompt_char_cap
+    sample = sample_inputs(files, sample_size, seed, regenerate=regenerate, max_prompt_chars=char_cap)
     if not sample.lines:
         raise ConfigError(f"{', '.join(inputs)}: no line becomes a sample ({sample.rejected:,} rejected, "
                           f"{sample.duplicates:,} duplicates): nothing to measure")
@@ -328,6 +341,8 @@ def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu,
         base += ["--broker", broker]
     if max_model_len:
         base += ["--max-model-len", str(max_model_len)]
+    for key, value in sampling.items():
+        base += ["--" + key.replace("_", "-"), str(value)]
     for arg in vllm_args:
         base += ["--vllm-arg", arg]
     results = []
@@ -360,7 +375,8 @@ def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu,
                    "rejected": sample.rejected, "duplicates": sample.duplicates},
         "sample": {"size": len(sample.lines), "seed": seed},
         "settings": {"layers": layers, "max_tokens": max_tokens, "shard_size": shard_size, "thinking": thinking,
-                     "regenerate": regenerate, "max_model_len": max_model_len, "vllm_args": vllm_args},
+                     "regenerate": regenerate, "max_model_len": max_model_len, "vllm_args": vllm_args,
+                     "sampling": sampling},
         "candidates": results,
     }
     rel = f"{PILOTS_DIR}/{name}.json"

@@ -90,6 +90,7 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
                         for dtype in CODEC_DTYPES:
                             codec["bytes"][dtype] += encode_sample(rec["sample_id"], ids, states, reader.layers,
                                                                    stored=dtype).nbytes
+        dead = len(reader.store.dead_shards())
     if not starts:
         raise ValueError(f"run {run_id} finished no shard: nothing to measure")
     window = max(ends) - min(starts)
@@ -97,6 +98,7 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
     return {
         **totals,
         "devices": devices,
+        "dead_shards": dead,  # shards that failed for good: their samples are not in the figures
         "window_s": round(window, 4),
         "generate_task_s": round(generate_s, 4),
         "capture_task_s": round(capture_s, 4),
