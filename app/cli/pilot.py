@@ -300,6 +300,7 @@ def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu,
     from app.storage import Storage
     from producer.pilot_sample import sample_inputs
     from producer.readers import expand_inputs
+    from producer.run_setup import ProduceOptions
     from workers.devices import preset_for, task_slots_for
 
     store = Storage(storage)
@@ -316,8 +317,6 @@ def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu,
     chosen = candidates(slots=slots_for(seqs), max_num_seqs=seqs, slots_for=slots_for, mtp=mtp_available(model),
                         only=[n.strip() for n in only.split(",") if n.strip()] if only else None)
     files = expand_inputs(inputs)
-    from producer.run_setup import ProduceOptions
-
     # the producer's own character cap on prompts, so the sample holds no line `regen produce` would reject
     char_cap = ProduceOptions(**({"max_prompt_tokens": sampling["max_prompt_tokens"]}
                                  if "max_prompt_tokens" in sampling else {})).prompt_char_cap
@@ -369,7 +368,7 @@ def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu,
     pilot_json = {
         "version": PILOT_VERSION, "name": name, "host": socket.gethostname(),
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "device": {k: v for k, v in devices.items() if k != "indices"} | {"indices": devices["indices"]},
+        "device": devices,
         "model": info.to_manifest(),
         "inputs": {"files": [os.path.abspath(f) for f in files], "read": sample.read, "samples": sample.samples,
                    "rejected": sample.rejected, "duplicates": sample.duplicates},
