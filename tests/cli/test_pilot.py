@@ -148,7 +148,7 @@ def dense_pilot(tiny_qwen3, tmp_path_factory):
 @pytest.fixture(scope="module")
 def hybrid_pilot(tiny_hybrid, tmp_path_factory):
     return _run_pilot(tmp_path_factory.mktemp("pilot-hybrid"), tiny_hybrid, "hybrid", "--max-model-len", "2048",
-                      "--vllm-arg", OPERATOR_ARG, "--candidates", "inline,staged")
+                      "--vllm-arg", OPERATOR_ARG)
 
 
 def _cell(output: str, label: str) -> str:
@@ -248,10 +248,11 @@ def test_the_dense_pilot_prints_every_setting_and_a_forecast_recomputed_from_its
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_the_hybrid_pilot_measures_inline_and_staged_capture(hybrid_pilot):
+def test_the_hybrid_pilot_prints_every_setting_and_a_forecast_recomputed_from_its_measurements(hybrid_pilot):
     output, pilot, storage = hybrid_pilot
-    assert [e["candidate"]["name"] for e in pilot["candidates"]] == ["inline", "staged"]
-    assert _settings_row(output, "setting") == ["inline", "staged"]
+    assert [e["candidate"]["name"] for e in pilot["candidates"]] == DEFAULT_CANDIDATES
+    assert all("measured" in e for e in pilot["candidates"]), pilot["candidates"]
+    assert _settings_row(output, "setting") == DEFAULT_CANDIDATES
     assert "full_attention" in pilot["model"]["layer_types"]  # the hybrid's manifest entry
     _check_measurements_against_the_runs(pilot, storage)
     _check_forecast(output, [pilot])
