@@ -151,6 +151,13 @@ def hybrid_pilot(tiny_hybrid, tmp_path_factory):
                       "--vllm-arg", OPERATOR_ARG)
 
 
+def _expected_candidates(pilot: dict) -> list[str]:
+    """The default candidates, and staged + MTP where the checkpoint has an MTP head (app/pilot.mtp_available)."""
+    from app.pilot import mtp_available
+
+    return DEFAULT_CANDIDATES + (["staged-mtp2"] if mtp_available(pilot["model"]["path"]) else [])
+
+
 def _cell(output: str, label: str) -> str:
     """The value column of the forecast table's row `label`."""
     for line in output.splitlines():
@@ -203,9 +210,12 @@ def _check_measurements_against_the_runs(pilot: dict, storage: Path) -> None:
 def _check_forecast(output: str, pilots: list[dict]) -> dict:
     """The printed forecast, recomputed from the pilots' measurements alone."""
     n = pilots[0]["inputs"]["samples"]
+    def setting_of(c: dict) -> str:  # capture mode and speculative generation: the whole run's
+        return c["capture"] + (f"+{c['speculative']}" if c.get("speculative") else "")
+
     best_by_setting = {}
-    for setting in {e["candidate"]["capture"] for e in pilots[0]["candidates"]}:
-        per_host = [max((e["measured"] for e in p["candidates"] if e["candidate"]["capture"] == setting),
+    for setting in {setting_of(e["candidate"]) for e in pilots[0]["candidates"]}:
+        per_host = [max((e["measured"] for e in p["candidates"] if setting_of(e["candidate"]) == setting),
                         key=lambda m: m["samples"] / m["window_s"]) for p in pilots]
         best_by_setting[setting] = per_host
     setting, best = max(best_by_setting.items(), key=lambda kv: sum(m["samples"] / m["window_s"] for m in kv[1]))
@@ -234,7 +244,7 @@ def _check_forecast(output: str, pilots: list[dict]) -> dict:
 def test_the_dense_pilot_prints_every_setting_and_a_forecast_recomputed_from_its_measurements(dense_pilot):
     output, pilot, storage = dense_pilot
     names = [e["candidate"]["name"] for e in pilot["candidates"]]
-    assert names == DEFAULT_CANDIDATES  # no MTP head on the tiny Qwen3 (and no app.speculative here)
+    assert names == _expected_candidates(pilot)
     assert all("measured" in e for e in pilot["candidates"]), pilot["candidates"]
     assert _settings_row(output, "setting") == names
     rates = _settings_row(output, "samples/s")
@@ -250,9 +260,10 @@ def test_the_dense_pilot_prints_every_setting_and_a_forecast_recomputed_from_its
 @pytest.mark.slow
 def test_the_hybrid_pilot_prints_every_setting_and_a_forecast_recomputed_from_its_measurements(hybrid_pilot):
     output, pilot, storage = hybrid_pilot
-    assert [e["candidate"]["name"] for e in pilot["candidates"]] == DEFAULT_CANDIDATES
+    expected = _expected_candidates(pilot)
+    assert [e["candidate"]["name"] for e in pilot["candidates"]] == expected
     assert all("measured" in e for e in pilot["candidates"]), pilot["candidates"]
-    assert _settings_row(output, "setting") == DEFAULT_CANDIDATES
+    assert _settings_row(output, "setting") == expected
     assert "full_attention" in pilot["model"]["layer_types"]  # the hybrid's manifest entry
     _check_measurements_against_the_runs(pilot, storage)
     _check_forecast(output, [pilot])
