@@ -295,6 +295,7 @@ def test_a_run_with_the_recommended_settings_completes_and_status_compares_it_wi
     capture = re.search(r"--capture (\w+)", produce_line).group(1)
     slots = re.search(r"--task-slots (\d+)", worker_line).group(1)
     seqs = re.search(r"--max-num-seqs (\d+)", worker_line)
+    speculative = re.search(r"--speculative (\S+)", produce_line)
     pilot_file = re.search(r"--pilot (\S+)", produce_line).group(1)
     assert pilot_file == str(storage / "pilots" / "dense.json")
     inputs = shutil.copy(pilot["inputs"]["files"][0], tmp_path / "prompts.jsonl")
@@ -303,14 +304,16 @@ def test_a_run_with_the_recommended_settings_completes_and_status_compares_it_wi
     _pilot_cli(["run", str(inputs), "--model", pilot["model"]["path"], "--cpu", "--run", "rec", "--storage",
                 str(run_storage), "--broker", PILOT_BROKER, "--layers", LAYERS, "--max-tokens", "16",
                 "--shard-size", "2", "--seed", "3", "--capture", capture, "--task-slots", slots,
-                *(["--vllm-arg", f"max_num_seqs={seqs.group(1)}"] if seqs else []), "--pilot", pilot_file,
+                *(["--vllm-arg", f"max_num_seqs={seqs.group(1)}"] if seqs else []),
+                *(["--speculative", speculative.group(1)] if speculative else []), "--pilot", pilot_file,
                 "--timeout", "600"], tmp_path, timeout=900)
     store = RunStore(Storage(str(run_storage)), "rec")
     assert len(store.done_shards()) == 5 and not store.dead_shards()  # 10 samples, 2 a shard
     status = CliRunner().invoke(main, ["status", "rec", "--storage", str(run_storage), "--broker", PILOT_BROKER,
                                        "--json", "--inspect-timeout", "0"], catch_exceptions=False)
     compared = json.loads(status.output)["pilot"]
-    assert compared["pilots"] == ["dense"] and compared["run_setting"] == capture
+    assert compared["pilots"] == ["dense"]
+    assert compared["run_setting"] == capture + (f"+{speculative.group(1)}" if speculative else "")
     assert compared["forecast_samples_per_s"] == pytest.approx(forecast([pilot])["fleet_samples_per_s"])
     assert compared["real_samples_per_s"] > 0
     shown = CliRunner().invoke(main, ["status", "rec", "--storage", str(run_storage), "--broker", PILOT_BROKER,
