@@ -1,7 +1,7 @@
 """The `regen` console script: one click group, the only place where commands are assembled.
 
 Each module here holds the commands of one floor below it: `produce` (producer/), `worker` and `run` (workers/;
-`run` drives the producer too), `ops` (app/ops/), `data` (app/data/).
+`run` drives the producer too), `ops` (app/ops/), `data` (app/data/); `pilot` measures a host with `regen run`s.
 
 Each command runs with its settings read from the environment once, on first use, so `--help` reads nothing
 (app/settings.py); shared flags are defined once in app/cli/options.py. Errors regen raises on purpose
@@ -39,11 +39,12 @@ def main() -> None:
 def _register() -> None:
     from app.cli.data import commands as data_commands
     from app.cli.ops import commands as ops_commands
+    from app.cli.pilot import pilot  # runs `regen run` per candidate and reads the runs back: assembled here
     from app.cli.produce import commands as producer_commands
     from app.cli.run import run  # drives both the producer and the workers, so it is assembled here
     from app.cli.worker import commands as worker_commands
 
-    for command in (*producer_commands, *worker_commands, run, *ops_commands, *data_commands):
+    for command in (*producer_commands, *worker_commands, run, pilot, *ops_commands, *data_commands):
         main.add_command(command)
 
 

@@ -48,6 +48,11 @@ def collect(storage_root: str, run_id: str | None, broker_url: str, inspect_time
         fleet.overlay(s, broker_url, lengths, unacked, live if not w_error else None, errors, now)
         s["broker"]["dead_messages"] = rejected
     if run_id:
+        from app.pilot import run_comparison, run_pilots
+
+        pilots = run_pilots(RunStore(storage, run_id))  # linked by `regen produce --pilot`
+        if pilots:
+            statuses[0]["pilot"] = run_comparison(pilots, statuses[0])
         return {"storage": mask_url(storage.url), **statuses[0]}
     return {"storage": mask_url(storage.url), "broker": {"url": mask_url(broker_url), "queued": lengths,
                                                           "unacked": unacked, "dead_messages": rejected,

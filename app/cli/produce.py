@@ -101,10 +101,13 @@ def _broker_options(f):
               help="Prompts tokenised for the --dry-run estimate.")
 @click.option("--assumed-response-tokens", type=click.IntRange(min=0), default=None,
               help="Per-sample response length for the estimate [default: max-tokens / 2].")
+@click.option("--pilot", "pilot_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="A `regen pilot` JSON file (one per host) whose forecast `regen status` compares the run with; "
+                   "kept in the run's folder. Repeatable.")
 @click.option("--resume", "resume_run", default=None, metavar="RUN",
               help="Re-send the shards of RUN that have no completion marker (inputs and settings from the run).")
 @click.pass_context
-def produce_command(ctx: click.Context, inputs, run_id, resume_run, **options) -> None:
+def produce_command(ctx: click.Context, inputs, run_id, resume_run, pilot_files, **options) -> None:
     """Shard chat datasets (.jsonl, .jsonl.zst, .json; globs welcome) into the generation queue."""
     if resume_run:
         if inputs:
@@ -119,8 +122,16 @@ def produce_command(ctx: click.Context, inputs, run_id, resume_run, **options) -
     elif not inputs:
         raise ConfigError("give INPUTS to produce, or --resume RUN")
     options["vllm_args"] = list(options.get("vllm_args") or ())
+    from app.pilot import load_pilot_file
+
+    pilots = [load_pilot_file(path) for path in pilot_files]  # a bad file fails here, before anything is sent
     opts = ProduceOptions(inputs=list(inputs), run_id=run_id, resume=bool(resume_run), **options)
-    _run(opts)
+    result = _run(opts)
+    if pilots and result.status != "dry_run":
+        from app.pilot import link_pilots
+        from app.storage import RunStore, Storage
+
+        link_pilots(RunStore(Storage(opts.storage), result.run_id), pilots)
 
 
 @click.command("reconcile")
@@ -131,7 +142,7 @@ def reconcile_command(run_id, **options) -> None:
     _run(ProduceOptions(run_id=run_id, resume=True, **options))
 
 
-def _run(opts: ProduceOptions) -> None:
+def _run(opts: ProduceOptions) -> ProduceResult:
     out = Console()
     err = Console(stderr=True)
     if err.is_terminal:
@@ -142,6 +153,7 @@ def _run(opts: ProduceOptions) -> None:
     else:
         result = produce(opts)
     _report(out, result)
+    return result
 
 
 def _report(out: Console, result: ProduceResult) -> None:

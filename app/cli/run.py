@@ -144,12 +144,15 @@ def print_run_totals(store: RunStore, console: Console, seconds: float) -> dict:
 @vllm_arg_option("vllm_args",
                  help="A vLLM engine argument for the local workers (see `regen worker --help`); repeatable.")
 @click.option("--timeout", type=float, default=None, help="Give up after this many seconds.")
+@click.option("--pilot", "pilot_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="A `regen pilot` JSON file to compare the run with in `regen status` (see `regen produce`).")
 def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_tokens, top_k, thinking, shard_size,
-        max_model_len, task_slots, encode_threads, engine_host, vllm_args, timeout, **settings):
+        max_model_len, task_slots, encode_threads, engine_host, vllm_args, timeout, pilot_files, **settings):
     """Produce INPUTS, run local workers until every shard is done, and print a summary.
 
     Every `regen produce` option that decides the data (`--regenerate`, sampling, seed, prompt limits, the
     pause threshold) is an option here too, with the same meaning and default."""
+    from app.pilot import link_pilots, load_pilot_file
     from app.vllm_args import worker_vllm_args
     from producer.produce import produce
     from producer.run_setup import ProduceOptions
@@ -167,6 +170,7 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
     from app.vllm_args import data_changing, parse_vllm_args, split_item
 
     parse_vllm_args(vllm_args)  # a typo fails here, before anything is produced
+    pilots = [load_pilot_file(path) for path in pilot_files]
     # `regen run` writes the run's manifest itself: the data-changing settings go there, the others to its workers
     pinned_args = [a for a in vllm_args if data_changing(split_item(a)[0])]
     worker_args = [a for a in vllm_args if a not in pinned_args]
@@ -192,6 +196,8 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
             result = produce(resume)
         resume.run_id = result.run_id
         store = RunStore(Storage(storage), result.run_id)
+        if pilots:
+            link_pilots(store, pilots)
         state = store.storage.read_json(store.produce_path)
         shards = int(state["counts"]["shards"])
         queues = DEFAULT_QUEUE + ("," + DEFAULT_CAPTURE_QUEUE if capture == "staged" else "")

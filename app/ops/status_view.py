@@ -102,5 +102,18 @@ def _render_run(s: dict):
     if lost:
         parts.append(Text(f"{lost['shards']} shards are neither queued nor running (lost from the broker): "
                           f"{lost['reconcile']} --storage {s['storage']} re-sends them", style="red"))
+    if s.get("pilot"):
+        parts.append(_pilot_line(s["pilot"]))
     parts.append(_broker_line(s["broker"]))
     return Group(*parts)
+
+
+def _pilot_line(p: dict) -> Text:
+    """The run's real rate beside the forecast of the pilots linked to it (`regen produce --pilot`)."""
+    names = ", ".join(str(n) for n in p["pilots"])
+    if p.get("error"):
+        return Text(f"pilot {names}: no forecast ({p['error']})", style="yellow")
+    real = "-" if p["real_samples_per_s"] is None else f"{p['real_samples_per_s']:,.3f}"
+    ratio = "" if p["real_to_forecast"] is None else f" ({p['real_to_forecast']:.0%} of the forecast)"
+    return Text(f"samples/s: {real} real, {p['forecast_samples_per_s']:,.3f} forecast by pilot {names} "
+                f"({p['run_setting']}; forecast wall time {_duration(p['forecast_wall_s'])}){ratio}")

@@ -1,9 +1,10 @@
 """The tests' Redis: one URL scheme, one db per suite, and the fixtures that hand out emptied dbs.
 
 `REGEN_TEST_REDIS` (default the local server) plus a db per suite: 3 end-to-end, 5 producer, 7 operations,
-9 hybrid, 10 `regen run`, 12 speculative (MTP) runs, 13 the dead-host runs, 15 never connected. Two suites never flush each other's
-keys; pointing `REGEN_TEST_REDIS` at another server (`redis://127.0.0.1:6380`) moves every suite at once, which
-lets two checkouts run their tests side by side. Missing Redis *fails* under CI (env CI set) and skips on a laptop, so
+9 hybrid, 10 `regen run`, 12 speculative (MTP) runs, 13 the dead-host runs, 14 `regen pilot`, 15 never connected.
+Two suites never flush each other's keys; pointing `REGEN_TEST_REDIS` at another server
+(`redis://127.0.0.1:6380`) moves every suite at once, which lets two checkouts run their tests side by side.
+Missing Redis *fails* under CI (env CI set) and skips on a laptop, so
 CI can never pass by skipping.
 """
 
@@ -25,6 +26,7 @@ E2E_BROKER = redis_url(3)
 PRODUCER_REDIS = redis_url(5)
 OPS_BROKER = redis_url(7)
 HYBRID_BROKER = redis_url(9)
+PILOT_BROKER = redis_url(14)  # `regen pilot`'s runs and the run made with its settings
 
 
 def redis_or_fail(url: str):

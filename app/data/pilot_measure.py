@@ -1,0 +1,117 @@
+"""What one finished pilot run measured, read from its storage (the record of what was done).
+
+Why from storage: the pilot's runs are real `regen run`s, so their done and capture markers, attempt records and
+records hold every figure the pilot reports, written by the same workers a production run uses. Nothing is
+timed from outside except peak memory (a poll of the run's processes, app/cli/pilot.py).
+
+- The window is from the first generate task's start to the last marker (done, and in a staged run captured):
+  the engines' start-up is outside it, since a task starts only once its worker's engine is up.
+- The capture pass's share is its task-seconds over all task-seconds (generate + capture). Tasks of one worker
+  overlap, so task-seconds exceed the window; the share says how the engine's time splits between the passes.
+- Bytes per sample by states dtype are the codec's real output: the run's own states (read back as bf16),
+  encoded again by app/hidden_file.encode_sample for each dtype, on up to `codec_samples` samples, scaled per
+  token to the run's context tokens (the states of a sample cover `input_ids[:-1]`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import statistics
+
+import numpy as np
+
+from app import ledger
+from app.hidden_file import encode_sample
+from app.quality import is_stub
+from app.storage import Storage
+
+CODEC_DTYPES = ("bf16", "fp8-e4m3")  # the lossless default and the lossy opt-in
+BF16_BYTES = 2
+
+
+def _epoch(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    return dt.datetime.fromisoformat(value).timestamp()
+
+
+def percentile(values: list[int], q: float) -> float:
+    """The q-th percentile (0-100) by linear interpolation, numpy's default; 0 for no values."""
+    return float(np.percentile(values, q)) if values else 0.0
+
+
+def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64) -> dict:
+    """The measurements of a finished run (see the module docstring); JSON-ready."""
+    from app.data.run_reader import RunReader
+
+    with RunReader(Storage(storage), run_id) as reader:
+        max_tokens = int(reader.settings["sampling"]["max_tokens"])
+        layers = len(reader.layers or [])
+        hidden_size = int(reader.settings["model"]["hidden_size"])
+        starts, ends, generate_s, capture_s = [], [], 0.0, 0.0
+        totals = {"samples": 0, "records": 0, "ok": 0, "rejected": 0, "prompt_tokens": 0, "generated_tokens": 0}
+        lengths, at_cap, stubs, context_tokens, stored_bytes = [], 0, 0, 0, 0
+        codec = {"samples": 0, "tokens": 0, "bytes": dict.fromkeys(CODEC_DTYPES, 0)}
+        for info in reader.shards():
+            m = info.marker
+            start = _epoch(m.get("task_started") or m.get("engine_started"))
+            end = _epoch(m["finished"])
+            starts.append(start)
+            ends.append(end)
+            generate_s += end - start
+            for key in ("samples", "records", "ok", "prompt_tokens", "generated_tokens"):
+                totals[key] += int(m.get(key, 0))
+            totals["rejected"] += sum((m.get("rejected") or {}).values())
+            if info.captured is not None:
+                attempt = reader.storage.read_json(reader.store.attempt_path(
+                    ledger.stage_key(info.shard_id, ledger.CAPTURE), info.captured["attempt"]))
+                captured_end = _epoch(info.captured["finished"])
+                capture_s += captured_end - _epoch(attempt["started"])
+                ends.append(captured_end)
+                stored_bytes += int(info.captured["hidden"]["bytes"])
+            elif (m.get("files") or {}).get("hidden"):
+                stored_bytes += int(m["files"]["hidden"]["bytes"])
+            for rec in reader.records(info):
+                if rec.get("status") != "ok":
+                    continue
+                n = int(rec["num_output_tokens"])
+                lengths.append(n)
+                at_cap += rec.get("finish_reason") == "length"
+                stubs += is_stub(rec.get("flags") or [])
+                context_tokens += len(rec["input_ids"]) - 1
+                if layers and codec["samples"] < codec_samples:
+                    got = reader.states(info, rec)
+                    if got is not None:
+                        ids, states = got
+                        codec["samples"] += 1
+                        codec["tokens"] += len(ids)
+                        for dtype in CODEC_DTYPES:
+                            codec["bytes"][dtype] += encode_sample(rec["sample_id"], ids, states, reader.layers,
+                                                                   stored=dtype).nbytes
+        dead = len(reader.store.dead_shards())
+    if not starts:
+        raise ValueError(f"run {run_id} finished no shard: nothing to measure")
+    window = max(ends) - min(starts)
+    ok = len(lengths)
+    return {
+        **totals,
+        "devices": devices,
+        "dead_shards": dead,  # shards that failed for good: their samples are not in the figures
+        "window_s": round(window, 4),
+        "generate_task_s": round(generate_s, 4),
+        "capture_task_s": round(capture_s, 4),
+        "context_tokens": context_tokens,
+        "layers": layers,
+        "hidden_size": hidden_size,
+        "stored_states_bytes": stored_bytes,
+        "codec": codec,
+        "responses": {
+            "max_tokens": max_tokens,
+            "median": float(statistics.median(lengths)) if lengths else 0.0,
+            "p90": percentile(lengths, 90),
+            "at_cap_share": at_cap / ok if ok else 0.0,
+            "stub_share": stubs / ok if ok else 0.0,
+        },
+    }
