@@ -32,8 +32,8 @@ from rich.console import Console
 from rich.table import Table
 
 from app.cli.options import broker_option, storage_option, vllm_arg_option
-from app.config import DEFAULT_SHARD_SIZE
 from app.errors import ConfigError
+from app.settings import DEFAULT_SHARD_SIZE
 
 MEMORY_POLL_S = 0.5
 
@@ -93,7 +93,7 @@ class PeakMemory:
 
 
 def _host_devices(cpu: bool, gpus: str | None) -> dict:
-    from workers.devices import detect_gpus
+    from workers.process.devices import detect_gpus
 
     if cpu:
         return {"kind": "cpu", "class": "cpu", "count": 1, "names": ["cpu"], "indices": None}
@@ -293,8 +293,6 @@ def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu,
                  max_tokens, thinking, regenerate, shard_size, max_model_len, vllm_args, only, keep_runs,
                  timeout, sampling: dict) -> tuple[dict, str]:
     """`sampling`: temperature, top_p, top_k, min_p, max_prompt_tokens, where given (the run's otherwise)."""
-    from workers.devices import preset_for, task_slots_for
-
     from app.data.pilot_measure import measure_run
     from app.ids import validate_id
     from app.model_info import read_model_info
@@ -303,6 +301,7 @@ def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu,
     from producer.pilot_sample import sample_inputs
     from producer.readers import expand_inputs
     from producer.run_setup import ProduceOptions
+    from workers.process.devices import preset_for, task_slots_for
 
     store = Storage(storage)
     if not store.is_local:
