@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,8 +62,7 @@ def prepare(root: Path, shape: sr.Shape, jobs: int) -> dict:
     stamp = root / sr.STAMP
     if stamp.exists():
         have = json.loads(stamp.read_text())
-        if have.get("shape") == {"samples": shape.samples, "states_shards": shape.states_shards,
-                                 "seed": shape.seed}:
+        if {"hidden": sr.HIDDEN, **have.get("shape", {})} == asdict(shape):
             print(f"reusing the run laid down in {root} ({have['samples']:,} samples, "
                   f"laid down in {have['lay_down_s']:.0f} s)")
             return have
@@ -71,7 +70,7 @@ def prepare(root: Path, shape: sr.Shape, jobs: int) -> dict:
     if root.exists() and any(root.iterdir()):
         raise SystemExit(f"{root} is not empty and holds no {sr.STAMP}: use an empty or new folder")
     root.mkdir(parents=True, exist_ok=True)
-    sr.write_model(root / "model")
+    sr.write_model(root / "model", shape.hidden)
     t0 = time.perf_counter()
     info = sr.lay_down(root / "f100", shape, root / "model", jobs)
     info["lay_down_s"] = time.perf_counter() - t0
@@ -196,14 +195,14 @@ class Row:
 
     @property
     def exponent(self) -> float | None:
-        lo, hi = FRACTIONS[0], FRACTIONS[-1]
-        if lo not in self.times or hi not in self.times or self.samples[hi] == self.samples[lo]:
+        lo, hi = min(self.times), max(self.times)
+        if self.samples[hi] == self.samples[lo]:
             return None
         return math.log(self.net(hi) / self.net(lo)) / math.log(self.samples[hi] / self.samples[lo])
 
 
 def time_command(name: str, base_for, kinds: list[str], startup: float, shape: sr.Shape, root: Path,
-                 fractions=FRACTIONS, ok_codes=(0,), cleanup=None, prefix: str = "f") -> list[Row]:
+                 fractions, ok_codes=(0,), cleanup=None, prefix: str = "f") -> list[Row]:
     rows = []
     for variant, _ in variants(["x"], kinds).items():
         row = Row(name, variant, startup, processes=2 if variant != "1 process" else 1)
@@ -231,16 +230,22 @@ def main() -> None:
     ap.add_argument("--sample", default="16", help="regen verify --sample (default 16 samples)")
     ap.add_argument("--storage-gbps", type=float, default=2.0,
                     help="assumed write rate of the job's shared storage, GB/s, for the projections")
-    ap.add_argument("--skip", default="", help="comma-separated commands or formats not to time")
+    ap.add_argument("--fractions", default="0.1,0.5,1",
+                    help="fractions of the run to time each command at (each of 0.1, 0.5, 1)")
+    ap.add_argument("--hidden", type=int, default=sr.HIDDEN, help=argparse.SUPPRESS)  # the harness's test
+    ap.add_argument("--skip", default="", help="comma-separated commands (status, verify, stats, export: every format) or export formats not to time")
     args = ap.parse_args()
+    args.fractions = tuple(sorted(float(f) for f in args.fractions.split(",")))
+    if not set(args.fractions) <= set(FRACTIONS):
+        ap.error(f"--fractions: each of {', '.join(map(str, FRACTIONS))}")
 
     samples = max(1, round(sr.JOB_SAMPLES * args.scale))
-    shape = sr.Shape(samples, min(args.states_shards, math.ceil(samples / sr.SHARD_SIZE)))
+    shape = sr.Shape(samples, min(args.states_shards, math.ceil(samples / sr.SHARD_SIZE)), hidden=args.hidden)
     root = Path(args.keep or tempfile.mkdtemp(prefix="bench-scale-"))
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     try:
         print(f"run: {shape.samples:,} samples in {shape.shards:,} shards of {sr.SHARD_SIZE} "
-              f"({args.scale:g} of the job), {shape.states_shards} captured at {sr.HIDDEN} x {len(sr.LAYERS)} layers")
+              f"({args.scale:g} of the job), {shape.states_shards} captured at {shape.hidden} x {len(sr.LAYERS)} layers")
         info = prepare(root, shape, args.jobs)
         tokens_per_sample = info["tokens"] / info["samples"]
         print(f"laid down {info['samples']:,} samples ({tokens_per_sample:,.0f} tokens each on average) in "
@@ -267,17 +272,19 @@ def measure(root: Path, shape: sr.Shape, info: dict, args, skip: set) -> list[Ro
         start = startup("status")
         rows += time_command("status", lambda s: cli("status", sr.RUN_ID, "--storage", str(s), "--broker",
                                                      args.broker, "--json", "--inspect-timeout", "0"),
-                             [], start, shape, root)
+                             [], start, shape, root, args.fractions)
     for command, extra, ok in (("verify", ["--sample", args.sample, "--json"], (0, 1)), ("stats", ["--json"], (0,))):
         if command in skip:
             continue
         start = startup(command)
         found = time_command(command + (f" --sample {args.sample}" if command == "verify" else ""),
                              lambda s, c=command, e=extra: cli(c, sr.RUN_ID, "--storage", str(s), *e),
-                             fanout(command), start, shape, root, ok_codes=ok)
+                             fanout(command), start, shape, root, args.fractions, ok_codes=ok)
         for r in found:
             r.read_bytes = records_bytes
         rows += found
+    if "export" in skip:
+        return rows
     start = startup("export")
     kinds = fanout("export")
     for fmt in export_formats():
@@ -289,7 +296,8 @@ def measure(root: Path, shape: sr.Shape, info: dict, args, skip: set) -> list[Ro
         if fmt in STATE_FORMATS:
             if shape.states_shards == 0:
                 continue
-            walk = time_command(f"{fmt} (walk)", base, kinds, start, shape, root, cleanup=clear_out, prefix="walk")
+            walk = time_command(f"{fmt} (walk)", base, kinds, start, shape, root, args.fractions, cleanup=clear_out,
+                                prefix="walk")
             full = time_command(fmt, base, kinds, start, shape, root, fractions=(1.0,), cleanup=clear_out)
             for r in full:
                 r.samples = {1.0: shape.states_shards * sr.SHARD_SIZE}
@@ -297,7 +305,7 @@ def measure(root: Path, shape: sr.Shape, info: dict, args, skip: set) -> list[Ro
             rows += walk
             found = full
         else:
-            found = time_command(fmt, base, kinds, start, shape, root, cleanup=clear_out)
+            found = time_command(fmt, base, kinds, start, shape, root, args.fractions, cleanup=clear_out)
             for r in found:
                 r.read_bytes = records_bytes
         # The output of the last timed variant (at 100%) is still there: its bytes, then dd of as many.
@@ -375,7 +383,7 @@ def report(rows: list[Row], shape: sr.Shape, info: dict, args) -> None:
     dd = sorted({r.dd_mbps for r in rows if r.dd_mbps})
     if dd:
         print(f"\ndd with conv=fsync to the same disk: {dd[0]:,.0f}-{dd[-1]:,.0f} MB/s over the exports' sizes")
-    print("growth b: time ~ samples^b from 10% to 100% of the run (times less start-up); the projection uses "
+    print("growth b: time ~ samples^b from the smallest to the largest fraction timed (times less start-up); the projection uses "
           "max(b, 1). State-export rows: their samples/s and MB/s are over the captured shards' "
           f"{shape.states_shards * sr.SHARD_SIZE} samples; their '(walk)' rows are the same export over the "
           "fractions without capture markers.")

@@ -64,6 +64,7 @@ class Shape:
     samples: int
     states_shards: int
     seed: int = 0
+    hidden: int = HIDDEN  # the harness's own test lays down narrow states
 
     @property
     def shards(self) -> int:
@@ -74,7 +75,7 @@ class Shape:
 
 
 # -- the target checkpoint's stand-in: what an export reads of it (config.json, the final norm) ------------
-def write_model(folder: Path) -> None:
+def write_model(folder: Path, hidden: int = HIDDEN) -> None:
     """config.json of a 64-layer, 5120-wide Qwen3 and its final norm's weight (specforge-eagle3 applies it)."""
     import torch
     from safetensors.torch import save_file
@@ -82,8 +83,8 @@ def write_model(folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps({
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": NUM_LAYERS,
-        "hidden_size": HIDDEN, "rms_norm_eps": 1e-6, "vocab_size": 151936}))
-    weight = (1 + 0.1 * torch.randn(HIDDEN, generator=torch.Generator().manual_seed(0))).to(torch.bfloat16)
+        "hidden_size": hidden, "rms_norm_eps": 1e-6, "vocab_size": 151936}))
+    weight = (1 + 0.1 * torch.randn(hidden, generator=torch.Generator().manual_seed(0))).to(torch.bfloat16)
     save_file({"model.norm.weight": weight}, str(folder / "model.safetensors"))
 
 
@@ -92,13 +93,13 @@ def settings(model_dir: Path, shape: Shape) -> RunSettings:
 
     info = read_model_info(str(model_dir))
     return RunSettings(
-        model={"path": str(model_dir), "num_layers": NUM_LAYERS, "hidden_size": HIDDEN, "model_type": "qwen3",
+        model={"path": str(model_dir), "num_layers": NUM_LAYERS, "hidden_size": shape.hidden, "model_type": "qwen3",
                "fingerprint": info.fingerprint},
         sampling=Sampling.defaults(True, MAX_TOKENS), thinking=True, capture_mode="staged",
         layers={"spec": "vllm:" + ",".join(map(str, LAYERS)), "num_layers": NUM_LAYERS, "vllm_ids": LAYERS,
                 "dflash_ids": [v - 1 for v in LAYERS]},
         shard_size=SHARD_SIZE, max_prompt_tokens=4096, regenerate="last", inputs=[],
-        states=StatesStorage("bf16", promised_bound("bf16", HIDDEN)),
+        states=StatesStorage("bf16", promised_bound("bf16", shape.hidden)),
     )
 
 
@@ -179,20 +180,23 @@ def record(run_id: str, shard: str, k: int, i: int, rng: np.random.Generator, qu
 _POOL_ROWS = 1024
 
 
-def _state_pool() -> np.ndarray:
+def _state_pool(hidden: int) -> np.ndarray:
     """bf16 rows [rows, layers, hidden] that samples' states are cut from (drawing 5120-wide states afresh
     for every token would cost more than everything else here); per-channel scales as in real activations."""
     rng = np.random.default_rng(7)
-    scale = np.exp(rng.standard_normal((1, len(LAYERS), HIDDEN), dtype=np.float32))
-    return float32_to_bf16(rng.standard_normal((_POOL_ROWS, len(LAYERS), HIDDEN), dtype=np.float32) * scale)
+    scale = np.exp(rng.standard_normal((1, len(LAYERS), hidden), dtype=np.float32))
+    return float32_to_bf16(rng.standard_normal((_POOL_ROWS, len(LAYERS), hidden), dtype=np.float32) * scale)
 
 
 def states_for(pool: np.ndarray, n_tokens: int, rng: np.random.Generator) -> np.ndarray:
-    """A sample's states: pool rows from a random offset, with a per-sample flip of low mantissa bits, so no
-    row repeats across samples (verify flags a row seen before for another token)."""
-    rows = (np.arange(n_tokens) + int(rng.integers(0, _POOL_ROWS))) % _POOL_ROWS
-    states = pool[rows]
-    states ^= np.uint16(int(rng.integers(1, 128)))
+    """A sample's states: pool rows from a random offset, each pass over the pool with its own random flip of
+    every channel's low mantissa bits, so no row repeats within or across samples (verify flags a row seen
+    before for another token)."""
+    at = np.arange(n_tokens) + int(rng.integers(0, _POOL_ROWS))
+    states = pool[at % _POOL_ROWS]
+    laps = at // _POOL_ROWS
+    masks = rng.integers(0, 128, (int(laps[-1]) + 1, pool.shape[2]), dtype=np.uint16)
+    states ^= masks[laps][:, None, :]
     return states
 
 
@@ -238,7 +242,7 @@ def write_capture(store: RunStore, sid: str, attempt: str, records: list[dict], 
 
 def _write_range(root: str, shape: Shape, lo: int, hi: int) -> tuple[int, int]:
     store = RunStore(Storage(root), RUN_ID)
-    pool = _state_pool() if lo < shape.states_shards else None
+    pool = _state_pool(shape.hidden) if lo < shape.states_shards else None
     samples = tokens = 0
     for s in range(lo, hi):
         n, t = write_shard(store, shape, s, pool if s < shape.states_shards else None)
