@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import scale_run as sr  # noqa: E402
 
 FRACTIONS = (0.1, 0.5, 1.0)
+MIN_NET_S = 1.0  # a growth exponent from times closer than this to the start-up is noise
 KNOWN_TEXT = ("sharegpt", "specforge-jsonl", "parquet")
 STATE_FORMATS = {  # format -> export options (the run captured the DFlash layers and the final one)
     "specforge-dflash": ["--layers", "dflash"],
@@ -85,6 +86,15 @@ def prepare(root: Path, shape: sr.Shape, jobs: int) -> dict:
                               for s in range(shape.states_shards))
     stamp.write_text(json.dumps(info))
     return info
+
+
+def captured_tokens(storage: Path, shape: sr.Shape) -> int:
+    """Tokens of the captured shards' samples (their done markers count them)."""
+    total = 0
+    for s in range(shape.states_shards):
+        marker = json.loads((storage / sr.RUN_ID / "done" / f"{sr.shard_id(s)}.json").read_text())
+        total += int(marker["prompt_tokens"]) + int(marker["generated_tokens"])
+    return total
 
 
 def shards_at(shape: sr.Shape, f: float) -> int:
@@ -247,6 +257,7 @@ def main() -> None:
         print(f"run: {shape.samples:,} samples in {shape.shards:,} shards of {sr.SHARD_SIZE} "
               f"({args.scale:g} of the job), {shape.states_shards} captured at {shape.hidden} x {len(sr.LAYERS)} layers")
         info = prepare(root, shape, args.jobs)
+        info["captured_tokens"] = captured_tokens(root / "f100", shape)
         tokens_per_sample = info["tokens"] / info["samples"]
         print(f"laid down {info['samples']:,} samples ({tokens_per_sample:,.0f} tokens each on average) in "
               f"{info['lay_down_s']:.0f} s = {info['samples'] / info['lay_down_s']:,.0f} samples/s with "
@@ -283,6 +294,8 @@ def measure(root: Path, shape: sr.Shape, info: dict, args, skip: set) -> list[Ro
         for r in found:
             r.read_bytes = records_bytes
         rows += found
+    if "verify" not in skip:
+        rows.append(time_sample_choice(shape, args.fractions))
     if "export" in skip:
         return rows
     start = startup("export")
@@ -320,6 +333,27 @@ def measure(root: Path, shape: sr.Shape, info: dict, args, skip: set) -> list[Ro
     return rows
 
 
+def time_sample_choice(shape: sr.Shape, fractions) -> Row:
+    """`verify --sample 0.01`'s choice of samples (app/data/verify_sampled.choose) at the run's shard counts, in
+    this process: on the laid-down run only the captured shards have samples to choose from, while on the job
+    every shard has (a listing of each shard's good samples, 64 each, spread over the run's workers)."""
+    from types import SimpleNamespace
+
+    from app.data.verify_sampled import choose
+
+    row = Row("verify --sample 0.01: the choice", "in process", 0.0)
+    for f in fractions:
+        results = [SimpleNamespace(shard=sr.shard_id(s), worker=f"gpu-host-{s % sr.WORKERS}",
+                                   good_samples=[f"{s * sr.SHARD_SIZE + k:016x}" for k in range(shape.shard_samples(s))])
+                   for s in range(shards_at(shape, f))]
+        t0 = time.perf_counter()
+        choose(results, 0.01)
+        row.times[f] = time.perf_counter() - t0
+        row.samples[f] = samples_at(shape, f)
+        print(f"  {row.name:28s} {row.variant:16s} {round(f * 100):3d}%: {row.times[f]:8.2f} s", flush=True)
+    return row
+
+
 def exported_count(out: Path) -> int:
     total = 0
     done = out / "done"
@@ -353,7 +387,7 @@ def report(rows: list[Row], shape: sr.Shape, info: dict, args) -> None:
     for r in rows:
         top = max(r.times)
         secs = r.net(top)
-        b = r.exponent
+        b = r.exponent if min(r.net(f) for f in r.times) >= MIN_NET_S else None  # start-up bound: noise
         rate_samples = r.samples[top] / secs
         mbytes = (r.written or r.read_bytes) / 1e6
         mbps = mbytes / secs if mbytes else None
@@ -361,7 +395,7 @@ def report(rows: list[Row], shape: sr.Shape, info: dict, args) -> None:
         if r.written and r.dd_mbps:
             ratio = mbps / r.dd_mbps
         if r.name in STATE_FORMATS and r.written:  # bytes dominate: scale by the job's state tokens
-            job_bytes = r.written / r.samples[top] * sr.JOB_SAMPLES
+            job_bytes = r.written / info["captured_tokens"] * info["tokens"] / info["samples"] * sr.JOB_SAMPLES
             proc = job_bytes / 1e6 / mbps
             disk = job_bytes / 1e6 / storage_mbps
             proj = (f"{job_bytes / 1e12:,.0f} TB: {human(proc)} at this rate, {human(disk)} at "
@@ -371,11 +405,12 @@ def report(rows: list[Row], shape: sr.Shape, info: dict, args) -> None:
             proj = human(secs * scale ** max(b or 1.0, 1.0))
             if r.written:
                 job_bytes = r.written * job_ratio
-                proj += f"; writes {job_bytes / 1e12:,.2f} TB ({human(job_bytes / 1e6 / storage_mbps)} at " \
+                proj += f"; writes {job_bytes / 1e9:,.0f} GB ({human(job_bytes / 1e6 / storage_mbps)} at " \
                         f"{args.storage_gbps:g} GB/s)"
         cells = [r.name, r.variant, f"{r.startup:.1f}",
                  *(f"{r.times[f]:.2f}" if f in r.times else "" for f in FRACTIONS),
-                 f"{b:.2f}" if b is not None else "", f"{rate_samples:,.0f}",
+                 f"{b:.2f}" if b is not None else "-", f"{rate_samples:,.0f}" if rate_samples >= 10 else
+                 f"{rate_samples:.2f}",
                  f"{mbps:,.1f}" if mbps else "",
                  f"{ratio:.2f}" + (f" ({ratio / r.processes:.2f}/process)" if r.processes > 1 else "")
                  if ratio else "", proj]
@@ -383,8 +418,9 @@ def report(rows: list[Row], shape: sr.Shape, info: dict, args) -> None:
     dd = sorted({r.dd_mbps for r in rows if r.dd_mbps})
     if dd:
         print(f"\ndd with conv=fsync to the same disk: {dd[0]:,.0f}-{dd[-1]:,.0f} MB/s over the exports' sizes")
-    print("growth b: time ~ samples^b from the smallest to the largest fraction timed (times less start-up); the projection uses "
-          "max(b, 1). State-export rows: their samples/s and MB/s are over the captured shards' "
+    print("growth b: time ~ samples^b from the smallest to the largest fraction timed (times less start-up; '-' "
+          f"where a time is within {MIN_NET_S:g} s of the start-up); the projection uses max(b, 1), and "
+          "state exports the job's tokens at the bytes per token written. State-export rows: their samples/s and MB/s are over the captured shards' "
           f"{shape.states_shards * sr.SHARD_SIZE} samples; their '(walk)' rows are the same export over the "
           "fractions without capture markers.")
 
