@@ -13,6 +13,7 @@ small LRU, and re-opened after a fork (DataLoader workers must not share file of
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from app.ids import shard_id
 from app.jsonl_zst import iter_jsonl_zst
 from app.manifest import load as load_manifest
 from app.storage import RunStore, Storage
+
+_LISTING_ONCE = threading.Lock()  # module-level: a reader stays picklable (DataLoader workers under spawn)
 
 
 @dataclass
@@ -54,6 +57,7 @@ class RunReader:
         self.max_open = max_open
         self._readers: OrderedDict[str, tuple[object, HiddenFileReader]] = OrderedDict()
         self._pid = os.getpid()
+        self._dead_capture: set[str] | None = None
 
     # -- run-level ---------------------------------------------------------------------------------------
     def produce_state(self) -> dict | None:
@@ -72,7 +76,13 @@ class RunReader:
         return ledger.dead(self.store, ledger.GENERATE)
 
     def dead_capture_shards(self) -> set[str]:
-        return ledger.dead(self.store, ledger.CAPTURE)
+        """Shards whose staged capture was dead-lettered, listed once per reader: verify asks for every shard
+        whose capture is missing, and a listing each was one per shard (14K on the job, a round trip each on
+        NFS or S3). A reader serves one pass; a letter written during it shows on the next."""
+        with _LISTING_ONCE:  # verify's shard threads ask at the same time
+            if self._dead_capture is None:
+                self._dead_capture = ledger.dead(self.store, ledger.CAPTURE)
+        return self._dead_capture
 
     def dead_letter(self, shard: str) -> dict | None:
         """Why generation gave up on the shard (reason, every attempt); None when it was not dead-lettered."""

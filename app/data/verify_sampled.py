@@ -51,13 +51,18 @@ def choose(results, sample: float, seed: int = 0) -> list[tuple[object, str]]:
         rng.shuffle(shards)
     chosen: list[tuple[object, str]] = []
     turn = 0
+    # Each worker's shards that still have unchosen samples, in order; a shard leaves its list once emptied
+    # (rebuilding the list for every pick made a 1% sample of the job's 14K shards O(picks x shards): 13 s).
+    live = list(by_worker.values())
     while len(chosen) < min(want, total):
-        for shards in by_worker.values():
-            live = [s for s in shards if s[1]]
-            if not live:
+        for shards in live:
+            if not shards:
                 continue
-            res, sids = live[turn % len(live)]
+            at = turn % len(shards)
+            res, sids = shards[at]
             chosen.append((res, sids.pop()))
+            if not sids:
+                del shards[at]
             if len(chosen) >= want:
                 break
         turn += 1
