@@ -45,8 +45,8 @@ from app.records import loss_mask
 from app.states_codec import promised_bound
 from app.storage import RunStore, Storage
 from producer.accounting import Accounting, write_produce_state
-from workers.generate import encode_into, shard_summary
-from workers.shard_output import hidden_file_stream, publish_shard
+from workers.shard.generate import encode_into, shard_summary
+from workers.shard.shard_output import hidden_file_stream, publish_shard
 
 JOB_SAMPLES = 914_000
 SHARD_SIZE = 64
