@@ -42,7 +42,7 @@ import orjson
 import zstandard
 
 from app import states_codec
-from app.byte_planes import join_bytes, split_bytes
+from app.byte_planes import join_layers, split_bytes
 from app.errors import PermanentError
 
 MAGIC = b"RGHS\x00\x01\x00\x00"
@@ -237,16 +237,20 @@ class HiddenFileReader:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def read(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, i: int, slots=None) -> tuple[np.ndarray, np.ndarray]:
         """Sample i as (token_ids int32 [T], states uint16 bf16 bit patterns [T, L, H]); checksums verified.
 
-        bf16 whatever the sample is stored as: a lossy entry is decoded (app/states_codec.py)."""
+        bf16 whatever the sample is stored as: a lossy entry is decoded (app/states_codec.py). `slots` (positions
+        in the entry's `layers`) returns those layers only, in that order, [T, len(slots), H] C-ordered: an
+        export that writes some layers gets them without joining the others or copying them again.
+        """
         e = self.entries[i]
         codec = e.get("codec", "bf16")
+        shape = (e["n_tokens"], len(e["layers"]), e["hidden"])
         if codec != "bf16":
             tokens, arrays = self._read_lossy(e)
-            shape = (e["n_tokens"], len(e["layers"]), e["hidden"])
-            return tokens, states_codec.dequantise(codec, arrays, shape)
+            states = states_codec.dequantise(codec, arrays, shape)
+            return tokens, states if slots is None else np.take(states, list(slots), axis=1)
         parts = self._parts(e)
         dctx = zstandard.ZstdDecompressor()
         n = e["n_tokens"] * len(e["layers"]) * e["hidden"]
@@ -256,8 +260,7 @@ class HiddenFileReader:
         low = np.frombuffer(low_raw, dtype=np.uint8)
         if high.size != n or low.size != n or tokens.size != e["n_tokens"]:
             raise CorruptHiddenFile(f"sample {e['sample_id']}: decoded sizes do not match the index")
-        states = join_bytes(high, low).reshape(e["n_tokens"], len(e["layers"]), e["hidden"])
-        return tokens, states
+        return tokens, join_layers(high, low, shape, range(shape[1]) if slots is None else slots)
 
     def _parts(self, e: dict) -> list[bytes]:
         self.fh.seek(e["offset"])
