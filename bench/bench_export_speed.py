@@ -45,8 +45,9 @@ def prepare(root: Path, samples: int) -> None:
     stamp.write_text(json.dumps({"samples": samples, **info}))
 
 
-def export_once(root: Path, fmt: str, out: Path, profile: cProfile.Profile | None = None) -> float:
-    """Seconds for one process to export the captured shard in `fmt` into a fresh `out` (start-up excluded)."""
+def export_once(root: Path, fmt: str, out: Path, profile: cProfile.Profile | None = None) -> tuple[float, float]:
+    """(wall, CPU) seconds for one process to export the captured shard in `fmt` into a fresh `out` (start-up
+    excluded; CPU is the process's, every thread, which other sessions' load moves less than the wall time)."""
     from app.data.export import Exporter, ExportOptions
     from app.data.run_reader import RunReader
 
@@ -60,12 +61,12 @@ def export_once(root: Path, fmt: str, out: Path, profile: cProfile.Profile | Non
         info = reader.shard(sr.shard_id(0))
         if profile:
             profile.enable()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         exporter.export_shard(info, 0)
-        secs = time.perf_counter() - t0
+        secs, cpu = time.perf_counter() - t0, time.process_time() - c0
         if profile:
             profile.disable()
-    return secs
+    return secs, cpu
 
 
 def main() -> None:
@@ -79,22 +80,24 @@ def main() -> None:
     root = Path(args.keep)
     prepare(root, args.samples)
     out = root / "out"
-    print(f"{'format':18s} {'MB':>8s} {'best s':>8s} {'MB/s':>8s} {'dd MB/s':>8s} {'export/dd':>9s}")
+    print(f"{'format':18s} {'MB':>8s} {'best s':>8s} {'MB/s':>8s} {'dd MB/s':>8s} {'export/dd':>9s} {'CPU s':>6s}")
     for fmt in args.formats.split(","):
-        times, dds = [], []
+        times, cpus, dds = [], [], []
         for _ in range(args.repeat):
-            times.append(export_once(root, fmt, out))
+            wall, cpu = export_once(root, fmt, out)
+            times.append(wall)
+            cpus.append(cpu)
             written = du(out)
             shutil.rmtree(out)
             dds.append(dd_rate(out, written))
             shutil.rmtree(out, ignore_errors=True)
         mbps = written / min(times) / 1e6
         print(f"{fmt:18s} {written / 1e6:8.0f} {min(times):8.2f} {mbps:8.1f} {max(dds):8.1f} "
-              f"{mbps / max(dds):9.2f}   (times {', '.join(f'{t:.2f}' for t in times)}; "
+              f"{mbps / max(dds):9.2f} {min(cpus):6.2f}   (times {', '.join(f'{t:.2f}' for t in times)}; "
               f"dd {', '.join(f'{d:.0f}' for d in dds)})", flush=True)
     if args.profile:
         prof = cProfile.Profile()
-        secs = export_once(root, args.profile, out, prof)
+        secs, _ = export_once(root, args.profile, out, prof)
         shutil.rmtree(out, ignore_errors=True)
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)

@@ -116,6 +116,9 @@ class Sample:
     # uint16 bf16 bit patterns, [n, layers, H]: the export's `ExportLayers.read_slots`, auxiliary layers then the
     # final one; None: a token-only format
     states: np.ndarray | None
+    # What the format writes, built from the states by `StateExport.prepare` in the read-ahead thread (SpecForge:
+    # the torch.save dict); None where the format builds nothing ahead
+    tensors: dict | None = None
 
 
 def covered_sample(rec: dict, tokens: np.ndarray, states: np.ndarray, where: str) -> Sample:

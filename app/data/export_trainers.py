@@ -121,7 +121,12 @@ class StateExport:
             if problem:
                 filtered[problem] += 1
                 continue
-            yield sample
+            yield self.prepare(sample)
+
+    def prepare(self, sample: Sample) -> Sample:
+        """The CPU work a format does on a decoded sample before writing it (default: none). It runs in the
+        read-ahead thread, beside the previous sample's write, so `write_sample` is left with the writing."""
+        return sample
 
     def sample(self, info: ShardInfo, rec: dict) -> Sample:
         """The record as the format writes it: here the ids its stored states cover, with the layers it writes
