@@ -17,7 +17,7 @@ SpecForge's own `prepare_hidden_states.py` does.
 
 from __future__ import annotations
 
-import io
+import dataclasses
 
 import numpy as np
 
@@ -27,9 +27,11 @@ GROUP = 2000
 
 
 def _bf16(states_u16: np.ndarray):
+    """The bit patterns as a torch bf16 tensor sharing their memory (strided where they are: torch takes numpy's
+    strides, and `view(dtype)` keeps them for a same-size dtype)."""
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(states_u16).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(states_u16.view(np.int16)).view(torch.bfloat16)
 
 
 class _SpecForge(StateExport):
@@ -52,11 +54,28 @@ class _SpecForge(StateExport):
                     self.out.delete(f"{folder}/{name}")
 
     def save(self, index: int, tensors: dict) -> None:
+        """torch.save straight into the file being written (atomically, as `write_bytes` does).
+
+        A file object takes the same path in torch.save as a BytesIO (the zip writer on a buffer), so the bytes
+        are the same; the BytesIO grew by reallocation and `getvalue()` copied it once more before the write:
+        ~0.25 s of a 14 s, 807 MB DFlash shard's profile went to the buffer (bench/bench_export_speed.py).
+        """
         import torch
 
-        buf = io.BytesIO()
-        torch.save(tensors, buf)
-        self.out.write_bytes(self.sample_rel(index), buf.getvalue())
+        with self.out.atomic_writer(self.sample_rel(index)) as fh:
+            torch.save(tensors, fh)
+
+    def prepare(self, sample):
+        """The torch.save dict built in the read-ahead thread (EAGLE-3's final norm and aux copy are most of a
+        sample's CPU time besides decoding); the states are dropped from the sample once the dict holds what
+        is written of them."""
+        return dataclasses.replace(sample, states=None, tensors=self.tensors(sample))
+
+    def write_sample(self, index: int, sample) -> None:
+        self.save(index, sample.tensors if sample.tensors is not None else self.tensors(sample))
+
+    def tensors(self, sample) -> dict:
+        raise NotImplementedError
 
     def base(self, sample) -> dict:
         import torch
@@ -65,9 +84,14 @@ class _SpecForge(StateExport):
                 "loss_mask": torch.tensor(sample.loss_mask, dtype=torch.long)}
 
     def aux(self, sample):
-        """The auxiliary layers side by side, [1, T, n*H] bf16."""
-        states = sample.states[:, self.layers.aux_slots, :]
-        return _bf16(states.reshape(states.shape[0], -1)).unsqueeze(0)
+        """The auxiliary layers side by side, [1, T, n*H] bf16.
+
+        The sample holds them first, decoded in place (`ExportLayers.read_slots`): when they are all it holds
+        (DFlash) the reshape is a view and nothing is copied; with the final layer after them (EAGLE-3) it is
+        one copy of the auxiliary layers."""
+        states = sample.states[:, :len(self.layers.aux), :]
+        # contiguous: torch.save writes a tensor's whole storage, so a strided view would write the final layer too
+        return _bf16(np.ascontiguousarray(states.reshape(states.shape[0], -1))).unsqueeze(0)
 
 
 class SpecForgeDFlash(_SpecForge):
@@ -78,8 +102,8 @@ class SpecForgeDFlash(_SpecForge):
         return {**super().meta(), "specforge": {"strategy": "dflash", "dflash_config.target_layer_ids":
                                                 [v - 1 for v in self.layers.aux]}}
 
-    def write_sample(self, index: int, sample) -> None:
-        self.save(index, {**self.base(sample), "hidden_states": self.aux(sample)})
+    def tensors(self, sample) -> dict:
+        return {**self.base(sample), "hidden_states": self.aux(sample)}
 
 
 class SpecForgeEagle3(_SpecForge):
@@ -106,7 +130,9 @@ class SpecForgeEagle3(_SpecForge):
         return {**super().meta(), "final_norm": self.norm.meta(),
                 "specforge": {"strategy": "eagle3", "aux_hidden_state_layer_ids": [v - 1 for v in self.layers.aux]}}
 
-    def write_sample(self, index: int, sample) -> None:
-        final = _bf16(sample.states[:, self.layers.final_slot, :])
-        self.save(index, {**self.base(sample), "hidden_state": self.norm(final).unsqueeze(0),
-                          "aux_hidden_state": self.aux(sample)})
+    def tensors(self, sample) -> dict:
+        # read_slots: the final layer after the aux ones; a strided view, which the norm's float32 cast reads
+        # without a contiguous copy first
+        final = _bf16(sample.states[:, len(self.layers.aux), :])
+        return {**self.base(sample), "hidden_state": self.norm(final).unsqueeze(0),
+                "aux_hidden_state": self.aux(sample)}

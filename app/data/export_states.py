@@ -42,6 +42,13 @@ class ExportLayers:
     def final_slot(self) -> int | None:
         return None if self.final is None else self.captured.index(self.final)
 
+    @property
+    def read_slots(self) -> list[int]:
+        """The stored layers an export reads, in the order its samples hold them: the auxiliary ones, then the
+        final one where the format writes it. A sample's states are decoded in this order
+        (`HiddenFileReader.read`'s `slots`), so a format's layer block is already in place."""
+        return [*self.aux_slots, *([] if self.final is None else [self.final_slot])]
+
     def to_meta(self) -> dict:
         return {
             "num_layers": self.num_layers,
@@ -106,7 +113,12 @@ class Sample:
     sample_id: str
     input_ids: list[int]
     loss_mask: list[int]
-    states: np.ndarray | None  # uint16 bf16 bit patterns, [n, captured layers, H]; None: a token-only format
+    # uint16 bf16 bit patterns, [n, layers, H]: the export's `ExportLayers.read_slots`, auxiliary layers then the
+    # final one; None: a token-only format
+    states: np.ndarray | None
+    # What the format writes, built from the states by `StateExport.prepare` in the read-ahead thread (SpecForge:
+    # the torch.save dict); None where the format builds nothing ahead
+    tensors: dict | None = None
 
 
 def covered_sample(rec: dict, tokens: np.ndarray, states: np.ndarray, where: str) -> Sample:

@@ -33,6 +33,7 @@ from app.data.export_states import (
     supervised_counts,
     supervision_problem,
 )
+from app.data.read_ahead import read_ahead
 from app.data.run_reader import RunReader, ShardInfo
 from app.errors import RegenError
 from app.storage import Storage
@@ -96,15 +97,13 @@ class StateExport:
 
     # -- per shard ----------------------------------------------------------------------------------------
     def export_shard(self, info: ShardInfo, kept, filtered: Counter, first: int) -> dict:
-        """Write the shard's kept records (`kept` yields them) numbered from `first`; return the done-marker body."""
+        """Write the shard's kept records (`kept` yields them) numbered from `first`; return the done-marker body.
+
+        The next sample is read and decoded (`samples`) in a thread while this one is written (app/data/
+        read_ahead.py); the writes stay in this thread, in order, so the files and numbers are as before."""
         index = first
         freq: Counter = Counter()
-        for rec in kept:
-            sample = self.sample(info, rec)
-            problem = supervision_problem(sample.loss_mask, self.consecutive_supervision)
-            if problem:
-                filtered[problem] += 1
-                continue
+        for sample in read_ahead(self.samples(info, kept, filtered)):
             self.write_sample(index, sample)
             freq.update(supervised_counts(sample))
             index += 1
@@ -113,9 +112,26 @@ class StateExport:
         return {"shard_id": info.shard_id, "exported": index - first, "first_index": first,
                 "filtered": dict(filtered), "file": None}
 
+    def samples(self, info: ShardInfo, kept, filtered: Counter):
+        """The kept records as the format writes them, less those with nothing to learn from (counted in
+        `filtered`); `filtered` is only touched here, so in the read-ahead thread alone."""
+        for rec in kept:
+            sample = self.sample(info, rec)
+            problem = supervision_problem(sample.loss_mask, self.consecutive_supervision)
+            if problem:
+                filtered[problem] += 1
+                continue
+            yield self.prepare(sample)
+
+    def prepare(self, sample: Sample) -> Sample:
+        """The CPU work a format does on a decoded sample before writing it (default: none). It runs in the
+        read-ahead thread, beside the previous sample's write, so `write_sample` is left with the writing."""
+        return sample
+
     def sample(self, info: ShardInfo, rec: dict) -> Sample:
-        """The record as the format writes it: here the ids its stored states cover, with those states."""
-        got = self.reader.states(info, rec)
+        """The record as the format writes it: here the ids its stored states cover, with the layers it writes
+        (`ExportLayers.read_slots`: auxiliary ones, then the final one)."""
+        got = self.reader.states(info, rec, self.layers.read_slots)
         if got is None:
             raise RegenError(f"shard {info.shard_id} sample {rec['sample_id']}: no hidden states")
         return covered_sample(rec, *got, where=f"shard {info.shard_id}")

@@ -156,14 +156,15 @@ class RunReader:
         """Where the record's states are in the hidden file (by the file's own index of sample ids)."""
         return reader.by_id.get(rec["sample_id"])
 
-    def states(self, info: ShardInfo, rec: dict) -> tuple[np.ndarray, np.ndarray] | None:
+    def states(self, info: ShardInfo, rec: dict, slots=None) -> tuple[np.ndarray, np.ndarray] | None:
         """(token_ids int32 [T-1], states uint16 bf16 [T-1, L, H]) for one record; CRCs checked. bf16 whatever
-        the run stores: a lossy sample is decoded (`HiddenFileReader.read_stored` gives its stored form)."""
+        the run stores: a lossy sample is decoded (`HiddenFileReader.read_stored` gives its stored form).
+        `slots`: only those stored layers, in that order (`HiddenFileReader.read`)."""
         reader = self.hidden_reader(info)
         if reader is None:
             return None
         pos = self.hidden_position(info, rec, reader)
-        return None if pos is None else reader.read(pos)
+        return None if pos is None else reader.read(pos, slots)
 
     def close(self) -> None:
         for fh, _ in self._readers.values():
