@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+from app.data.run_reader import RunReader
 from app.errors import ConfigError
 
 
@@ -59,6 +60,21 @@ class Part:
 
 
 WHOLE = Part()  # the whole run: one part
+
+_READER: RunReader | None = None  # this worker process's reader of the run (set by `open_reader`)
+
+
+def open_reader(storage: str, run_id: str) -> None:
+    """A pool initializer: open the run's reader once in this worker process (never a parent's handles)."""
+    global _READER
+    _READER = RunReader(storage, run_id)
+
+
+def worker_reader() -> RunReader:
+    """The reader `open_reader` opened in this process."""
+    if _READER is None:
+        raise RuntimeError("worker_reader() before open_reader() in this process")
+    return _READER
 
 
 def process_pool(processes: int, initializer: Callable | None = None, initargs: tuple = ()) -> ProcessPoolExecutor:

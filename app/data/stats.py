@@ -16,7 +16,7 @@ import io
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from app.data.fanout import WHOLE, Part, ordered_map
+from app.data.fanout import WHOLE, Part, open_reader, ordered_map, worker_reader
 from app.data.run_reader import RunReader
 from app.states_bound import LayerErrors, promise
 
@@ -80,7 +80,7 @@ def collect(reader: RunReader, processes: int = 1, part: Part = WHOLE) -> RunSta
     done = set(reader.done_shards())
     shards = [s for s in part.pick(every) if s in done]
     if processes > 1:
-        found = ordered_map(_read_task, [(s, lossy) for s in shards], processes, _init_worker,
+        found = ordered_map(_read_task, [(s, lossy) for s in shards], processes, open_reader,
                             (reader.storage.url, reader.run_id))
     else:
         found = (read_shard(reader, reader.shard(s), lossy) for s in shards)
@@ -145,17 +145,9 @@ def add_shard(st: RunStats, shard: ShardRead) -> None:
 
 
 # -- worker processes (`--processes`) ---------------------------------------------------------------------
-_READER: RunReader | None = None  # this worker process's reader (set by _init_worker)
-
-
-def _init_worker(storage: str, run_id: str) -> None:
-    global _READER
-    _READER = RunReader(storage, run_id)
-
-
 def _read_task(task: tuple[str, bool]) -> ShardRead:
     shard, lossy = task
-    return read_shard(_READER, _READER.shard(shard), lossy)
+    return read_shard(reader := worker_reader(), reader.shard(shard), lossy)
 
 
 def stub_line(st: RunStats) -> str:

@@ -33,7 +33,7 @@ import numpy as np
 import orjson
 import zstandard
 
-from app.data.fanout import WHOLE, Part, ordered_map
+from app.data.fanout import WHOLE, Part, open_reader, ordered_map, worker_reader
 from app.data.run_reader import RunReader, ShardInfo
 from app.data.verify_checks import Problem, ShardResult, check_states
 from app.hidden_file import CorruptHiddenFile, HiddenFileReader, bf16_to_float32
@@ -350,7 +350,7 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
     infos = [i for i in (reader.shard(s) for s in sorted(done) if s in mine) if i is not None]
     decode = sample is None
     with ThreadPoolExecutor(max(1, workers)) as threads:
-        found = (ordered_map(_verify_task, [(i.shard_id, decode) for i in infos], processes, _init_worker,
+        found = (ordered_map(_verify_task, [(i.shard_id, decode) for i in infos], processes, open_reader,
                              (reader.storage.url, reader.run_id)) if processes > 1
                  else threads.map(lambda i: verify_shard(reader, i, decode=decode), infos))
         for res in found:
@@ -430,17 +430,9 @@ def _marker_counts(reader: RunReader, shard: str) -> tuple[int, int, int]:
 
 
 # -- worker processes (`--processes`) ---------------------------------------------------------------------
-_READER: RunReader | None = None  # this worker process's reader (set by _init_worker)
-
-
-def _init_worker(storage: str, run_id: str) -> None:
-    global _READER
-    _READER = RunReader(storage, run_id)
-
-
 def _verify_task(task: tuple[str, bool]) -> ShardResult:
     shard, decode = task
-    res = verify_shard(_READER, _READER.shard(shard), decode=decode)
+    res = verify_shard(reader := worker_reader(), reader.shard(shard), decode=decode)
     res.stale_rows = None  # per shard only; not worth sending back
     return res
 
