@@ -1,7 +1,7 @@
 """Nothing in the repository reads a path outside it: a user's clone is all they have.
 
 The development machines and CI keep a `shared/` folder of notes and data beside the checkout, so a test that
-reads `../shared/...` passes in CI and fails on every user's machine (it happened: the producer's format
+reads from that folder (one level up, then into it) passes in CI and fails on every user's machine (it happened: the producer's format
 fixtures). This test is the only thing that can catch the next one, so it reads every text file under the
 packages, `tests/`, `bench/`, `scripts/`, `deploy/`, `.ci/` and `docs/`, and the README, and fails on:
 
