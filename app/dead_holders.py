@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from app.celery_app import CAPTURE_TASK, GENERATE_TASK, redis_client
 from app.clock import shared_now
-from app.ledger import CAPTURE, GENERATE, attempt_errors, is_dead, is_finished, stage_key
+from app.ledger import CAPTURE, GENERATE, attempt_errors, is_dead, is_finished, stage_key, sweep_temporaries
 from app.liveness import attempt_state, lease_seconds
 from app.settings import mask_text
 from app.storage import RunStore, Storage
@@ -133,6 +133,7 @@ class DeadHolderCheck:
         self.storage_for = storage_for or (lambda url: url)
         self._decoded: dict[str, Held | None] = {}
         self._first_seen: dict[str, float] = {}  # tag -> when this checker first saw it held (monotonic)
+        self._swept: set[str] = set()  # held copies of finished shards whose folders this checker swept
 
     def held(self, client) -> list[Held]:
         tags = [t.decode() if isinstance(t, bytes) else t for t in client.hkeys(UNACKED)]
@@ -167,7 +168,10 @@ class DeadHolderCheck:
         resent = []
         for (storage, run_id, key), messages in sorted(by_key.items()):
             try:
-                holder = dead_holder(RunStore(Storage(storage), run_id), key, now, self.stale_after)
+                store = RunStore(Storage(storage), run_id)
+                holder = dead_holder(store, key, now, self.stale_after)
+                if holder is None:
+                    self._sweep_finished(store, key, messages)
             except Exception as exc:  # one run's unreachable storage does not stop the others'
                 log.warning("could not judge %s/%s: %s", run_id, key, exc)
                 continue
@@ -195,6 +199,19 @@ class DeadHolderCheck:
                             run_id, time.monotonic() - self._first_seen[tag])
             resent.append(found)
         return resent
+
+    def _sweep_finished(self, store: RunStore, key: str, messages: list[Held]) -> None:
+        """A held copy of a finished shard (a duplicate delivery whose holder may have died mid-write): remove
+        what dead attempts left in the shard's folders, once per held message (the shard is done, nothing else
+        returns to it; the copy itself is skipped whenever the broker hands it out again)."""
+        fresh = [m.tag for m in messages if m.tag not in self._swept]
+        if not fresh or not is_finished(store, key):
+            return
+        self._swept.update(fresh)
+        removed = sweep_temporaries(store, key, self.stale_after)
+        if removed:
+            log.warning("removed %d temporaries dead attempts left on finished %s of run %s", removed, key,
+                        store.run_id)
 
     def restore(self, tag: str) -> None:
         """Move the message back to the head of its queue: kombu's own restore transaction."""

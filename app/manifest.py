@@ -21,6 +21,16 @@ NON_THINKING_SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p":
 CAPTURE_MODES = ("inline", "staged", "off")
 
 
+COMPRESSION_LEVEL = 1  # zstd level of a new run's records and state planes (level 1: the high-byte plane's speed)
+LEGACY_COMPRESSION_LEVEL = 3  # what a manifest written before the setting existed was written with
+
+
+def compression_level(settings: dict) -> int:
+    """The zstd level a run's shards are written at: its manifest's, or the level runs were written at before
+    manifests recorded it (so a resumed old run keeps writing as it did)."""
+    return int(settings.get("compression_level", LEGACY_COMPRESSION_LEVEL))
+
+
 @dataclass
 class Sampling:
     temperature: float
@@ -78,7 +88,7 @@ class RunSettings:
     regenerate: str  # "last": the final assistant turn; "all": every assistant turn in order (multi-turn mode)
     inputs: list[dict]
     quality: QualitySettings = field(default_factory=QualitySettings)
-    compression_level: int = 1
+    compression_level: int = COMPRESSION_LEVEL
     # vLLM engine arguments every worker of the run applies (`regen produce --vllm-arg`), the data-changing
     # ones included (app/vllm_args.py); left out of the manifest when empty, so older runs compare equal.
     engine_args: dict = field(default_factory=dict)

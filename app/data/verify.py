@@ -21,6 +21,7 @@ for every shard, and the states of only N samples, spread over workers and shard
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
@@ -240,7 +241,26 @@ def verify_shard(reader: RunReader, info: ShardInfo, decode: bool = True) -> Sha
     finally:
         if fh is not None:
             fh.close()
+    _name_leftovers(res, reader, info.shard_id)
     return res
+
+
+def _name_leftovers(res: ShardResult, reader: RunReader, shard: str) -> None:
+    """Temporaries (`.name.tmp-*`) left in a finished shard's folder: a duplicate delivery whose holder died
+    mid-write after its twin published. They hold no data anyone reads (only markers name files) but can be
+    gigabytes each; the fleet sweeps them once their attempt is dead, and verify names what is still there."""
+    folder = reader.store.rel("shards", shard)
+    left = reader.storage.temporaries(folder)
+    if not left:
+        return
+    sizes = 0
+    for name, _ in left:
+        with contextlib.suppress(FileNotFoundError):
+            sizes += reader.storage.size(f"{folder}/{name}")
+    names = ", ".join(name for name, _ in left[:3]) + (f" and {len(left) - 3} more" if len(left) > 3 else "")
+    res.add("leftover_temporaries", f"{len(left)} temporaries ({sizes:,} bytes) in {folder}: {names}; a live "
+            "duplicate removes its own, the fleet sweeps dead attempts' (a redelivery of the shard, an idle "
+            "worker's dead-holder check)", severity="warning")
 
 
 def _check_records(res: ShardResult, reader: RunReader, info: ShardInfo, raw: bytes,

@@ -76,8 +76,17 @@ def test_a_finished_shard_is_left_to_the_broker(tmp_path, redis7):
     record_attempt(store, "shard-000000", "a" * 12, "gpu0@hostA", host="hostA", started=_ago(3600),
                    heartbeat=_ago(3600))
     store.storage.write_json(store.done_path("shard-000000"), {"attempt": "d" * 12})
-    assert DeadHolderCheck(OPS_BROKER, stale_after=14400).run() == []
+    # hostA took a redelivered copy just before its twin published, then lost power mid-write: its half file
+    folder = tmp_path / "r1" / "shards" / "shard-000000"
+    folder.mkdir(parents=True)
+    left = folder / f".{'a' * 12}.hidden.rgh.tmp-0123456789ab"
+    left.write_bytes(b"half a sample of a dead duplicate")
+    check = DeadHolderCheck(OPS_BROKER, stale_after=14400)
+    assert check.run() == []
     assert redis7.hlen("unacked") == 1  # its later restore finds the marker and is skipped
+    assert not left.exists()  # ...and what its dead holder left on the finished shard is gone now
+    left.write_bytes(b"")
+    assert check.run() == [] and left.exists()  # once per held copy: the next checks list nothing
 
 
 def test_a_shard_whose_newest_attempt_failed_is_left_to_celerys_retry():

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 import numpy as np
+import orjson
 import pytest
 from click.testing import CliRunner
 
 from app.cli import main
+from app.clock import shared_now
 from app.data.run_reader import RunReader
 from app.data.verify import verify_run
 from app.jsonl_zst import dumps_jsonl_zst, loads_jsonl_zst
@@ -112,6 +116,42 @@ def test_flipped_byte_in_hidden_index_is_a_sha256_mismatch(tmp_path):
     found = kinds(report)
     assert ("sha256_mismatch", "shard-000001", None) in found
     assert ("hidden_unreadable", "shard-000001", None) in found
+
+
+def test_a_staged_runs_capture_marker_carries_sha256_and_the_shared_clock_and_verify_checks_it(tmp_path):
+    """Generation's and capture's markers are published by one function: both name their files' sha256 and
+    stamp `finished` on the fleet's shared clock, and verify holds the capture file to its marker's hash."""
+    built = build_run(tmp_path, Spec(capture="staged"))
+    captured = built.storage.read_json(built.store.captured_path("shard-000001"))
+    assert len(captured["hidden"]["sha256"]) == 64
+    assert abs(dt.datetime.fromisoformat(captured["finished"]).timestamp() - shared_now()) < 60
+    assert run_verify(tmp_path)[0] == 0
+    path = tmp_path / captured["hidden"]["path"]
+    data = bytearray(path.read_bytes())
+    data[20] ^= 0x01  # inside the first sample's blobs
+    path.write_bytes(bytes(data))
+    code, report = run_verify(tmp_path)
+    assert code == 1 and ("sha256_mismatch", "shard-000001", None) in kinds(report)
+    # a capture marker written before markers carried the hash (no sha256) is read and checked as before
+    old = {k: v for k, v in captured.items()}
+    old["hidden"] = {k: v for k, v in captured["hidden"].items() if k != "sha256"}
+    (tmp_path / built.store.captured_path("shard-000001")).write_bytes(orjson.dumps(old))
+    code, report = run_verify(tmp_path)
+    assert ("sha256_mismatch", "shard-000001", None) not in kinds(report)
+    assert ("hidden_corrupt", "shard-000001", built.records[4]["sample_id"]) in kinds(report)
+
+
+def test_verify_names_temporaries_left_on_a_finished_shard(tmp_path):
+    """A duplicate that died mid-write after its twin published leaves `.ATTEMPT.hidden.rgh.tmp-*` (gigabytes at a
+    real model's width); verify names it as a warning: the run's data is whole, the space is not free."""
+    build_run(tmp_path)
+    folder = tmp_path / "synth" / "shards" / "shard-000002"
+    (folder / ".c7afc926d66e.hidden.rgh.tmp-0123456789ab").write_bytes(b"x" * 1000)
+    code, report = run_verify(tmp_path)
+    assert code == 0
+    left = [p for p in report["problems"] if p["kind"] == "leftover_temporaries"]
+    assert [(p["shard"], p["severity"]) for p in left] == [("shard-000002", "warning")]
+    assert "1,000 bytes" in left[0]["detail"] and ".c7afc926d66e.hidden.rgh.tmp-0123456789ab" in left[0]["detail"]
 
 
 def test_hidden_files_are_read_once(tmp_path, monkeypatch):

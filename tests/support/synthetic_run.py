@@ -22,7 +22,7 @@ from app.states_codec import promised_bound
 from app.storage import RunStore, Storage
 from producer.accounting import Accounting, write_produce_state
 from workers.shard.generate import shard_summary
-from workers.shard.shard_output import publish_shard
+from workers.shard.shard_output import hidden_file_stream, publish_marker, publish_shard
 
 LAYERS = [1, 2, 4]
 HIDDEN = 16
@@ -144,21 +144,14 @@ def build_run(root: Path, spec: Spec | None = None) -> Built:
 
 
 def _write_capture(store: RunStore, shard: str, encoded: list) -> None:
-    """What workers/shard/capture_stage.py writes: a hidden file under a `c` attempt and the captured/ marker."""
-    import orjson
-
-    from app.hidden_file import HiddenFileWriter
-
-    rel = store.hidden_path(shard, "capt0c")
-    with store.storage.atomic_writer(rel) as fh:
-        writer = HiddenFileWriter(fh)
+    """What workers/shard/capture_stage.py writes, through the same functions: a hidden file under a `c` attempt
+    (hidden_file_stream) and the captured/ marker naming it with its sha256 (publish_marker)."""
+    with hidden_file_stream(store, shard, "capt0c") as stream:
         for e in encoded:
-            writer.append(e)
-        size = writer.close()
-    body = {"shard_id": shard, "attempt": "capt0", "hidden": {"path": rel, "bytes": size},
-            "index": {e.sample_id: n for n, e in enumerate(encoded)}, "problems": {}, "worker": "w0",
-            "finished": "2025-01-01T00:00:00.000+00:00"}
-    store.storage.create_exclusive(store.captured_path(shard), orjson.dumps(body))
+            stream.append(e)
+    body = {"shard_id": shard, "attempt": "capt0", "hidden": stream.written.info(),
+            "index": {e.sample_id: n for n, e in enumerate(encoded)}, "problems": {}, "worker": "w0"}
+    assert publish_marker(store, store.captured_path(shard), body, [stream.written.path], shard)
 
 
 def ok_records(built: Built) -> list[dict]:

@@ -131,6 +131,24 @@ def test_skip_done_skips_a_shard_whose_stage_has_its_marker(tmp_path, deliver):
     assert skip_done(capture) == "skipped"
 
 
+def test_a_redelivered_copy_of_a_finished_shard_sweeps_what_its_dead_duplicate_left(tmp_path, deliver):
+    """Two hosts: one took a redelivered copy a second before the other published, then lost power mid-write.
+    Its temporary was a live duplicate's when the shard was published, so the publish kept it; the copy the
+    broker hands out again later finds the shard done, and removes it (a live duplicate's file stays)."""
+    store = _store(tmp_path)
+    _publish(store)
+    dead_id, live_id = ledger.new_attempt_id(), ledger.new_attempt_id()
+    ledger.record_attempt(store, SHARD, dead_id, "gpu0@hostA", **dead_process())
+    ledger.record_attempt(store, SHARD, live_id, "gpu1@hostB")  # this process: alive
+    folder = tmp_path / "guards" / "shards" / SHARD
+    dead_file = folder / f".{dead_id}.hidden.rgh.tmp-0123456789ab"
+    live_file = folder / f".{live_id}.hidden.rgh.tmp-ba9876543210"
+    dead_file.write_bytes(b"gigabytes, at a real model's width")
+    live_file.write_bytes(b"a duplicate still writing")
+    assert skip_done(deliver(store)) == "skipped"
+    assert not dead_file.exists() and live_file.exists()
+
+
 def test_skip_dead_skips_a_dead_lettered_key_only(tmp_path, deliver):
     store = _store(tmp_path, capture="staged")
     ledger.dead_letter(store, ledger.stage_key(SHARD, ledger.CAPTURE), "capture keeps failing")

@@ -8,28 +8,27 @@ a trainer reads the same way.
 
 from __future__ import annotations
 
-import datetime as dt
 from typing import TYPE_CHECKING
 
-import orjson
-
 from app.jsonl_zst import loads_jsonl_zst
+from app.manifest import compression_level
 from app.storage import RunStore
 from workers.engine.request import GenRequest
 from workers.shard.generate import encode_into, states_dtype
-from workers.shard.shard_output import hidden_file_stream
+from workers.shard.shard_output import hidden_file_stream, publish_marker
 
 if TYPE_CHECKING:
     from workers.process.context import WorkerContext
 
 
-def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_id: str, attempt: str) -> bool:
+def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_id: str, attempt: str,
+                    stale_after: float | None = None) -> bool:
     """Capture the states of a finished shard's ok records into the attempt's file; True if this attempt's
     capture marker won (another attempt's may have been written first: then this one's file is removed)."""
     marker = store.done_marker(shard_id)
     records = loads_jsonl_zst(store.storage.read_bytes(marker["files"]["records"]["path"]))
     layers = manifest["settings"]["layers"]["vllm_ids"]
-    level = int(manifest["settings"].get("compression_level", 3))
+    level = compression_level(manifest["settings"])
     stored = states_dtype(manifest["settings"])
     requests = [
         GenRequest(str(i), r["input_ids"], {"temperature": 1.0, "max_tokens": 1, "seed": 0},
@@ -55,11 +54,7 @@ def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_i
             if issues:
                 problems[records[i]["sample_id"]] = issues
             index[records[i]["sample_id"]] = position
-    hidden_rel, size = stream.written.path, stream.written.bytes
-    body = {"shard_id": shard_id, "attempt": attempt, "hidden": {"path": hidden_rel, "bytes": size},
-            "index": index, "problems": problems, "worker": ctx.worker_name,
-            "finished": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")}
-    won = store.storage.create_exclusive(store.captured_path(shard_id), orjson.dumps(body))
-    if not won:
-        store.storage.delete(hidden_rel)
-    return won
+    written = stream.written
+    body = {"shard_id": shard_id, "attempt": attempt, "hidden": written.info(), "index": index,
+            "problems": problems, "worker": ctx.worker_name}
+    return publish_marker(store, store.captured_path(shard_id), body, [written.path], shard_id, stale_after)

@@ -15,6 +15,7 @@ import numpy as np
 
 from app.hidden_file import encode_sample
 from app.ids import seed_for
+from app.manifest import compression_level
 from app.quality import (
     answer_token_count,
     implausible_states,
@@ -70,7 +71,7 @@ class ShardGeneration:
         self.max_prompt = int(settings["max_prompt_tokens"])
         self.max_len = ctx.engine.options.max_model_len
         self.quality = _quality(settings)
-        self.level = int(settings.get("compression_level", 3))
+        self.level = compression_level(settings)
         self.stored = states_dtype(settings)  # how the states are stored (app/states_codec.py)
         self.think_end_id, self.eos_ids = _special_ids(ctx.tokenizer)
         self.records: list[dict] = []

@@ -32,6 +32,10 @@ class WrittenHidden:
     bytes: int
     sha256: str
 
+    def info(self) -> dict:
+        """How a marker names the file: path, size and sha256 (what `regen verify` checks it against)."""
+        return {"path": self.path, "bytes": self.bytes, "sha256": self.sha256}
+
 
 class HiddenFileStream:
     """An attempt's hidden-state file, written while its shard generates: each sample goes in as soon as it is
@@ -101,9 +105,8 @@ def publish_shard(
     records_rel = store.records_path(shard, attempt)
     records_bytes = dumps_jsonl_zst(records, level=level)
     files: dict[str, dict] = {}
-    won = False
     if isinstance(hidden_samples, WrittenHidden):  # already in place: deleted below if this attempt loses
-        files["hidden"] = {"path": hidden_samples.path, "bytes": hidden_samples.bytes, "sha256": hidden_samples.sha256}
+        files["hidden"] = hidden_samples.info()
         hidden_samples = None
     try:
         store.storage.write_bytes(records_rel, records_bytes)
@@ -113,21 +116,37 @@ def publish_shard(
             with hidden_file_stream(store, shard, attempt) as stream:
                 for sample in hidden_samples:
                     stream.append(sample)
-            written = stream.written
-            files["hidden"] = {"path": written.path, "bytes": written.bytes, "sha256": written.sha256}
-        marker = {"shard_id": shard, "attempt": attempt, "files": files, "finished": timestamp(), **summary}
-        won = store.storage.create_exclusive(store.done_path(shard),
-                                             orjson.dumps(marker, option=orjson.OPT_INDENT_2))
-        if won and stale_after is not None:
+            files["hidden"] = stream.written.info()
+    except BaseException:  # a write failed (disk full, NFS error): leave nothing behind
+        for info in files.values():
+            store.storage.delete(info["path"])
+        raise
+    marker = {"shard_id": shard, "attempt": attempt, "files": files, **summary}
+    return publish_marker(store, store.done_path(shard), marker, [i["path"] for i in files.values()], shard,
+                          stale_after)
+
+
+def publish_marker(store: RunStore, marker_rel: str, marker: dict, owned: list[str], shard: str,
+                   stale_after: float | None = None) -> bool:
+    """Publish a stage of a shard (generation's completion marker, staged capture's capture marker): the one way
+    both stages end. The marker is created exclusively, stamped `finished` on the fleet's shared clock (the
+    same clock attempts' `started` is on, so a stage's duration is one clock's difference); the files it names
+    (`owned`, each with its sha256 in the marker) are deleted when another attempt's marker was there first or
+    the write failed. Once won, what dead attempts of the shard left half-written is swept (`stale_after`)."""
+    won = False
+    try:
+        body = {**marker, "finished": timestamp()}
+        won = store.storage.create_exclusive(marker_rel, orjson.dumps(body, option=orjson.OPT_INDENT_2))
+        if won:
             # What killed attempts of this shard left half-written is of no use now that it is done; a duplicate
             # still writing (its process alive, its lease fresh) keeps its file and removes it when it loses.
             # Only the shard's own folders: the run-wide marker folders are swept at a worker's start.
-            with contextlib.suppress(OSError):  # tidying only: the shard is published either way
+            with contextlib.suppress(OSError):  # tidying only: the stage is published either way
                 sweep_temporaries(store, shard, stale_after)
     finally:
-        if not won:  # lost the race, or a write failed (disk full, NFS error): leave nothing behind
-            for info in files.values():
-                store.storage.delete(info["path"])
+        if not won:
+            for path in owned:
+                store.storage.delete(path)
     return won
 
 

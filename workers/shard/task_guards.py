@@ -151,6 +151,16 @@ def in_order(*guards: Guard) -> tuple[Guard, ...]:
 def skip_done(d: Delivery) -> Ends | None:
     if ledger.is_finished(d.store, d.key):
         log.info("%s/%s: already done, skipping", d.run_id, d.shard)
+        # A copy of a finished shard comes back when its holder died (the broker's visibility timeout, or the
+        # dead-holder re-send): what that holder left half-written was not there to sweep when the shard was
+        # published, and nothing else returns to a finished shard. One listing of the shard's own folders.
+        try:
+            swept = ledger.sweep_temporaries(d.store, d.key, d.stale_after)
+        except OSError as exc:
+            log.warning("%s/%s: could not sweep dead attempts' temporaries: %s", d.run_id, d.shard, exc)
+        else:
+            if swept:
+                log.info("%s/%s: removed %d temporaries dead attempts left", d.run_id, d.shard, swept)
         return Ends.SKIPPED
     return None
 

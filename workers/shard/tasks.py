@@ -17,6 +17,8 @@ from celery import Celery, Task
 
 from app.celery_app import CAPTURE_TASK, GENERATE_TASK
 from app.ledger import CAPTURE, GENERATE
+from app.manifest import compression_level
+from app.settings import DEFAULT_CAPTURE_QUEUE
 from workers.process.context import WorkerContext
 from workers.shard.capture_stage import capture_records
 from workers.shard.delivery import GuardedTask, run_delivery
@@ -54,20 +56,20 @@ def generate_and_publish(task: Task, ctx: WorkerContext, d: Delivery, *, storage
     summary["task_started"] = round(task_started, 4)
     t_pub = time.time()
     won = publish_shard(store, d.shard, attempt, records, stream.written if inline else None, summary,
-                        level=int(settings.get("compression_level", 3)), stale_after=d.stale_after)
+                        level=compression_level(settings), stale_after=d.stale_after)
     log.info("%s/%s timings: begin %.1f ms, engine-end->publish %.1f ms, publish %.1f ms", d.run_id, d.shard,
              (summary["engine_started"] - task_started) * 1000, (t_pub - summary["engine_finished"]) * 1000,
              (time.time() - t_pub) * 1000)
     if settings["capture_mode"] == "staged" and won:
         task.app.send_task(CAPTURE_TASK, kwargs={"run_id": d.run_id, "storage": storage, "shard_id": d.shard},
-                           queue=settings.get("capture_queue", "regen.capture"))
+                           queue=settings.get("capture_queue", DEFAULT_CAPTURE_QUEUE))
     pause_on_stubs(d, records)
     return "done" if won else "duplicate"
 
 
 def capture_and_publish(ctx: WorkerContext, d: Delivery) -> str:
     """The capture stage's work: the states of the generated records, published with the stage's marker."""
-    won = capture_records(ctx, d.store, d.given("manifest"), d.shard, d.given("attempt"))
+    won = capture_records(ctx, d.store, d.given("manifest"), d.shard, d.given("attempt"), stale_after=d.stale_after)
     return "done" if won else "duplicate"
 
 
