@@ -17,7 +17,7 @@ Why Flower needs its own app module:
   not be listed. Flower has no option for more queues; its `--broker-api` is RabbitMQ's management API and is
   used only on an `amqp` broker.
 
-So `install_queue_listing` extends Flower's list with regen's two queues and every task queue the broker itself
+So `build_flower_app` extends Flower's list (app.library_patches.extend_flower_queue_listing) with regen's two queues and every task queue the broker itself
 has recorded (`task_queue_names`): kombu's Redis transport adds a binding to the set `_kombu.binding.<exchange>`
 each time a queue is declared, by a producer that publishes to it or by a worker that consumes it, and Celery
 binds each task queue to an exchange of its own name. Reading the broker rather than the runs' manifests on
@@ -38,6 +38,7 @@ from celery import Celery
 from kombu import Queue
 
 from app.celery_app import create_app, redis_client
+from app.library_patches import FLOWER_QUEUES, check_versions, extend_flower_queue_listing
 from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, Settings, install, mask_text
 
 log = logging.getLogger("regen.flower")
@@ -68,25 +69,15 @@ def task_queue_names(url: str, timeout: float = 2.0) -> list[str]:
         client.close()
 
 
-def install_queue_listing() -> None:
-    """Make Flower's queue list (Broker page, `/api/queues/length`) Flower's own list plus regen's queues plus
-    every task queue the broker has recorded. Broker trouble leaves Flower's own list, logged once a request."""
-    from flower.views import BaseHandler
-
-    if getattr(BaseHandler.get_active_queue_names, "regen", False):
-        return
-    flowers_own = BaseHandler.get_active_queue_names
-
-    def get_active_queue_names(self) -> list[str]:
-        names = set(flowers_own(self)) | set(REGEN_QUEUES)
-        try:
-            names |= set(task_queue_names(self.capp.conf.broker_url))
-        except Exception as exc:  # Flower still shows what it knows; the reason is logged, password masked
-            log.warning("regen: broker queues not read: %s", mask_text(f"{type(exc).__name__}: {exc}"))
-        return sorted(names)
-
-    get_active_queue_names.regen = True
-    BaseHandler.get_active_queue_names = get_active_queue_names
+def regen_queue_names(handler) -> list[str]:
+    """regen's two queues and every task queue the broker has recorded; broker trouble leaves Flower's own list,
+    logged once a request (password masked)."""
+    names = set(REGEN_QUEUES)
+    try:
+        names |= set(task_queue_names(handler.capp.conf.broker_url))
+    except Exception as exc:
+        log.warning("regen: broker queues not read: %s", mask_text(f"{type(exc).__name__}: {exc}"))
+    return sorted(names)
 
 
 def tls_options(url: str) -> dict | None:
@@ -108,7 +99,9 @@ def build_flower_app(settings: Settings) -> Celery:
     use_ssl = tls_options(celery.conf.broker_url or "")
     if use_ssl is not None:
         celery.conf.broker_use_ssl = use_ssl
-    install_queue_listing()
+    extend_flower_queue_listing(regen_queue_names)
+    for problem in check_versions([FLOWER_QUEUES]):
+        log.warning("regen: %s", problem)
     return celery
 
 

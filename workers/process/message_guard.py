@@ -13,8 +13,9 @@ recorded in Redis' dead-message list (app/dead_messages.py: its queue, the reaso
 delivered. It was popped and never entered the unacked hash, so it is gone from the queue: rejected once.
 
 kombu parses the envelope with the `loads` of its redis module; that name is replaced by one that, only while
-this channel pops a queue message (a context flag), returns an `Undecodable` marker instead of raising. Everything
-else in kombu (restores, fanout events, other channels) sees the original behaviour.
+this channel pops a queue message (`tolerant_envelope_loads`), returns an `Undecodable` marker instead of raising
+(the patch and the kombu versions it was written for: app.library_patches). Everything else in kombu (restores,
+fanout events, other channels) sees the original behaviour.
 
 Past the transport, Celery's consumer decodes the body and unpacks it into a task request. A body that is not
 JSON reaches its `on_decode_error` (logged, acked); one that is JSON but not a task's `[args, kwargs, embed]`
@@ -26,35 +27,23 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextvars
+import logging
 
 import orjson
 from celery.worker.consumer import Consumer as CeleryConsumer
 from kombu.transport import redis as kombu_redis
 
 from app import dead_messages
+from app.library_patches import (
+    KOMBU_ENVELOPE_LOADS,
+    Undecodable,
+    check_versions,
+    install_tolerant_envelope_loads,
+    tolerant_envelope_loads,
+)
 
+log = logging.getLogger("regen.message_guard")
 BROKER_URL: str | None = None  # where the dead-message list lives (`install` sets it)
-_TOLERANT = contextvars.ContextVar("regen_tolerant_loads", default=False)
-_original_loads = kombu_redis.loads
-
-
-class Undecodable(dict):
-    """Stands in for an envelope that is not JSON; empty, so any other reader fails on it as before."""
-
-    def __init__(self, raw, error: Exception):
-        super().__init__()
-        self.raw = raw
-        self.error = error
-
-
-def _loads(s, *args, **kwargs):
-    if not _TOLERANT.get():
-        return _original_loads(s, *args, **kwargs)
-    try:
-        return _original_loads(s, *args, **kwargs)
-    except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
-        return Undecodable(s, exc)
 
 
 def envelope_problem(message) -> str | None:
@@ -92,18 +81,12 @@ def _raw_bytes(message) -> bytes:
 
 class Channel(kombu_redis.Channel):
     def _brpop_read(self, **options):
-        token = _TOLERANT.set(True)
-        try:
+        with tolerant_envelope_loads():
             return super()._brpop_read(**options)
-        finally:
-            _TOLERANT.reset(token)
 
     def _get(self, queue):
-        token = _TOLERANT.set(True)
-        try:
+        with tolerant_envelope_loads():
             return super()._get(queue)
-        finally:
-            _TOLERANT.reset(token)
 
 
 class Transport(kombu_redis.Transport):
@@ -114,11 +97,8 @@ class Transport(kombu_redis.Transport):
         if problem is not None:
             dead_messages.record(BROKER_URL, queue, problem, _raw_bytes(message))
             return
-        token = _TOLERANT.set(False)  # the delivery itself (Celery's consumer) sees kombu's own loads
-        try:
+        with tolerant_envelope_loads(False):  # the delivery itself (Celery's consumer) sees kombu's own loads
             super()._deliver(message, queue)
-        finally:
-            _TOLERANT.reset(token)
 
 
 def _queue(message) -> str | None:
@@ -181,6 +161,8 @@ def install(celery) -> bool:
     celery.conf.worker_consumer = f"{__name__}:Consumer"
     if not url.startswith(("redis://", "unix://")):
         return False
-    kombu_redis.loads = _loads
+    for problem in check_versions([KOMBU_ENVELOPE_LOADS]):
+        log.warning("%s", problem)
+    install_tolerant_envelope_loads()
     celery.conf.broker_transport = f"{__name__}:Transport"
     return True
