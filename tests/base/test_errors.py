@@ -30,8 +30,7 @@ from producer.normalise import Rejected
 ROOT = Path(__file__).resolve().parents[2]
 # Exception classes that are not errors for a user: control flow inside one module, and a bug's alarm (a
 # traceback, not one line, is what a bug should print).
-NOT_REGEN_ERRORS = {"app.data.reference._StopForward": "ends a forward pass early, caught in its own module",
-                    "workers.shard.task_guards.GuardOrderError": "guards listed in a wrong order: a bug"}
+NOT_REGEN_ERRORS = {"app.data.reference._StopForward": "ends a forward pass early, caught in its own module"}
 
 
 def _exception_classes() -> dict[str, type]:

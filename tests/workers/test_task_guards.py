@@ -13,20 +13,17 @@ from app.manifest import QualitySettings, RunSettings, Sampling, open_or_create
 from app.storage import RunStore, Storage
 from tests.support.faults import dead_process
 from workers.process.inflight import InFlight
+from workers.shard.retry_policy import settle_failure
 from workers.shard.shard_output import publish_shard
 from workers.shard.task_guards import (
-    BEFORE,
     Delivery,
-    GuardOrderError,
     Worker,
     check_manifest,
     count_attempt,
     drop_when_paused,
-    in_order,
     pause_on_stubs,
     require_run,
     run_guards,
-    settle_failure,
     skip_dead,
     skip_done,
 )
@@ -261,8 +258,6 @@ def test_check_manifest_of_a_staged_run_needs_layers_only_to_capture(tmp_path, d
 
 
 def test_the_guards_run_in_order_and_the_first_answer_ends_the_delivery(tmp_path, deliver):
-    assert [g.__name__ for g in BEFORE] == ["skip_done", "skip_dead", "drop_when_paused", "require_run",
-                                            "count_attempt", "check_manifest"]
     store = _store(tmp_path)
     _publish(store)
     ledger.pause_run(store, "stubs")
@@ -300,41 +295,6 @@ def test_settle_failure_tells_an_engine_crash_from_the_shards_own_failures(tmp_p
     assert [recorded[s]["error_kind"] for s in sorted(recorded)] == ["crash", "error", "error", "error"]
     assert recorded["shard-000004"]["error"] == "OSError: disk full"
     assert ledger.dead(store) == {"shard-000003"}
-
-
-# -- the guards' contracts ------------------------------------------------------------------------------------
-def test_every_guard_declares_what_it_needs_and_gives():
-    contracts = {g.__name__: g.contract for g in BEFORE}
-    assert contracts["require_run"].gives == {"manifest"} and contracts["count_attempt"].gives == {"attempt"}
-    assert contracts["check_manifest"].needs == {"manifest", "attempt"}
-    assert all(not c.needs for name, c in contracts.items() if name != "check_manifest")
-    assert contracts["drop_when_paused"].ends == (Reject,) and contracts["require_run"].ends == (InvalidTask,)
-
-
-@pytest.mark.parametrize("order", [
-    (skip_done, skip_dead, drop_when_paused, check_manifest, require_run, count_attempt),
-    (skip_done, skip_dead, drop_when_paused, require_run, check_manifest, count_attempt),
-    (count_attempt, check_manifest, skip_done, skip_dead, drop_when_paused),
-])
-def test_guards_reordered_so_one_lacks_an_earlier_ones_fact_are_refused(order):
-    with pytest.raises(GuardOrderError, match="check_manifest needs the delivery's"):
-        in_order(*order)
-
-
-def test_a_wrong_order_is_refused_before_any_guard_touches_storage(tmp_path, deliver):
-    store = _store(tmp_path)
-    wrong = (skip_done, require_run, check_manifest, count_attempt)
-    with pytest.raises(GuardOrderError, match="attempt"):
-        run_guards(deliver(store), wrong)
-    assert ledger.attempt_errors(store, SHARD) == []  # no attempt recorded, none refused with a None attempt
-
-
-def test_a_guard_run_alone_without_its_facts_says_which_guard_gives_them(tmp_path, deliver):
-    d = deliver(_store(tmp_path))
-    require_run(d)
-    with pytest.raises(GuardOrderError, match="count_attempt gives it"):
-        check_manifest(d)
-    assert ledger.attempt_errors(d.store, SHARD) == []
 
 
 def test_count_attempt_never_dead_letters_a_capture_a_duplicate_finished(tmp_path, deliver):

@@ -7,15 +7,15 @@ The tasks (workers/shard/tasks.py) hand their work to `run_delivery`, which runs
 2. Another delivery of the same shard already runs in this process -> this one starts no attempt
    (workers/process/inflight.py: a different message is acked, the running one covers the shard; the same
    message, restored by the visibility timeout, is deferred with Celery's retry).
-3. The guards, in order (workers/shard/task_guards.py, each testable alone): skip done, skip dead, drop when
+3. The guards, in order (task_guards.run_guards, each step testable alone): skip done, skip dead, drop when
    paused (ack, no requeue: `regen resume-run` re-sends), require the run (not on storage -> a few retries with
    backoff, then recorded in the dead-message list and acked), count the attempt (dead-letter past
    `max_attempts` failures of its own or `max_crashes` processes that died holding it), check the manifest
    (another model or layers -> the error recorded on the attempt, rejected with requeue).
 4. The work: generate or capture, write outputs under attempt-specific names, create the completion marker
    exclusively.
-5. A failure is settled by its class (app/errors.classify, the one place that decides): inside the attempt,
-   `settle_failure` records it on storage, then an engine that died -> re-publish the shard and exit the
+5. A failure is settled by the retry policy (workers.shard.retry_policy: the failure's class, the backoff, the
+   limits, in one module): inside the attempt, `settle_failure` records it on storage, then an engine that died -> re-publish the shard and exit the
    process *without* acking (the supervisor restarts the worker with a new engine; Redis' copy of the message
    is a harmless duplicate); a PermanentError -> dead-lettered at once; anything else (storage errors, bugs) ->
    retried with Celery's retry machinery (exponential backoff), the attempt count on storage, not Celery's
@@ -42,25 +42,13 @@ from app.ledger import stage_key
 from app.storage import RunStore, Storage
 from workers.process.context import WorkerContext
 from workers.process.inflight import InFlight
-from workers.shard.task_guards import Delivery, Worker, run_guards, settle_failure
+from workers.shard.retry_policy import Action, backoff, before_attempt, settle_failure
+from workers.shard.task_guards import Delivery, Worker, run_guards
 
 log = logging.getLogger("regen.tasks")
 DEFER_SECONDS = 30  # a copy of a shard this process runs (same message) is looked at again this much later
 
 Work = Callable[[WorkerContext, Delivery], str]  # a stage's work on a delivery that passed its guards -> result
-
-
-def missing_run_retries() -> int:
-    """Retries (5, 10, 20 ... s apart) of a task whose run is not on storage (`REGEN_MISSING_RUN_RETRIES`,
-    default 5, about 2.5 minutes in all; app/settings.py): long enough for a late NFS mount, not forever."""
-    from app.settings import current
-
-    return current().missing_run_retries
-
-
-def backoff(retries: int) -> int:
-    """5, 10, 20 ... 300 s: long enough for an NFS server or a full disk to be fixed between attempts."""
-    return min(300, 5 * 2**retries)
 
 
 def visibility_timeout(app) -> float:
@@ -164,22 +152,22 @@ def run_delivery(task: Task, stage: str, kwargs: dict, work: Work) -> str:
             return work(ctx, delivery)
         except Exception as exc:
             then = settle_failure(delivery, exc)
-            if then == "restart":
+            if then is Action.RESTART:
                 exit_for_restart(task, kwargs, str(exc))
-            if then == "dead":
+            if then is Action.DEAD:
                 return "dead"
             raise task.retry(exc=exc, countdown=backoff(task.request.retries)) from exc
     except Exception as exc:  # before the attempt began (the attempt's own failures were settled above)
-        failure = classify(exc)
-        if failure is Failure.SET_ASIDE:
-            return set_aside(task, str(exc), kwargs)
-        if failure is Failure.RETRY_A_FEW:
-            if task.request.retries < missing_run_retries():
+        then = before_attempt(exc, task.request.retries)
+        if then is Action.SET_ASIDE:
+            retried = task.request.retries
+            return set_aside(task, f"{exc} after {retried} retries" if classify(exc) is Failure.RETRY_A_FEW
+                             else str(exc), kwargs)
+        if then is Action.RETRY:
+            if classify(exc) is Failure.RETRY_A_FEW:
                 log.warning("%s; retrying in %ds", exc, backoff(task.request.retries))
                 raise task.retry(exc=exc, countdown=backoff(task.request.retries)) from None
-            return set_aside(task, f"{exc} after {task.request.retries} retries", kwargs)
-        if failure is Failure.RETRY:  # storage trouble before the attempt began
-            raise task.retry(exc=exc, countdown=backoff(task.request.retries)) from exc
+            raise task.retry(exc=exc, countdown=backoff(task.request.retries)) from exc  # storage trouble
         raise  # Celery's own Retry and Reject, and what nothing would bound: Celery records the failure
     finally:
         if claim is not None:

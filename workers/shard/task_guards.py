@@ -1,44 +1,38 @@
-"""The guards a shard's delivery passes before and after its work, in order; each one small and testable alone.
+"""The checks a shard's delivery passes before its work, as plain steps in the order they run.
 
-In the spirit of dramatiq's middleware: the delivery (workers/shard/delivery.py) runs `BEFORE` in order, and the
-first guard that has an answer ends the delivery there (`Ends.SKIPPED`, or Celery's `Reject`); the work runs
-only when every guard passed. Around the work, `pause_on_stubs` follows a generated shard's records and
-`settle_failure` decides what a failed attempt leaves on storage and what the task does next. Every guard reads
-and writes the shard ledger (app/ledger.py); none knows Celery beyond `Reject`, so each runs on a plain
-`Delivery`.
+`run_guards` is the sequence: the first step with an answer ends the delivery there (`SKIPPED`, or Celery's
+`Reject`); the work runs only when every step passed. Each step reads and writes the shard ledger (app.ledger)
+and knows Celery only through `Reject`, so each runs on a plain `Delivery` in the tests.
 
-Each guard states its contract in code (`@guard`): what it may end the delivery with (`ends`), which of the
-delivery's facts it fills when it passes (`gives`: the run's manifest, the attempt's id) and which it needs an
-earlier guard to have filled (`needs`). `in_order` refuses a list of guards where one needs a fact no guard
-before it gives, so `BEFORE` cannot be reordered wrongly (it fails at import), and a guard asks for a fact with
-`Delivery.given`, which fails loudly instead of reading a None.
-
-    skip_done         its completion marker exists (a redelivery, a re-run, a duplicate publish) -> "skipped"
-    skip_dead         it was dead-lettered (`regen retry-dead` re-sends it) -> "skipped"
+    skip_done         its completion marker exists (a redelivery, a re-run, a duplicate publish) -> SKIPPED;
+                      what dead duplicates left on the finished shard is swept on the way
+    skip_dead         it was dead-lettered (`regen retry-dead` re-sends it) -> SKIPPED
     drop_when_paused  the run is paused -> Reject(requeue=False); `regen resume-run` re-sends every shard
                       without a marker, so nothing is lost and paused shards do not bounce through Redis
-    require_run       gives the run's manifest, read once per process; a run not on storage -> InvalidTask
-    count_attempt     gives the attempt: recorded; at `max_attempts` failures of its own or `max_crashes`
-                      processes that died holding it, dead-letter it -> "skipped"
-    check_manifest    needs the manifest and the attempt: another model, other layers -> the error recorded on
-                      the attempt, Reject(requeue=True)
+    require_run       sets `Delivery.manifest`, read once per process; a run not on storage -> InvalidTask
+    count_attempt     sets `Delivery.attempt`: recorded; past the retry policy's limits
+                      (retry_policy.exhausted), dead-letter it -> SKIPPED
+    check_manifest    another model, other layers, settings its engine cannot run -> the error recorded on the
+                      attempt, Reject(requeue=True)
+
+Around the work, `pause_on_stubs` follows a generated shard's records; what a failure does next is
+`retry_policy.settle_failure`'s.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from celery.exceptions import Reject
 
 from app import ledger
-from app.errors import EngineLost, Failure, InvalidTask, ManifestMismatch, classify
+from app.errors import InvalidTask, ManifestMismatch
 from app.quality import StubWindow, is_stub
 from app.storage import RunStore
 from workers.engine.limits import unsupported
 from workers.process.inflight import Claim, InFlight
+from workers.shard.retry_policy import exhausted
 
 log = logging.getLogger("regen.tasks")
 
@@ -76,9 +70,9 @@ class Delivery:
     claim: Claim
     manifests: dict = field(default_factory=dict)  # the process's cache of run manifests
     windows: dict = field(default_factory=dict)  # the process's stub windows, by run
-    # The facts guards give (FACTS): None until the guard that gives it passed; read them with `given`.
-    manifest: dict | None = None  # given by require_run
-    attempt: str | None = None  # given by count_attempt
+    # Set by the steps, in order: the work sees both set (run_guards returned None).
+    manifest: dict | None = None  # set by require_run
+    attempt: str | None = None  # set by count_attempt
 
     @property
     def key(self) -> str:
@@ -88,67 +82,12 @@ class Delivery:
     def run_id(self) -> str:
         return self.store.run_id
 
-    def given(self, fact: str):
-        """The fact an earlier guard gave (`"manifest"`, `"attempt"`); GuardOrderError when none has yet."""
-        value = getattr(self, fact) if fact in FACTS else None
-        if value is None:
-            raise GuardOrderError(f"{self.run_id}/{self.key}: the delivery's {fact} is needed before a guard gave "
-                                  f"it ({FACTS.get(fact, 'no guard gives it')})")
-        return value
 
 
-FACTS = {"manifest": "require_run gives it", "attempt": "count_attempt gives it"}
+SKIPPED = "skipped"  # a step's answer that ends the delivery, acked; it is the task's result
 
 
-class GuardOrderError(RuntimeError):
-    """A guard (or the work) needs a fact of the delivery that no guard before it gives: a bug in the order."""
-
-
-class Ends(StrEnum):
-    """A guard's answer that ends the delivery, acked; it is the task's result."""
-
-    SKIPPED = "skipped"
-
-
-@dataclass(frozen=True)
-class Contract:
-    """What a guard may end a delivery with, and the delivery's facts it needs and gives (see the module)."""
-
-    ends: tuple = ()  # Ends values it returns, exceptions it raises (Celery's Reject, InvalidTask)
-    needs: frozenset[str] = frozenset()
-    gives: frozenset[str] = frozenset()
-
-
-Guard = Callable[[Delivery], "Ends | None"]
-
-
-def guard(*, ends: tuple = (), needs: tuple[str, ...] = (), gives: tuple[str, ...] = ()):
-    """Declare a guard's contract on it (`fn.contract`)."""
-    unknown = (set(needs) | set(gives)) - set(FACTS)
-    if unknown:
-        raise ValueError(f"unknown delivery facts {sorted(unknown)}: one of {sorted(FACTS)}")
-
-    def declare(fn: Guard) -> Guard:
-        fn.contract = Contract(tuple(ends), frozenset(needs), frozenset(gives))
-        return fn
-
-    return declare
-
-
-def in_order(*guards: Guard) -> tuple[Guard, ...]:
-    """`guards` as a tuple, refused when one needs a fact that no guard before it gives."""
-    given: set[str] = set()
-    for g in guards:
-        missing = g.contract.needs - given
-        if missing:
-            raise GuardOrderError(f"{g.__name__} needs the delivery's {', '.join(sorted(missing))}, which no guard "
-                                  f"before it gives ({'; '.join(FACTS[f] for f in sorted(missing))})")
-        given |= g.contract.gives
-    return tuple(guards)
-
-
-@guard(ends=(Ends.SKIPPED,))
-def skip_done(d: Delivery) -> Ends | None:
+def skip_done(d: Delivery) -> str | None:
     if ledger.is_finished(d.store, d.key):
         log.info("%s/%s: already done, skipping", d.run_id, d.shard)
         # A copy of a finished shard comes back when its holder died (the broker's visibility timeout, or the
@@ -161,19 +100,17 @@ def skip_done(d: Delivery) -> Ends | None:
         else:
             if swept:
                 log.info("%s/%s: removed %d temporaries dead attempts left", d.run_id, d.shard, swept)
-        return Ends.SKIPPED
+        return SKIPPED
     return None
 
 
-@guard(ends=(Ends.SKIPPED,))
-def skip_dead(d: Delivery) -> Ends | None:
+def skip_dead(d: Delivery) -> str | None:
     if ledger.is_dead(d.store, d.key):
         log.info("%s/%s: dead-lettered, skipping (regen retry-dead %s re-sends it)", d.run_id, d.shard, d.run_id)
-        return Ends.SKIPPED
+        return SKIPPED
     return None
 
 
-@guard(ends=(Reject,))
 def drop_when_paused(d: Delivery) -> None:
     pause = ledger.pause_state(d.store)
     if pause:
@@ -181,7 +118,6 @@ def drop_when_paused(d: Delivery) -> None:
         raise Reject("run paused", requeue=False)
 
 
-@guard(ends=(InvalidTask,), gives=("manifest",))
 def require_run(d: Delivery) -> None:
     """The run's manifest, read once per process (it never changes); before any attempt is recorded, so a run
     that is not on storage (yet: a late NFS mount) is retried by the task without counting against its shards."""
@@ -194,8 +130,7 @@ def require_run(d: Delivery) -> None:
     d.manifest = d.manifests[cache_key]
 
 
-@guard(ends=(Ends.SKIPPED,), gives=("attempt",))
-def count_attempt(d: Delivery) -> Ends | None:
+def count_attempt(d: Delivery) -> str | None:
     """Record this attempt (its lease renewed from now on); dead-letter the shard when its earlier attempts
     used up either limit. A stage that got finished meanwhile (a duplicate published it) is never dead-lettered
     (app/ledger.is_finished: the one answer to "is this stage finished")."""
@@ -204,24 +139,19 @@ def count_attempt(d: Delivery) -> Ends | None:
     counted = ledger.record_attempt(d.store, d.key, d.attempt, d.worker.name, stale_after=d.stale_after, **engine,
                                     stage=d.stage)
     d.claims.started(d.claim, d.store, d.attempt)
-    limits = d.worker.max_attempts, d.worker.max_crashes
-    if counted.failures < limits[0] and counted.crashes < limits[1]:
+    reason = exhausted(counted, d.worker.max_attempts, d.worker.max_crashes)
+    if reason is None or ledger.is_finished(d.store, d.key):
         return None
-    if ledger.is_finished(d.store, d.key):
-        return None
-    reason = (f"{counted.failures} attempts failed (limit {limits[0]})" if counted.failures >= limits[0] else
-              f"{counted.crashes} worker processes died holding it (limit {limits[1]})")
     ledger.record_attempt_end(d.store, d.key, d.attempt, f"not run, dead-lettered: {reason}")
     ledger.dead_letter(d.store, d.key, f"{reason}: {counted.records - 1} attempts without success")
     log.error("%s/%s dead-lettered: %s", d.run_id, d.shard, reason)
-    return Ends.SKIPPED
+    return SKIPPED
 
 
-@guard(ends=(Reject,), needs=("manifest", "attempt"))
 def check_manifest(d: Delivery) -> None:
     """The shard is this worker's: the run's model and, where this stage captures, its layers. A refusal is
     recorded on the attempt, so it needs one."""
-    manifest, attempt = d.given("manifest"), d.given("attempt")
+    manifest, attempt = d.manifest, d.attempt
     settings = manifest["settings"]
     problems = []
     if settings["model"]["fingerprint"] != d.worker.model_fingerprint:
@@ -244,22 +174,25 @@ def check_manifest(d: Delivery) -> None:
         raise Reject(str(exc), requeue=True)
 
 
-BEFORE: tuple[Guard, ...] = in_order(skip_done, skip_dead, drop_when_paused, require_run, count_attempt,
-                                     check_manifest)
-
-
-def run_guards(d: Delivery, guards: tuple[Guard, ...] = BEFORE) -> Ends | None:
-    """Run `guards` (checked by `in_order`) in order; the first answer ends the delivery, None lets the work run."""
-    for g in in_order(*guards):
-        result = g(d)
-        if result is not None:
-            return result
+def run_guards(d: Delivery) -> str | None:
+    """The steps in order (see the module docstring); the first answer ends the delivery, None lets the work
+    run with `d.manifest` and `d.attempt` set."""
+    for step in (skip_done, skip_dead):
+        ended = step(d)
+        if ended is not None:
+            return ended
+    drop_when_paused(d)
+    require_run(d)
+    ended = count_attempt(d)
+    if ended is not None:
+        return ended
+    check_manifest(d)
     return None
 
 
 def pause_on_stubs(d: Delivery, records: list[dict]) -> None:
     """Feed the run's stub window; pause the run when the recent stub-or-empty rate crosses its threshold."""
-    q = d.given("manifest")["settings"].get("quality", {})
+    q = d.manifest["settings"].get("quality", {})
     window = d.windows.setdefault(d.run_id, StubWindow(int(q.get("pause_window", 256))))
     for r in records:
         if r.get("status") == "ok":
@@ -271,24 +204,3 @@ def pause_on_stubs(d: Delivery, records: list[dict]) -> None:
                   f"{d.worker.name} crossed the threshold {threshold:.0%}")
         ledger.pause_run(d.store, reason, rate=window.rate, window=len(window.values), by=d.worker.name)
         log.error("run %s paused: %s", d.run_id, reason)
-
-
-def settle_failure(d: Delivery, exc: Exception) -> str:
-    """Record why the attempt failed; return what the task does next, as app/errors.classify decides by class:
-    - "restart": the engine died. EngineLost (its process vanished under a signal) counts as a crash, any other
-      engine death as the shard's failure; the task re-publishes the shard and exits for a fresh engine.
-    - "dead": a PermanentError (an InvalidId among them) repeats on every attempt: dead-lettered at once.
-    - "retry": anything else, storage trouble or a bug; Celery retries with backoff, the attempt count
-      dead-letters it."""
-    attempt = d.given("attempt")
-    failure = classify(exc)
-    if failure is Failure.RESTART:
-        kind = "crash" if isinstance(exc, EngineLost) else "error"
-        ledger.record_attempt_error(d.store, d.key, attempt, str(exc), kind=kind)
-        return "restart"
-    if failure in (Failure.DEAD_LETTER, Failure.SET_ASIDE):
-        ledger.record_attempt_error(d.store, d.key, attempt, str(exc))
-        ledger.dead_letter(d.store, d.key, str(exc))
-        return "dead"
-    ledger.record_attempt_error(d.store, d.key, attempt, f"{type(exc).__name__}: {exc}")
-    return "retry"
