@@ -48,7 +48,7 @@ def generate_and_publish(task: Task, ctx: WorkerContext, d: Delivery, *, storage
     """Generation's work on a delivery that passed its guards: records (and inline states) written under the
     attempt's names, the completion marker created; a staged run's capture task sent (on the `storage` the
     message named); the stub window fed."""
-    store, manifest, attempt = d.store, d.given("manifest"), d.given("attempt")
+    store, manifest, attempt = d.store, d.manifest, d.attempt
     settings = manifest["settings"]
     inline = settings["capture_mode"] == "inline"
     with hidden_file_stream(store, d.shard, attempt) if inline else contextlib.nullcontext() as stream:
@@ -69,7 +69,7 @@ def generate_and_publish(task: Task, ctx: WorkerContext, d: Delivery, *, storage
 
 def capture_and_publish(ctx: WorkerContext, d: Delivery) -> str:
     """The capture stage's work: the states of the generated records, published with the stage's marker."""
-    won = capture_records(ctx, d.store, d.given("manifest"), d.shard, d.given("attempt"), stale_after=d.stale_after)
+    won = capture_records(ctx, d.store, d.manifest, d.shard, d.attempt, stale_after=d.stale_after)
     return "done" if won else "duplicate"
 
 
