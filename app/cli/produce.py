@@ -44,6 +44,8 @@ SETTING_FLAGS = ("shard_size", "max_tokens", "thinking", "temperature", "top_p",
                   "capture", "layers", "max_prompt_tokens", "max_prompt_chars", "regenerate", "model",
                   "pause_stub_rate", "pause_window", "pause_min_samples", "vllm_args", "states_dtype", "speculative",
                   "thinking_mix", "sample_temperatures", "take")
+# ... and those `regen run` takes over from `regen produce` (samples per prompt can grow on a resume)
+RUN_SETTING_FLAGS = (*SETTING_FLAGS, "samples_per_prompt")
 
 
 def _broker_options(f):
@@ -135,11 +137,7 @@ def produce_command(ctx: click.Context, inputs, run_id, resume_run, pilot_files,
     elif not inputs:
         raise ConfigError("give INPUTS to produce, or --resume RUN")
     options["vllm_args"] = list(options.get("vllm_args") or ())
-    options["take"] = list(options.get("take") or ())
-    if options.get("thinking_mix") is not None and \
-            ctx.get_parameter_source("thinking") == click.core.ParameterSource.COMMANDLINE:
-        raise ConfigError("--thinking-mix sets each sample's mode; drop --thinking/--no-thinking")
-    options["sample_temperatures"] = _temperatures(options.get("sample_temperatures"))
+    options = mix_options(options, ctx.get_parameter_source("thinking") == click.core.ParameterSource.COMMANDLINE)
     from app.pilot import load_pilot_file
 
     pilots = [load_pilot_file(path) for path in pilot_files]  # a bad file fails here, before anything is sent
@@ -150,6 +148,15 @@ def produce_command(ctx: click.Context, inputs, run_id, resume_run, pilot_files,
         from app.storage import RunStore, Storage
 
         link_pilots(RunStore(Storage(opts.storage), result.run_id), pilots)
+
+
+def mix_options(options: dict, thinking_given: bool) -> dict:
+    """The mode, samples and take options as ProduceOptions holds them (shared with `regen run`)."""
+    out = {**options, "take": list(options.get("take") or ())}
+    if out.get("thinking_mix") is not None and thinking_given:
+        raise ConfigError("--thinking-mix sets each sample's mode; drop --thinking/--no-thinking")
+    out["sample_temperatures"] = _temperatures(out.get("sample_temperatures"))
+    return out
 
 
 def _temperatures(text: str | None) -> list[float] | None:
