@@ -221,3 +221,23 @@ def test_reopening_a_mixed_run_without_its_mix_is_refused(producer_redis, option
         produce(options([path]))
     with pytest.raises(ManifestMismatch, match="samples_per_prompt"):
         produce(options([path], thinking_mix=0.5, samples_per_prompt=2))
+
+
+def test_the_summary_shows_the_samples_per_mode_and_the_rows_left_out(producer_redis, tmp_path, tiny_model):
+    path = write_jsonl(tmp_path / "in.jsonl", [sharegpt_row(i) for i in range(8)])
+    result = _cli("produce", str(path), "--run", "summary", "--storage", str(tmp_path / "s"), "--model",
+                  str(tiny_model), "--broker", PRODUCER_REDIS, "--queue", QUEUE, "--thinking-mix", "0.5",
+                  "--samples-per-prompt", "2", "--take", "in.jsonl=6", "--sample-temperatures", "0.6,0.9")
+    assert result.exit_code == 0, result.output
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in result.output.splitlines()
+            if line.count("│") == 3}
+    assert rows["rows read"] == "8" and rows["left out (--take)"] == "2" and rows["samples"] == "12"
+    assert int(rows["thinking"]) + int(rows["non-thinking"]) == 12
+    again = _cli("produce", "--resume", "summary", "--storage", str(tmp_path / "s"), "--broker", PRODUCER_REDIS,
+                 "--queue", QUEUE, "--samples-per-prompt", "3")
+    assert again.exit_code == 0, again.output
+    store = RunStore(Storage(str(tmp_path / "s")), "summary")
+    assert store.storage.read_json(store.manifest_path)["counts"]["samples"] == 18
+    refused = _cli("produce", "--resume", "summary", "--storage", str(tmp_path / "s"), "--broker", PRODUCER_REDIS,
+                   "--thinking-mix", "0.2")
+    assert refused.exit_code == 2 and "drop --thinking-mix" in refused.output
