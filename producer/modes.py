@@ -50,6 +50,20 @@ class ModeCounts:
         self.rules: dict[str, int] = {}
         self.input_mode_overridden = 0
 
+    def count_prompt(self, sample: dict, per_prompt: int, settings: dict) -> None:
+        """Count the modes a prompt's samples will be in without making them (the dry run)."""
+        own = sample.get("input_thinking")
+        for k in range(per_prompt):
+            thinking, rule = sample_mode(settings, {"id": prompt_sample_id(sample["id"], k), "input_thinking": own})
+            self.add(thinking, rule, own)
+
+    def add(self, thinking: bool, rule: str, own: bool | None, mixed: bool = True) -> None:
+        if not mixed and own is not None and own != thinking:
+            self.input_mode_overridden += 1
+        self.samples += 1
+        self.modes[mode_name(thinking)] += 1
+        self.rules[rule] = self.rules.get(rule, 0) + 1
+
     def to_dict(self) -> dict:
         return {"samples": self.samples, "modes": dict(self.modes), "mode_rules": dict(self.rules),
                 "input_mode_overridden": self.input_mode_overridden}
@@ -68,9 +82,5 @@ def pass_samples(samples: Iterable[tuple[dict, int]], index: int, settings: dict
         if mixed:
             sample["thinking"] = thinking
             sample["mode_rule"] = rule
-        elif own is not None and own != thinking:
-            counts.input_mode_overridden += 1
-        counts.samples += 1
-        counts.modes[mode_name(thinking)] += 1
-        counts.rules[rule] = counts.rules.get(rule, 0) + 1
+        counts.add(thinking, rule, own, mixed)
         yield sample, nbytes

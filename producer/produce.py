@@ -140,10 +140,13 @@ def _dry_run(opts: ProduceOptions, run_id: str, paths: list[str], settings: dict
     acc = Accounting()
     reservoir = Reservoir(opts.estimate_sample, seed=opts.seed)
     take = selections(rules_from_manifest(setting(settings, "take")), settings["inputs"], opts.seed)
+    per_prompt = int(setting(settings, "samples_per_prompt"))
+    modes = ModeCounts()
     with RejectLog(acc) as rejects:
         for sample, _ in iter_samples(paths, opts, acc, rejects, Deduper(), progress, take):
             reservoir.offer(sample)
-    per_prompt = int(setting(settings, "samples_per_prompt"))
+            modes.count_prompt(sample, per_prompt, settings)
+    acc.mode_counts = modes.to_dict()
     acc.shards = per_prompt * -(-acc.enqueued // opts.shard_size)
     acc.check_identity()
     counts = count_prompt_tokens(model["path"], reservoir.items, opts.thinking) if reservoir.items else []

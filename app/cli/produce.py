@@ -202,7 +202,9 @@ def _report(out: Console, result: ProduceResult) -> None:
     table.add_column("what")
     table.add_column("count", justify="right")
     table.add_row("rows read", f"{acc.read:,}")
-    table.add_row("samples" if result.status == "dry_run" else "samples in shards", f"{acc.enqueued:,}")
+    several = bool(acc.mode_counts) and acc.mode_counts.get("samples") != acc.enqueued
+    table.add_row("prompts" if several else "samples" if result.status == "dry_run" else "samples in shards",
+                  f"{acc.enqueued:,}")
     table.add_row("duplicates", f"{acc.duplicates:,}")
     if acc.left_out:
         table.add_row("left out (--take)", f"{acc.left_out:,}")
