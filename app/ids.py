@@ -36,6 +36,12 @@ def sample_id(messages: list[dict], tools: object | None = None) -> str:
     return xxh3_64_hexdigest(orjson.dumps({"m": messages, "t": tools}, option=orjson.OPT_SORT_KEYS))
 
 
+def prompt_sample_id(prompt_id: str, index: int) -> str:
+    """Sample `index` of a prompt (`--samples-per-prompt`): the prompt's own id for the first, so a run of one
+    sample per prompt has the ids it always had, and `{prompt}-s{index}` for the others."""
+    return prompt_id if index == 0 else f"{prompt_id}-s{index}"
+
+
 def shard_id(index: int) -> str:
     """Shards are numbered in input order; the number alone is deterministic for a given run."""
     return f"shard-{index:06d}"

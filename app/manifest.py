@@ -70,8 +70,18 @@ class StatesStorage:
 
 
 # Settings added after runs were made: a manifest without one was made with its default, so reopening such a
-# run with the default is not a change of settings.
-_ADDED_LATER = {"states": asdict(StatesStorage())}
+# run with the default is not a change of settings. `to_dict` leaves out those still at their default (a run
+# that uses none of them writes the manifest older releases wrote), and `settings_diff` reads a missing one as
+# its default on either side.
+_ADDED_LATER = {"states": asdict(StatesStorage()), "engine_args": {}, "thinking_mix": None, "mode_sampling": None,
+                "mode_prompt_tails": None, "samples_per_prompt": 1, "sample_temperatures": None, "take": None}
+_LEFT_OUT_AT_DEFAULT = ("engine_args", "thinking_mix", "mode_sampling", "mode_prompt_tails", "samples_per_prompt",
+                        "sample_temperatures", "take")
+MODES = ("thinking", "non_thinking")
+
+
+def mode_name(thinking: bool) -> str:
+    return "thinking" if thinking else "non_thinking"
 
 
 @dataclass
@@ -97,11 +107,25 @@ class RunSettings:
     # written, None included: a manifest without it was made without it, and reopening a speculative run
     # without the setting (or the reverse) is refused as a change of settings.
     speculative: str | None = None
+    # A run of both modes (`--thinking-mix P`, app/modes.py): the share of samples drawn in thinking mode; None:
+    # every sample in `thinking`'s one mode (every run made before the setting). With a mix, `mode_sampling`
+    # holds each mode's sampling (`sampling` is then the thinking mode's) and `mode_prompt_tails` the token ids
+    # the target's template ends each mode's generation prompt with (what `regen verify` holds prompts to).
+    thinking_mix: float | None = None
+    mode_sampling: dict | None = None
+    mode_prompt_tails: dict | None = None
+    # Several samples per prompt (`--samples-per-prompt K`): sample k of a prompt has id `{prompt}-s{k}` (k > 0)
+    # and, when `sample_temperatures` is set, temperature `sample_temperatures[k % len]`.
+    samples_per_prompt: int = 1
+    sample_temperatures: list[float] | None = None
+    # `--take GLOB=N|FRACTION`: [{"glob", "count"} or {"glob", "fraction"}], drawn with the run seed.
+    take: list[dict] | None = None
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        if not out["engine_args"]:
-            del out["engine_args"]
+        for key in _LEFT_OUT_AT_DEFAULT:
+            if out[key] == _ADDED_LATER[key]:
+                del out[key]
         return out
 
 
@@ -116,17 +140,21 @@ def _diff(a, b, prefix: str = "") -> list[str]:
 
 def settings_diff(stored: dict, wanted: dict) -> list[str]:
     """Dotted names of the settings that differ (e.g. `sampling.temperature`, `inputs`)."""
-    fields = [f for f in wanted if f not in ("counts",)]
+    fields = sorted((set(wanted) | set(stored)) - {"counts"})
     out: list[str] = []
     for f in fields:
-        if f not in stored and f in _ADDED_LATER and wanted.get(f) == _ADDED_LATER[f]:
-            continue
+        have, want = setting(stored, f), setting(wanted, f)
         if f == "inputs":
-            if stored.get(f) != wanted.get(f):
+            if have != want:
                 out.append("inputs")
             continue
-        out += _diff(stored.get(f), wanted.get(f), f)
+        out += _diff(have, want, f)
     return out
+
+
+def setting(settings: dict, name: str):
+    """A run setting as stored, or its default when the manifest predates it (or left it out at its default)."""
+    return settings[name] if name in settings else _ADDED_LATER.get(name)
 
 
 def open_or_create(store: RunStore, settings: RunSettings) -> tuple[dict, bool]:

@@ -14,7 +14,11 @@ ones (nothing assumed), so a test recomputes it from the JSON:
 - wall time = the input's samples / the fleet's rate; device-hours = every host's devices x wall time;
 - per-sample figures (generated tokens, context tokens, bytes by states dtype) are the pooled totals of the
   hosts' chosen candidates / their samples; disk by dtype and the export (raw bf16 of the captured layers) are
-  the input's samples x those.
+  the input's samples x those. The input's samples are its prompts x the samples per prompt.
+- per mode (a mixed run, `--thinking-mix`): each mode's share of the samples, its generated and context tokens
+  per sample, as measured on that mode's samples; its disk and export are the job's x its share of the context
+  tokens (states are stored per context token), and its device-hours the job's x its share of the generated
+  tokens (decoding is where the device's time goes; the split is that apportioning, not a separate timing).
 """
 
 from __future__ import annotations
@@ -181,6 +185,7 @@ def forecast(pilots: list[dict]) -> dict:
 
         raise ConfigError("no run setting was measured on every host: nothing to forecast")
     fleet_rate, setting, best = max(options, key=lambda o: o[0])
+    samples *= int(pilots[0].get("settings", {}).get("samples_per_prompt") or 1)
     pooled = {k: sum(m[k] for _, m in best) for k in ("samples", "generated_tokens", "context_tokens")}
     per_sample_tokens = pooled["context_tokens"] / pooled["samples"]
     dtypes = sorted({d for _, m in best for d in m["codec"]["bytes"]})
@@ -189,6 +194,8 @@ def forecast(pilots: list[dict]) -> dict:
     layers, hidden = best[0][1]["layers"], best[0][1]["hidden_size"]
     wall_s = samples / fleet_rate if fleet_rate > 0 else None  # None: nothing finished in a measured time
     devices = sum(int(p["device"]["count"]) for p in pilots)
+    device_hours = None if wall_s is None else devices * wall_s / 3600
+    export_bytes = samples * per_sample_tokens * layers * hidden * 2
     return {
         "input_samples": samples,
         "run_setting": setting,
@@ -197,17 +204,45 @@ def forecast(pilots: list[dict]) -> dict:
         "fleet_samples_per_s": fleet_rate,
         "wall_s": wall_s,
         "devices": devices,
-        "device_hours": None if wall_s is None else devices * wall_s / 3600,
+        "device_hours": device_hours,
         "generated_tokens": samples * pooled["generated_tokens"] / pooled["samples"],
         "context_tokens": samples * per_sample_tokens,
         "disk_bytes": disk,
-        "export_bytes": samples * per_sample_tokens * layers * hidden * 2,
+        "export_bytes": export_bytes,
+        "modes": mode_forecast(best, samples, device_hours, disk, export_bytes),
         "hosts": [{"host": p["host"], "pilot": p["name"], "device": p["device"], "candidate": c["name"],
                    "task_slots": c["task_slots"], "max_num_seqs": c.get("max_num_seqs"),
                    "samples_per_s": samples_per_s(m)}
                   for p, (c, m) in zip(pilots, best, strict=True)],
         "other_settings": [{"run_setting": s, "fleet_samples_per_s": r} for r, s, _ in options if s != setting],
     }
+
+
+def mode_forecast(best: list[tuple[dict, dict]], samples: int, device_hours: float | None, disk: dict,
+                  export_bytes: float) -> dict:
+    """The job per mode, from the chosen candidates' per-mode measurements (see the module docstring); {} when
+    the pilots predate them."""
+    if not all(m.get("modes") for _, m in best):
+        return {}
+    names = sorted({mode for _, m in best for mode in m["modes"]})
+    pooled = {mode: {k: sum(m["modes"].get(mode, {}).get(k, 0) for _, m in best)
+                     for k in ("samples", "generated_tokens", "context_tokens")} for mode in names}
+    total = {k: sum(p[k] for p in pooled.values()) for k in ("samples", "generated_tokens", "context_tokens")}
+    out = {}
+    for mode, p in pooled.items():
+        share = p["samples"] / total["samples"] if total["samples"] else 0.0
+        n = samples * share
+        context_share = p["context_tokens"] / total["context_tokens"] if total["context_tokens"] else 0.0
+        generated_share = p["generated_tokens"] / total["generated_tokens"] if total["generated_tokens"] else 0.0
+        out[mode] = {
+            "share": share, "samples": n,
+            "generated_tokens": n * p["generated_tokens"] / p["samples"] if p["samples"] else 0.0,
+            "context_tokens": n * p["context_tokens"] / p["samples"] if p["samples"] else 0.0,
+            "device_hours": None if device_hours is None else device_hours * generated_share,
+            "disk_bytes": {d: v * context_share for d, v in disk.items()},
+            "export_bytes": export_bytes * context_share,
+        }
+    return out
 
 
 def commands(pilots: list[dict], plan: dict, pilot_paths: list[str], storage: str = "/nfs/regen",
@@ -218,8 +253,12 @@ def commands(pilots: list[dict], plan: dict, pilot_paths: list[str], storage: st
     produce = ["regen produce", " ".join(pilots[0]["inputs"]["files"]), f"--run {run}", f"--storage {storage}",
                f"--model {pilots[0]['model']['path']}", f"--layers {s['layers']}", f"--max-tokens {s['max_tokens']}",
                f"--shard-size {s['shard_size']}", f"--capture {plan['capture']}"]
-    if not s.get("thinking", True):
+    if s.get("thinking_mix") is not None:
+        produce.append(f"--thinking-mix {s['thinking_mix']}")
+    elif not s.get("thinking", True):
         produce.append("--no-thinking")
+    if int(s.get("samples_per_prompt") or 1) > 1:
+        produce.append(f"--samples-per-prompt {s['samples_per_prompt']}")
     if s.get("regenerate", "last") != "last":
         produce.append(f"--regenerate {s['regenerate']}")
     for key, value in (s.get("sampling") or {}).items():  # as measured: temperature, top_p, ..., max_prompt_tokens

@@ -3,6 +3,11 @@
 Fields (a record is either `status: "ok"` or `status: "rejected"` with `reject_reason`):
 
     run_id, shard_id, sample_id, index        where the sample lives (index: the input sample's place in the shard)
+    prompt_id, sample_index                    the prompt this sample answers and which of its samples it is
+                                               (`--samples-per-prompt`: sample k of prompt P has id `P-s{k}`,
+                                               sample 0 has P's own); split train and eval by prompt_id
+    thinking                                   the sample's mode (app/modes.py); records made before it existed
+                                               are in the run's mode
     conversation_id, turn                      multi-turn runs only (`--regenerate all`): the producer's sample id
                                                and which regenerated turn (0, 1, ...) this record is
     source {file, line, source_id}            provenance from the producer
@@ -16,6 +21,8 @@ Fields (a record is either `status: "ok"` or `status: "rejected"` with `reject_r
                                                never reached `</think>` is all reasoning, answer "" (flagged
                                                missing_think_end); outside thinking mode reasoning is None
     finish_reason, stop_reason, seed
+    sampling {temperature, top_p, top_k, min_p} what the sample was sampled with (its mode's, its index's
+                                               temperature); records made before it: the run's `sampling`
     flags                                      quality flags (app/quality.py)
     hidden {index, n_tokens, layers}           where the states are in the shard's hidden file (None if off)
     seconds, worker, device                    timing and who produced it
@@ -41,6 +48,11 @@ def rejected_record(base: dict, reason: str, detail: str) -> dict:
 
 def turn_sample_id(conversation: str, turn: int) -> str:
     return f"{conversation}-t{turn}"
+
+
+def prompt_id(rec: dict) -> str:
+    """The prompt a record answers (records made before several samples per prompt existed: their sample's)."""
+    return rec.get("prompt_id") or conversation_id(rec)
 
 
 def conversation_id(rec: dict) -> str:

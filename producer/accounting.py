@@ -1,9 +1,11 @@
 """What the producer did with every input row, and the files that record it.
 
 Why: a silently dropped row is indistinguishable from a row that was never there, so every record read is
-accounted for as exactly one of enqueued (placed in a shard), duplicate, or rejected (with a named reason).
-`check_identity` asserts read = enqueued + duplicates + rejected at the end of every produce; a mismatch is a
-bug in the producer, never the user's fault.
+accounted for as exactly one of enqueued (placed in a shard), duplicate, rejected (with a named reason), or
+left out (`--take` did not draw it, producer/take.py). `check_identity` asserts read = enqueued + duplicates +
+rejected + left out at the end of every produce, and that the samples sharded are the prompts enqueued times
+the samples per prompt; a mismatch is a bug in the producer, never the user's fault. `enqueued` counts prompts;
+`samples` (with `modes` and `mode_rules`, producer/modes.py) the samples made of them.
 
 Files (paths from app.storage.RunStore):
 - `{run}/rejects.jsonl`: one row per reject, `{"file", "line", "reason", "detail"}`, written while streaming
@@ -38,17 +40,27 @@ class Accounting:
     shards_not_selected: int = 0  # outside `only_shards` (retry-dead sends only the shards it revived)
     samples_sent: int = 0
     input_bytes: int = 0
+    left_out_by_file: Counter = field(default_factory=Counter)  # rows `--take` did not draw, per input
+    take_rows: dict = field(default_factory=dict)  # rows of each input a `--take` names
+    mode_counts: dict = field(default_factory=dict)  # producer/modes.ModeCounts: samples, per mode, per rule
 
     @property
     def rejected(self) -> int:
         return sum(self.rejected_by_reason.values())
 
-    def check_identity(self) -> None:
-        if self.read != self.enqueued + self.duplicates + self.rejected:
+    @property
+    def left_out(self) -> int:
+        return sum(self.left_out_by_file.values())
+
+    def check_identity(self, samples_per_prompt: int | None = None) -> None:
+        if self.read != self.enqueued + self.duplicates + self.rejected + self.left_out:
             raise AssertionError(
                 f"producer accounting bug: read {self.read} != enqueued {self.enqueued} + duplicates "
-                f"{self.duplicates} + rejected {self.rejected}"
+                f"{self.duplicates} + rejected {self.rejected} + left out {self.left_out}"
             )
+        if samples_per_prompt is not None and self.mode_counts.get("samples") != self.enqueued * samples_per_prompt:
+            raise AssertionError(f"producer accounting bug: {self.mode_counts.get('samples')} samples sharded != "
+                                 f"{self.enqueued} prompts x {samples_per_prompt}")
 
     def to_dict(self) -> dict:
         return {
@@ -63,6 +75,10 @@ class Accounting:
             "shards_skipped_dead": self.shards_skipped_dead,
             "shards_not_selected": self.shards_not_selected,
             "samples_sent": self.samples_sent,
+            "left_out": self.left_out,
+            **({"take": {p: {"rows": n, "taken": n - self.left_out_by_file[p], "left_out": self.left_out_by_file[p]}
+                         for p, n in self.take_rows.items()}} if self.take_rows else {}),
+            **self.mode_counts,
         }
 
 
@@ -118,5 +134,6 @@ def write_produce_state(store: RunStore, *, producer_settings: dict, accounting:
 def record_counts(store: RunStore, accounting: Accounting) -> None:
     """Copy the counts into the run manifest (`counts`), where status tools look first."""
     counts = accounting.to_dict()
-    update_counts(store, {k: counts[k] for k in ("read", "enqueued", "duplicates", "rejected",
-                                                 "rejected_by_reason", "shards")})
+    update_counts(store, {k: counts[k] for k in ("read", "enqueued", "duplicates", "rejected", "rejected_by_reason",
+                                                 "shards", "left_out", "take", "samples", "modes", "mode_rules",
+                                                 "input_mode_overridden") if k in counts})

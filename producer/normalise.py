@@ -21,8 +21,10 @@ Regeneration modes (the contract with the worker):
   order; a conversation that ends on a user or tool turn gets one trailing such turn, so its last question is
   answered too. Assistant turns before the first user turn (a greeting) are context and keep their content.
 
-A sample is `{"id", "messages", "tools", "source": {"file", "line", "source_id"}}`; anything else raises
-`Rejected` with one of `REJECT_REASONS`.
+A sample is `{"id", "messages", "tools", "source": {"file", "line", "source_id"}}`, plus `input_thinking` when
+the row names its own mode (a boolean `enable_thinking`, or a boolean `thinking`; a `thinking` holding text is
+some datasets' reasoning and is not a mode; a non-boolean `enable_thinking` is `bad_mode_field`): a mixed run
+keeps it (app/modes.py). Anything else raises `Rejected` with one of `REJECT_REASONS`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ REJECT_REASONS = (
     "content_not_text",
     "nothing_to_answer",
     "prompt_too_long",
+    "bad_mode_field",
 )
 REGENERATE_MODES = ("last", "all")
 
@@ -289,13 +292,28 @@ def normalise(row: object, *, file: str, line: int, regenerate: str = "last", ma
         if value is not None:
             source_id = value if type(value) is str else None if isinstance(value, dict | list) else str(value)
             break
+    own_mode = _own_mode(row)
     try:
         sid = sample_id(messages, tools)
     except TypeError as exc:  # orjson.JSONEncodeError: e.g. an integer beyond 64 bits in a .json array row
         raise Rejected("malformed_json", f"value not representable in JSON: {exc}"[:200]) from None
-    return {
+    sample = {
         "id": sid,
         "messages": messages,
         "tools": tools,
         "source": {"file": file, "line": line, "source_id": source_id},
     }
+    if own_mode is not None:
+        sample["input_thinking"] = own_mode
+    return sample
+
+
+def _own_mode(row: dict) -> bool | None:
+    """The mode the row names for itself (see the module docstring), or None."""
+    value = row.get("enable_thinking")
+    if value is not None:
+        if type(value) is not bool:
+            raise Rejected("bad_mode_field", f"'enable_thinking' is a JSON {_json_type(value)}, not true/false")
+        return value
+    value = row.get("thinking")
+    return value if type(value) is bool else None

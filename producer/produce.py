@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from app import ledger
 from app.errors import ConfigError
 from app.ids import validate_id
-from app.manifest import load, open_or_create
+from app.manifest import load, open_or_create, setting
 from app.states_codec import resolve as resolve_states_dtype
 from app.storage import RunStore, Storage
 from producer.accounting import (
@@ -38,6 +38,7 @@ from producer.accounting import (
 )
 from producer.enqueue import ShardSender
 from producer.estimate import Estimate, Reservoir, build_estimate, count_prompt_tokens, count_responses
+from producer.modes import ModeCounts, pass_samples
 from producer.normalise import Rejected, normalise, parse_line
 from producer.readers import InputReader, ReadFailure, expand_inputs
 from producer.run_setup import (
@@ -50,6 +51,7 @@ from producer.run_setup import (
     verify_inputs,
 )
 from producer.sharding import Deduper, shard_samples
+from producer.take import Selection, rules_from_manifest, selections
 
 JSON_ARRAY_ITEM_BYTES = 1024  # rough size of a parsed .json array element, only used to choose compression
 PROGRESS_EVERY = 512
@@ -68,20 +70,30 @@ class ProduceResult:
 
 
 def iter_samples(paths: list[str], opts: ProduceOptions, acc: Accounting, rejects: RejectLog, dedupe: Deduper,
-                 progress: ProgressFn | None = None) -> Iterator[tuple[dict, int]]:
-    """Every record of every input, counted once as read and then as a reject, a duplicate or a yielded sample."""
+                 progress: ProgressFn | None = None,
+                 take: dict[str, Selection] | None = None) -> Iterator[tuple[dict, int]]:
+    """Every record of every input, counted once as read and then as left out (`take`), a reject, a duplicate
+    or a yielded sample (a prompt: its samples are made from it, producer/modes.py)."""
     regenerate, cap = opts.regenerate, opts.prompt_char_cap
     first_time = dedupe.first_time
     done_bytes = 0
     total_bytes = sum(os.path.getsize(p) for p in paths)
     read = enqueued = 0  # locals in the hot loop, written back to `acc` on every exit path
+    take = take or {}
     try:
         for path in paths:
             reader = InputReader(path)
+            keep = take[path].keep if path in take else None
+            ordinal = -1
             for line, payload in reader:
                 read += 1
                 if progress is not None and read % PROGRESS_EVERY == 0:
                     progress(done_bytes + reader.consumed, total_bytes)
+                if keep is not None:
+                    ordinal += 1
+                    if not keep[ordinal]:
+                        acc.left_out_by_file[path] += 1
+                        continue
                 try:
                     if type(payload) is bytes:
                         nbytes = len(payload)
@@ -122,18 +134,24 @@ def _open_store(opts: ProduceOptions, run_id: str) -> RunStore:
     return RunStore(Storage(opts.storage), run_id)
 
 
-def _dry_run(opts: ProduceOptions, run_id: str, paths: list[str], model: dict, layers: dict | None,
+def _dry_run(opts: ProduceOptions, run_id: str, paths: list[str], settings: dict,
              progress: ProgressFn | None) -> ProduceResult:
+    model, layers = settings["model"], settings["layers"]
     acc = Accounting()
     reservoir = Reservoir(opts.estimate_sample, seed=opts.seed)
+    take = selections(rules_from_manifest(setting(settings, "take")), settings["inputs"], opts.seed)
+    per_prompt = int(setting(settings, "samples_per_prompt"))
+    modes = ModeCounts()
     with RejectLog(acc) as rejects:
-        for sample, _ in iter_samples(paths, opts, acc, rejects, Deduper(), progress):
+        for sample, _ in iter_samples(paths, opts, acc, rejects, Deduper(), progress, take):
             reservoir.offer(sample)
-    acc.shards = -(-acc.enqueued // opts.shard_size)
+            modes.count_prompt(sample, per_prompt, settings)
+    acc.mode_counts = modes.to_dict()
+    acc.shards = per_prompt * -(-acc.enqueued // opts.shard_size)
     acc.check_identity()
     counts = count_prompt_tokens(model["path"], reservoir.items, opts.thinking) if reservoir.items else []
     estimate = build_estimate(
-        samples=acc.enqueued,
+        samples=acc.enqueued * per_prompt,
         token_counts=counts,
         max_tokens=opts.max_tokens,
         assumed_response_tokens=opts.assumed_response_tokens,
@@ -156,15 +174,16 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
         opts = options_from_manifest(manifest, state and state.get("producer_settings"), opts)
         paths = verify_inputs(manifest["settings"]["inputs"])
         settings = manifest["settings"]
-        model, layers = settings["model"], settings["layers"]
+        if opts.samples_per_prompt != setting(settings, "samples_per_prompt"):
+            settings = grow_samples_per_prompt(store, manifest, opts.samples_per_prompt)
         run_id = store.run_id
     else:
         paths = expand_inputs(opts.inputs)
         run_id = validate_id(opts.run_id or derive_run_id(paths[0]), "run id")
         run_settings = build_settings(opts, paths)
-        model, layers = run_settings.model, run_settings.layers
+        settings = run_settings.to_dict()
         if opts.dry_run:
-            return _dry_run(opts, run_id, paths, model, layers, progress)
+            return _dry_run(opts, run_id, paths, settings, progress)
         store = _open_store(opts, run_id)
         state = read_produce_state(store)
         open_or_create(store, run_settings)
@@ -173,7 +192,7 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
             return ProduceResult(run_id, "already_produced", Accounting(**_counts_only(state["counts"])), paths,
                                  storage_url=storage_url_for_workers(store.storage))
     if opts.dry_run:
-        return _dry_run(opts, run_id, paths, model, layers, progress)
+        return _dry_run(opts, run_id, paths, settings, progress)
 
     storage_url = storage_url_for_workers(store.storage)
     done = store.done_shards()
@@ -184,9 +203,11 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
     psettings = producer_settings(opts)
     write_produce_state(store, producer_settings=psettings, accounting=None, complete=False, queue=opts.queue,
                         started=started)
+    take = selections(rules_from_manifest(setting(settings, "take")), settings["inputs"], opts.seed)
+    modes = ModeCounts()
     with ShardSender(opts.broker, opts.queue, opts.max_pending, compress=opts.compress,
                      input_bytes=plain_input_bytes(paths)) as sender, RejectLog(acc, store) as rejects:
-        for shard in shard_samples(iter_samples(paths, opts, acc, rejects, Deduper(), progress), opts.shard_size):
+        for shard in sample_shards(paths, opts, settings, acc, rejects, modes, take, progress):
             acc.shards += 1
             if shard.id in done:
                 acc.shards_skipped_done += 1
@@ -202,12 +223,44 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
             acc.samples_sent += len(shard.samples)
         if opts.resume and only is None and settings["capture_mode"] == "staged":
             send_captures(store, sender.app, storage_url, settings, ledger.missing_captures(store))
-    acc.check_identity()
+    acc.mode_counts = modes.to_dict()
+    acc.take_rows = {path: sel.rows for path, sel in take.items()}
+    acc.check_identity(int(setting(settings, "samples_per_prompt")))
     write_produce_state(store, producer_settings=psettings, accounting=acc, complete=True, queue=opts.queue,
                         started=started)
     record_counts(store, acc)
     return ProduceResult(run_id, "produced", acc, paths, storage_url=storage_url)
 
+
+def sample_shards(paths: list[str], opts: ProduceOptions, settings: dict, acc: Accounting, rejects: RejectLog,
+                  modes: ModeCounts, take: dict[str, Selection], progress: ProgressFn | None = None):
+    """The run's shards: pass k (one per sample of a prompt, `--samples-per-prompt`) makes sample k of every
+    prompt, in input order, into shards numbered on from the previous pass's.
+
+    Why passes rather than a prompt's K samples side by side: pass k's shards are the same whatever K is, so a
+    `--resume` with a larger K finds the earlier passes' shards done and sends only the new samples' shards,
+    and a run produced with K at once has the shards a K=1 run resumed to K has. Only the first pass counts
+    rows (read, rejects, duplicates, left out); the later ones read the inputs again to the same prompts."""
+    first = 0
+    for k in range(int(setting(settings, "samples_per_prompt"))):
+        if k == 0:
+            prompts = iter_samples(paths, opts, acc, rejects, Deduper(), progress, take)
+        else:
+            again = Accounting()
+            prompts = iter_samples(paths, opts, again, RejectLog(again), Deduper(), None, take)
+        made = 0
+        for shard in shard_samples(pass_samples(prompts, k, settings, modes), opts.shard_size, first):
+            made += 1
+            yield shard
+        first += made
+
+
+def grow_samples_per_prompt(store: RunStore, manifest: dict, k: int) -> dict:
+    """`produce --resume RUN --samples-per-prompt K` on a run with fewer: the manifest says K from now on (the
+    new samples' shards follow the existing ones); returns the new settings."""
+    manifest["settings"]["samples_per_prompt"] = k
+    store.storage.write_json(store.manifest_path, manifest)
+    return manifest["settings"]
 
 def send_captures(store: RunStore, app, storage_url: str, settings: dict, shards: list[str]) -> int:
     """Send a staged capture task for each of `shards` (generated, not captured) on the run's capture queue:

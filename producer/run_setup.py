@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from app.errors import ConfigError, InputError, ManifestMismatch
 from app.layers import parse_layers
-from app.manifest import CAPTURE_MODES, QualitySettings, RunSettings, Sampling, StatesStorage
+from app.manifest import CAPTURE_MODES, MODES, QualitySettings, RunSettings, Sampling, StatesStorage, setting
 from app.model_info import read_model_info
 from app.settings import DEFAULT_SHARD_SIZE
 from app.speculative import check_speculative, parse_speculative
@@ -66,6 +66,10 @@ class ProduceOptions:
     vllm_args: list[str] = field(default_factory=list)  # KEY=VALUE, recorded in the manifest for every worker
     states_dtype: str = "bf16"
     speculative: str | None = None  # "mtp" / "mtp:K" as given; the manifest records it normalised ("mtp:2")
+    thinking_mix: float | None = None  # share of samples in thinking mode (app/modes.py); None: `thinking` for all
+    samples_per_prompt: int | None = None  # None: 1 (with --resume: the run's)
+    sample_temperatures: list[float] | None = None  # sample k of a prompt at [k % len]
+    take: list[str] = field(default_factory=list)  # GLOB=N / GLOB=FRACTION (producer/take.py)
 
     @property
     def prompt_char_cap(self) -> int:
@@ -104,8 +108,7 @@ def validate_options(opts: ProduceOptions) -> None:
         raise ConfigError(f"--states-dtype must be one of {', '.join(STATES_DTYPES)}, not {opts.states_dtype!r}")
     if opts.capture == "off" and opts.states_dtype != "bf16":
         raise ConfigError(f"--states-dtype {opts.states_dtype} with --capture off: no hidden states are stored")
-    if opts.thinking and opts.temperature == 0:
-        raise ConfigError("--temperature 0 (greedy) with thinking: Qwen3 thinking mode must not be greedy")
+    validate_mix_options(opts)
     if opts.speculative and any(split_item(a)[0] == "speculative_config" for a in opts.vllm_args):
         raise ConfigError("--speculative and --vllm-arg speculative_config both set the speculative method; give "
                           "--speculative only")
@@ -114,27 +117,70 @@ def validate_options(opts: ProduceOptions) -> None:
                       model_path=None)
 
 
+def validate_mix_options(opts: ProduceOptions) -> None:
+    """Modes, samples per prompt and temperatures that cannot work together, refused in one line each."""
+    mix, k, temps = opts.thinking_mix, opts.samples_per_prompt, opts.sample_temperatures
+    if mix is not None and not 0 <= mix <= 1:
+        raise ConfigError(f"--thinking-mix must be a share between 0 and 1, not {mix}")
+    any_thinking = opts.thinking if mix is None else True  # a mix keeps rows that ask for thinking themselves
+    if k is not None and k < 1:
+        raise ConfigError(f"--samples-per-prompt must be at least 1, not {k}")
+    if temps is not None:
+        if not temps:
+            raise ConfigError("--sample-temperatures lists no temperature")
+        if opts.temperature is not None:
+            raise ConfigError("--temperature and --sample-temperatures both set the temperature; give one")
+        if any(t < 0 for t in temps):
+            raise ConfigError(f"--sample-temperatures {temps}: a temperature must be 0 or more")
+    greedy = [t for t in ([opts.temperature] if opts.temperature is not None else temps or []) if t == 0]
+    if greedy and any_thinking:
+        what = "a mix, whose thinking samples" if mix is not None else "thinking"
+        raise ConfigError(f"temperature 0 (greedy) with {what}: Qwen3 thinking mode must not be greedy")
+    if (k or 1) > 1 and opts.temperature == 0:
+        raise ConfigError(f"--samples-per-prompt {k} with --temperature 0: greedy samples of one prompt are "
+                          "copies of each other")
+
+
+def mode_samplings(opts: ProduceOptions) -> dict[str, Sampling]:
+    """Each mode's sampling: Qwen's defaults for the mode, with what the operator set applied to both."""
+    return {mode: Sampling.defaults(mode == "thinking", opts.max_tokens, opts.seed, temperature=opts.temperature,
+                                    top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p) for mode in MODES}
+
+
 def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
     """RunSettings for a new (or re-opened) run; hashes every input file (one sequential pass)."""
     validate_options(opts)
     if not opts.model:
         raise ConfigError("--model is required (a local model folder with config.json and the tokenizer)")
     info = read_model_info(opts.model)
-    sampling = Sampling.defaults(
-        opts.thinking, opts.max_tokens, opts.seed,
-        temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
-    )
+    by_mode = mode_samplings(opts)
+    mixed = opts.thinking_mix is not None
+    thinking = opts.thinking if not mixed else opts.thinking_mix > 0
+    sampling = by_mode["thinking" if thinking else "non_thinking"]
     layers = None if opts.capture == "off" else parse_layers(opts.layers, info.num_layers).to_manifest()
     if layers and info.architecture is not None and info.architecture.hybrid:
         # which captured layers are linear and which full attention: the hybrid checks of `regen verify`
         layers["kinds"] = [info.architecture.layer_kind(v) for v in layers["vllm_ids"]]
     stored = resolve(opts.states_dtype)
     speculative = parse_speculative(opts.speculative)
-    check_speculative(speculative, capture_mode=opts.capture, min_p=sampling.min_p, model_path=opts.model)
+    for mode in (MODES if mixed else ("thinking" if thinking else "non_thinking",)):
+        check_speculative(speculative, capture_mode=opts.capture, min_p=by_mode[mode].min_p, model_path=opts.model)
+    tails = None
+    if mixed:
+        from producer.modes import mode_prompt_tails
+
+        tails = mode_prompt_tails(opts.model)
+    take = None
+    if opts.take:
+        from producer.take import match_rules, parse_take
+
+        rules = [parse_take(t) for t in opts.take]
+        match_rules(rules, inputs)
+        take = [r.to_manifest() for r in rules]
     return RunSettings(
         model=info.to_manifest(),
         sampling=sampling,
-        thinking=opts.thinking,
+        thinking=thinking,
         capture_mode=opts.capture,
         layers=layers,
         shard_size=opts.shard_size,
@@ -146,6 +192,12 @@ def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
         engine_args=run_engine_args(opts.vllm_args, capture=opts.capture != "off"),
         states=StatesStorage(stored, promised_bound(stored, info.hidden_size)),
         speculative=speculative,
+        thinking_mix=float(opts.thinking_mix) if mixed else None,
+        mode_sampling={m: asdict(v) for m, v in by_mode.items()} if mixed else None,
+        mode_prompt_tails=tails,
+        samples_per_prompt=opts.samples_per_prompt or 1,
+        sample_temperatures=[float(t) for t in opts.sample_temperatures] if opts.sample_temperatures else None,
+        take=take,
     )
 
 
@@ -198,6 +250,14 @@ def options_from_manifest(manifest: dict, stored_producer: dict | None, opts: Pr
     resumed.vllm_args = [f"{k}={v}" for k, v in (s.get("engine_args") or {}).items()]
     resumed.states_dtype = (s.get("states") or {}).get("dtype", "bf16")
     resumed.speculative = s.get("speculative")
+    resumed.seed = int(sampling.get("seed", 0))  # the modes' draw and --take's are seeded with it
+    resumed.thinking_mix = setting(s, "thinking_mix")
+    stored_k = int(setting(s, "samples_per_prompt"))
+    if opts.samples_per_prompt is not None and opts.samples_per_prompt < stored_k:
+        raise ConfigError(f"--samples-per-prompt {opts.samples_per_prompt} with --resume: the run has {stored_k} "
+                          "samples per prompt; a resume can add samples, never drop them")
+    resumed.samples_per_prompt = max(stored_k, opts.samples_per_prompt or 0)
+    resumed.sample_temperatures = setting(s, "sample_temperatures")
     if stored_producer and "max_prompt_chars" in stored_producer:
         resumed.max_prompt_chars = stored_producer["max_prompt_chars"]
     return resumed

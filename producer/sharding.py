@@ -84,13 +84,14 @@ class Shard:
     approx_bytes: int  # size of the input lines the samples came from: a cheap proxy for the message size
 
 
-def shard_samples(samples: Iterable[tuple[dict, int]], shard_size: int) -> Iterator[Shard]:
-    """Group `(sample, approx_bytes)` pairs, already deduplicated, into shards of `shard_size` (last may be short)."""
+def shard_samples(samples: Iterable[tuple[dict, int]], shard_size: int, first: int = 0) -> Iterator[Shard]:
+    """Group `(sample, approx_bytes)` pairs, already deduplicated, into shards of `shard_size` (last may be short),
+    numbered from `first`."""
     if shard_size < 1:
         raise ValueError("shard_size must be >= 1")
     batch: list[dict] = []
     size = 0
-    index = 0
+    index = first
     for sample, nbytes in samples:
         batch.append(sample)
         size += nbytes

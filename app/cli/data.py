@@ -216,7 +216,7 @@ def stats_cmd(run_id: str, storage: str, html_path: str | None, as_json: bool, p
     from pathlib import Path
 
     from app.data.run_reader import RunReader
-    from app.data.stats import collect, plots, print_terminal, render_html, states_summary
+    from app.data.stats import collect, modes_summary, plots, print_terminal, render_html, states_summary
     from app.packages import require
 
     part = _part(part_spec)
@@ -231,7 +231,7 @@ def stats_cmd(run_id: str, storage: str, html_path: str | None, as_json: bool, p
             "stub_rate": st.stub_rate, "stub_alarm": st.stub_alarm, "flags": dict(t.flags),
             "finish_reasons": {str(k): v for k, v in t.finish.items()}, "rejected": dict(st.rejected),
             "sources": {s: {"ok": g.ok, "stubs": g.stubs, "flags": dict(g.flags)} for s, g in st.sources.items()},
-            "states": states_summary(st),
+            "states": states_summary(st), "modes": modes_summary(st),
         }, option=orjson.OPT_INDENT_2).decode())
     else:
         print_terminal(st, _console())

@@ -201,6 +201,16 @@ def forecast_table(plan: dict) -> Table:
     table.add_row("export (raw bf16 of the captured layers)", _human(plan["export_bytes"]))
     for other in plan["other_settings"]:
         table.add_row(f"  (run setting {other['run_setting']}: fleet samples/s)", f"{other['fleet_samples_per_s']:,.3f}")
+    modes = plan.get("modes") or {}
+    if len(modes) > 1:  # a mixed run: the job per mode (app/pilot.py says how each figure is split)
+        for mode, m in modes.items():
+            what = mode.replace("_", "-")
+            hours = m["device_hours"]
+            table.add_row(f"{what}: samples ({m['share']:.0%})", f"{m['samples']:,.0f}")
+            table.add_row(f"{what}: generated tokens", f"{m['generated_tokens']:,.0f}")
+            table.add_row(f"{what}: device-hours", "-" if hours is None else f"{hours:.3g}")
+            for dtype, n in m["disk_bytes"].items():
+                table.add_row(f"{what}: disk, states {dtype}", _human(n))
     return table
 
 
@@ -238,6 +248,11 @@ def _load_pilots(paths: list[str]) -> list[dict]:
 @click.option("--layers", default="dflash", show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=4096, show_default=True)
 @click.option("--thinking/--no-thinking", default=True, show_default=True)
+@click.option("--thinking-mix", type=click.FloatRange(0, 1), default=None, metavar="P",
+              help="As the run will have it (see `regen produce`): the pilot's runs mix the modes alike, and the "
+                   "forecast is split by mode.")
+@click.option("--samples-per-prompt", type=click.IntRange(min=1), default=1, show_default=True,
+              help="As the run will have it: the forecast counts the input's prompts x K samples.")
 @click.option("--regenerate", type=click.Choice(["last", "all"]), default="last", show_default=True)
 @click.option("--temperature", type=float, default=None, help="Sampling, as the run will have it [default: the run's].")
 @click.option("--top-p", type=float, default=None)
@@ -257,8 +272,8 @@ def _load_pilots(paths: list[str]) -> list[dict]:
 @click.option("--keep-runs", is_flag=True, help="Keep the candidates' scratch runs (default: removed).")
 @click.option("--timeout", type=float, default=7200.0, show_default=True, help="Seconds each candidate may take.")
 def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, layers, max_tokens, thinking,
-          regenerate, shard_size, max_model_len, vllm_args, only, host_results, forecast_only, keep_runs, timeout,
-          **sampling):
+          thinking_mix, samples_per_prompt, regenerate, shard_size, max_model_len, vllm_args, only, host_results,
+          forecast_only, keep_runs, timeout, **sampling):
     """Measure this host on a sample of INPUTS in each candidate setting, then forecast the whole job.
 
     Prints a table per setting (generated tokens/s per device, samples/s, the staged capture's share, peak
@@ -278,7 +293,8 @@ def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, la
     others = _load_pilots(list(host_results))
     measured = measure_host(console, inputs=list(inputs), model=model, name=name, storage=storage, broker=broker,
                             cpu=cpu, gpus=gpus, sample_size=sample_size, seed=seed, layers=layers,
-                            max_tokens=max_tokens, thinking=thinking, regenerate=regenerate, shard_size=shard_size,
+                            max_tokens=max_tokens, thinking=thinking, thinking_mix=thinking_mix,
+                            samples_per_prompt=samples_per_prompt, regenerate=regenerate, shard_size=shard_size,
                             max_model_len=max_model_len, vllm_args=list(vllm_args), only=only, keep_runs=keep_runs,
                             timeout=timeout, sampling={k: v for k, v in sampling.items() if v is not None})
     pilot_json, path = measured
@@ -290,7 +306,7 @@ def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, la
 
 
 def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, layers,
-                 max_tokens, thinking, regenerate, shard_size, max_model_len, vllm_args, only, keep_runs,
+                 max_tokens, thinking, regenerate, thinking_mix=None, samples_per_prompt=1, shard_size, max_model_len, vllm_args, only, keep_runs,
                  timeout, sampling: dict) -> tuple[dict, str]:
     """`sampling`: temperature, top_p, top_k, min_p, max_prompt_tokens, where given (the run's otherwise)."""
     from app.data.pilot_measure import measure_run
@@ -334,7 +350,10 @@ def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu,
     shutil.rmtree(run_storage, ignore_errors=True)  # a fresh run per candidate, whatever an earlier pilot left
     base = [sample_path, "--model", os.path.abspath(model), "--storage", run_storage, "--layers", layers,
             "--max-tokens", str(max_tokens), "--shard-size", str(shard_size), "--seed", str(seed),
-            "--regenerate", regenerate, "--thinking" if thinking else "--no-thinking", "--timeout", str(timeout)]
+            "--regenerate", regenerate, "--timeout", str(timeout),
+            *(["--thinking-mix", str(thinking_mix)] if thinking_mix is not None
+              else ["--thinking" if thinking else "--no-thinking"]),
+            *(["--samples-per-prompt", str(samples_per_prompt)] if samples_per_prompt > 1 else [])]
     base += ["--cpu"] if cpu else (["--gpus", ",".join(devices["indices"])])
     if broker:
         base += ["--broker", broker]
@@ -374,6 +393,8 @@ def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu,
                    "rejected": sample.rejected, "duplicates": sample.duplicates},
         "sample": {"size": len(sample.lines), "seed": seed},
         "settings": {"layers": layers, "max_tokens": max_tokens, "shard_size": shard_size, "thinking": thinking,
+                     **({"thinking_mix": thinking_mix} if thinking_mix is not None else {}),
+                     **({"samples_per_prompt": samples_per_prompt} if samples_per_prompt > 1 else {}),
                      "regenerate": regenerate, "max_model_len": max_model_len, "vllm_args": vllm_args,
                      "sampling": sampling},
         "candidates": results,

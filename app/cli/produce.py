@@ -42,7 +42,10 @@ STATES_DTYPE_HELP = ("How hidden states are stored: bf16 (lossless, ~1.45x small
 # Flags that become run settings; with --resume the stored values win, so giving one is refused.
 SETTING_FLAGS = ("shard_size", "max_tokens", "thinking", "temperature", "top_p", "top_k", "min_p", "seed",
                   "capture", "layers", "max_prompt_tokens", "max_prompt_chars", "regenerate", "model",
-                  "pause_stub_rate", "pause_window", "pause_min_samples", "vllm_args", "states_dtype", "speculative")
+                  "pause_stub_rate", "pause_window", "pause_min_samples", "vllm_args", "states_dtype", "speculative",
+                  "thinking_mix", "sample_temperatures", "take")
+# ... and those `regen run` takes over from `regen produce` (samples per prompt can grow on a resume)
+RUN_SETTING_FLAGS = (*SETTING_FLAGS, "samples_per_prompt")
 
 
 def _broker_options(f):
@@ -67,7 +70,19 @@ def _broker_options(f):
               help="Response token cap per turn.")
 @click.option("--thinking/--no-thinking", default=True, show_default=True,
               help="Generate in thinking mode (must match how the drafter will serve).")
-@click.option("--temperature", type=float, default=None, help="[default: Qwen3's for the thinking mode]")
+@click.option("--thinking-mix", type=click.FloatRange(0, 1), default=None, metavar="P",
+              help="Both modes in one run: each sample in thinking mode with probability P (drawn from the run seed "
+                   "and the sample id; an input row's own enable_thinking/thinking field is kept), each mode with "
+                   "its own sampling defaults. 1 and 0 are --thinking and --no-thinking for rows without a field.")
+@click.option("--samples-per-prompt", type=click.IntRange(min=1), default=None, metavar="K",
+              help="K samples of every prompt, each its own record, seed and id (PROMPT-sK; the first keeps the "
+                   "prompt's id) [default: 1]. With --resume RUN: a larger K adds only the new samples.")
+@click.option("--sample-temperatures", default=None, metavar="T1,T2,...",
+              help="Temperatures the samples of a prompt cycle through (sample k at T[k % n]), in either mode.")
+@click.option("--take", "take", multiple=True, metavar="GLOB=N|FRACTION",
+              help="Draw N rows (or a FRACTION, written with a point: 0.5) of the inputs GLOB matches, seeded with "
+                   "--seed; the rest are counted as left out. Repeatable; unmatched inputs are read whole.")
+@click.option("--temperature", type=float, default=None, help="[default: Qwen3's for the sample's mode]")
 @click.option("--top-p", type=float, default=None)
 @click.option("--top-k", type=int, default=None)
 @click.option("--min-p", type=float, default=None)
@@ -122,6 +137,7 @@ def produce_command(ctx: click.Context, inputs, run_id, resume_run, pilot_files,
     elif not inputs:
         raise ConfigError("give INPUTS to produce, or --resume RUN")
     options["vllm_args"] = list(options.get("vllm_args") or ())
+    options = mix_options(options, ctx.get_parameter_source("thinking") == click.core.ParameterSource.COMMANDLINE)
     from app.pilot import load_pilot_file
 
     pilots = [load_pilot_file(path) for path in pilot_files]  # a bad file fails here, before anything is sent
@@ -132,6 +148,24 @@ def produce_command(ctx: click.Context, inputs, run_id, resume_run, pilot_files,
         from app.storage import RunStore, Storage
 
         link_pilots(RunStore(Storage(opts.storage), result.run_id), pilots)
+
+
+def mix_options(options: dict, thinking_given: bool) -> dict:
+    """The mode, samples and take options as ProduceOptions holds them (shared with `regen run`)."""
+    out = {**options, "take": list(options.get("take") or ())}
+    if out.get("thinking_mix") is not None and thinking_given:
+        raise ConfigError("--thinking-mix sets each sample's mode; drop --thinking/--no-thinking")
+    out["sample_temperatures"] = _temperatures(out.get("sample_temperatures"))
+    return out
+
+
+def _temperatures(text: str | None) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        return [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ConfigError(f"--sample-temperatures {text!r}: expected numbers separated by commas (0.6,0.8)") from None
 
 
 @click.command("reconcile")
@@ -168,12 +202,21 @@ def _report(out: Console, result: ProduceResult) -> None:
     table.add_column("what")
     table.add_column("count", justify="right")
     table.add_row("rows read", f"{acc.read:,}")
-    table.add_row("samples" if result.status == "dry_run" else "samples in shards", f"{acc.enqueued:,}")
+    several = bool(acc.mode_counts) and acc.mode_counts.get("samples") != acc.enqueued
+    table.add_row("prompts" if several else "samples" if result.status == "dry_run" else "samples in shards",
+                  f"{acc.enqueued:,}")
     table.add_row("duplicates", f"{acc.duplicates:,}")
+    if acc.left_out:
+        table.add_row("left out (--take)", f"{acc.left_out:,}")
     table.add_row("rejected", f"{acc.rejected:,}")
     for reason, n in sorted(acc.rejected_by_reason.items()):
         table.add_row(f"  {reason}", f"{n:,}")
     table.add_row("shards", f"{acc.shards:,}")
+    made = acc.mode_counts
+    if made and (made.get("samples") != acc.enqueued or len([n for n in made["modes"].values() if n]) > 1):
+        table.add_row("samples", f"{made['samples']:,}")
+        for mode, n in made["modes"].items():
+            table.add_row(f"  {mode.replace('_', '-')}", f"{n:,}")
     if result.status == "produced":
         table.add_row("shards sent", f"{acc.shards_sent:,}")
         table.add_row("shards already done", f"{acc.shards_skipped_done:,}")

@@ -181,6 +181,10 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
     why = unsupported("cpu" if cpu else "cuda", {"top_k": top_k}, capture != "off")
     if why:  # before anything is produced: the local workers could only crash on every shard
         raise click.UsageError(f"--cpu --top-k {top_k}: {why}")
+    from app.cli.produce import mix_options
+
+    settings = mix_options(settings, thinking_given=click.get_current_context().get_parameter_source("thinking")
+                           == click.core.ParameterSource.COMMANDLINE)
     workdir = os.path.abspath(".regen")
     os.makedirs(workdir, exist_ok=True)
     with broker_for_run(broker, workdir) as (broker_url, how):
@@ -268,12 +272,12 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
 def _take_produce_settings() -> None:
     """Give `regen run` every option of `regen produce` that becomes a run setting and that it does not define
     itself (by name or by flag), as the same click objects: one definition, so the two cannot drift apart."""
-    from app.cli.produce import SETTING_FLAGS, produce_command
+    from app.cli.produce import RUN_SETTING_FLAGS, produce_command
 
     own = {p.name for p in run.params}
     own_flags = {flag for p in run.params for flag in p.opts}
     run.params.extend(p for p in produce_command.params
-                      if p.name in SETTING_FLAGS and p.name not in own and not own_flags & set(p.opts))
+                      if p.name in RUN_SETTING_FLAGS and p.name not in own and not own_flags & set(p.opts))
 
 
 _take_produce_settings()

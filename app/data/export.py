@@ -39,6 +39,8 @@ from app.data import export_claims, export_formats, export_plan, export_text
 from app.data.fanout import WHOLE, Part, process_pool
 from app.data.run_reader import RunReader, ShardInfo
 from app.errors import RegenError
+from app.modes import record_thinking
+from app.records import prompt_id
 from app.storage import Storage
 
 EXPORT_FORMAT = "regen.export/1"
@@ -83,6 +85,7 @@ def _parquet_schema():
 
     return pa.schema([
         ("sample_id", pa.string()), ("conversation_id", pa.string()), ("turn", pa.int32()),
+        ("prompt_id", pa.string()), ("sample_index", pa.int32()), ("thinking", pa.bool_()),
         ("run_id", pa.string()), ("shard_id", pa.string()),
         ("source_file", pa.string()), ("source_line", pa.int64()),
         ("messages", pa.string()), ("tools", pa.string()),
@@ -93,11 +96,12 @@ def _parquet_schema():
     ])
 
 
-def _parquet_row(rec: dict) -> dict:
+def _parquet_row(rec: dict, settings: dict) -> dict:
     src = rec.get("source") or {}
     return {
         "sample_id": rec["sample_id"], "conversation_id": rec.get("conversation_id") or rec["sample_id"],
-        "turn": rec.get("turn", 0), "run_id": rec.get("run_id"), "shard_id": rec.get("shard_id"),
+        "turn": rec.get("turn", 0), "prompt_id": prompt_id(rec), "sample_index": rec.get("sample_index", 0),
+        "thinking": record_thinking(rec, settings), "run_id": rec.get("run_id"), "shard_id": rec.get("shard_id"),
         "source_file": src.get("file"), "source_line": src.get("line"),
         "messages": json.dumps(rec.get("messages"), ensure_ascii=False),
         "tools": json.dumps(rec["tools"], ensure_ascii=False) if rec.get("tools") else None,
@@ -193,7 +197,7 @@ class Exporter:
                                                          self.reader.settings)
         else:
             counts = Counter()
-            rows = [_parquet_row(rec) for rec in self._kept(info, counts)]
+            rows = [_parquet_row(rec, self.reader.settings) for rec in self._kept(info, counts)]
         data_rel = f"data/{info.shard_id}.{'parquet' if self.opts.fmt == PARQUET else 'jsonl'}"
         if rows:  # no empty files: JSON readers (datasets) fail on them
             self._write_data(data_rel, rows)

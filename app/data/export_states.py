@@ -119,6 +119,9 @@ class Sample:
     # What the format writes, built from the states by `StateExport.prepare` in the read-ahead thread (SpecForge:
     # the torch.save dict); None where the format builds nothing ahead
     tensors: dict | None = None
+    # the prompt it answers and its mode (app/modes.py), for the export's `samples.jsonl`
+    prompt_id: str | None = None
+    thinking: bool | None = None
 
 
 def covered_sample(rec: dict, tokens: np.ndarray, states: np.ndarray, where: str) -> Sample:

@@ -26,8 +26,9 @@ Formats:
   `scripts/validate_regenerated_data.py` checks): `{"id", "conversations": [{"role", "content",
   "reasoning_content"}], "status": "success"}`; optional system turns, then user/assistant alternation, ending
   on an assistant turn, every content a non-empty string, no `<think>`/`</think>` in content or reasoning,
-  `reasoning_content` non-empty on every assistant turn of a thinking run (passes `--expect-reasoning`) and
-  absent in a non-thinking run (passes `--expect-non-reasoning`). SpecForge supervises every assistant turn
+  `reasoning_content` non-empty on every assistant turn of a thinking sample (a thinking run's rows pass
+  `--expect-reasoning`) and absent in a non-thinking one (passes `--expect-non-reasoning`); a mixed run's
+  rows are each in their own mode. SpecForge supervises every assistant turn
   of such a row, so a row must be the target's own words throughout: conversations that keep an original
   (not regenerated) assistant turn as context, which happens in `--regenerate last` runs, are left out as
   `specforge:context_not_regenerated` (`--regenerate all` regenerates them). The format has no tool
@@ -45,7 +46,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import orjson
 
-from app.records import conversation_id
+from app.modes import record_thinking
+from app.records import conversation_id, prompt_id
 
 UNTERMINATED = "unterminated_thinking"
 SPECFORGE_FILE = "regenerated.jsonl"  # app/data/export_formats.py names it as the format's one file
@@ -90,7 +92,7 @@ def conversation_rows(fmt: str, records: Iterable[dict], reason: Callable[[dict]
             counts[f"cut_turn:status:{rec.get('status')}"] += 1
         why = next((r for r in map(reason, turns) if r), None)
         if why is None:
-            row, why = (sharegpt_row(turns[-1]), None) if fmt == "sharegpt" else specforge_row(turns[-1], settings)
+            row, why = (sharegpt_row(turns[-1], settings), None) if fmt == "sharegpt" else specforge_row(turns[-1], settings)
             if why is None:
                 rows.append(row)
                 continue
@@ -106,10 +108,12 @@ def final_turn(rec: dict) -> dict:
     return turn
 
 
-def sharegpt_row(rec: dict) -> dict:
+def sharegpt_row(rec: dict, settings: dict) -> dict:
     turns = [_sharegpt_turn(m) for m in rec.get("messages") or []]
     turns.append({"from": "gpt", "value": rec["answer"], "reasoning_content": rec.get("reasoning")})
-    row = {"id": conversation_id(rec), "conversations": turns, "finish_reason": rec.get("finish_reason")}
+    row = {"id": conversation_id(rec), "prompt_id": prompt_id(rec), "conversations": turns,
+           "finish_reason": rec.get("finish_reason")}
+    row["thinking"] = record_thinking(rec, settings)
     if rec.get("tools"):
         row["tools"] = json.dumps(rec["tools"], ensure_ascii=False)
     return row
@@ -158,11 +162,11 @@ def specforge_row(rec: dict, settings: dict) -> tuple[dict | None, str | None]:
     if any(mark in (t["content"] + t.get("reasoning_content", "")).lower()
            for t in assistant for mark in _THINK_MARKERS):
         return None, "specforge:think_marker"
-    thinking = bool(settings.get("thinking"))
+    thinking = record_thinking(rec, settings)  # the sample's own mode (a mixed run has both)
     if thinking and any(not t.get("reasoning_content", "").strip() for t in assistant):
         return None, "specforge:no_reasoning"
     if not thinking and any(t.get("reasoning_content") for t in assistant):
-        return None, "specforge:reasoning_in_non_thinking_run"
+        return None, "specforge:reasoning_in_non_thinking_sample"
     return {"id": conversation_id(rec), "conversations": out, "status": "success"}, None
 
 

@@ -12,6 +12,10 @@ shards through it and keeps the export resumable like the text formats (app/data
 - Per shard, the supervised-token counts go to `freq/{shard}.json` before the done marker; `token_freq.pt`
   (token id -> count, speculators' `token_freq.pt`, the input of SpecForge's and speculators' reduced draft
   vocabularies) is rebuilt from all of them when the export is assembled (app/data/export.py).
+- `samples.jsonl` names each numbered sample: `{"index", "sample_id", "prompt_id", "thinking"}` in number
+  order (per shard in `samples/{shard}.json` first, like the frequencies), so a trainer can split train and
+  eval by prompt (the K samples of a prompt, `--samples-per-prompt`, are K numbers) and tell a mixed run's
+  modes apart; the trainers' own files carry no ids.
 - Samples with nothing to learn from are left out and counted (`no_supervised_tokens`, and for DFlash
   `no_two_consecutive_supervised_tokens`, which SpecForge refuses).
 - The token-only formats (app/data/export_online.py) are subclasses that write no states (`needs_states`
@@ -25,6 +29,8 @@ from __future__ import annotations
 import io
 from collections import Counter
 
+import orjson
+
 from app.data.export_states import (
     ExportLayers,
     Sample,
@@ -36,6 +42,8 @@ from app.data.export_states import (
 from app.data.read_ahead import read_ahead
 from app.data.run_reader import RunReader, ShardInfo
 from app.errors import RegenError
+from app.modes import record_thinking
+from app.records import prompt_id
 from app.storage import Storage
 
 
@@ -103,20 +111,26 @@ class StateExport:
         read_ahead.py); the writes stay in this thread, in order, so the files and numbers are as before."""
         index = first
         freq: Counter = Counter()
+        named = []
         for sample in read_ahead(self.samples(info, kept, filtered)):
             self.write_sample(index, sample)
             freq.update(supervised_counts(sample))
+            named.append({"index": index, "sample_id": sample.sample_id, "prompt_id": sample.prompt_id,
+                          "thinking": sample.thinking})
             index += 1
         self.shard_done(info, first, index)
         self.out.write_json(f"freq/{info.shard_id}.json", {str(k): v for k, v in sorted(freq.items())})
+        self.out.write_json(f"samples/{info.shard_id}.json", named)
         return {"shard_id": info.shard_id, "exported": index - first, "first_index": first,
                 "filtered": dict(filtered), "file": None}
 
     def samples(self, info: ShardInfo, kept, filtered: Counter):
         """The kept records as the format writes them, less those with nothing to learn from (counted in
         `filtered`); `filtered` is only touched here, so in the read-ahead thread alone."""
+        settings = self.reader.settings
         for rec in kept:
             sample = self.sample(info, rec)
+            sample.prompt_id, sample.thinking = prompt_id(rec), record_thinking(rec, settings)
             problem = supervision_problem(sample.loss_mask, self.consecutive_supervision)
             if problem:
                 filtered[problem] += 1
@@ -163,3 +177,9 @@ class StateExport:
         buf = io.BytesIO()
         torch.save(dict(sorted(total.items())), buf)
         self.out.write_bytes("token_freq.pt", buf.getvalue())
+        shards = self.shards_in_order()
+        if all(self.out.exists(f"samples/{shard}.json") for shard in shards):  # not for an export begun before
+            with self.out.atomic_writer("samples.jsonl") as fh:
+                for shard in shards:
+                    for row in self.out.read_json(f"samples/{shard}.json"):
+                        fh.write(orjson.dumps(row) + b"\n")

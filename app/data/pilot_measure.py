@@ -22,6 +22,7 @@ import numpy as np
 
 from app import ledger
 from app.hidden_file import encode_sample
+from app.modes import record_mode, run_modes
 from app.quality import is_stub
 from app.storage import Storage
 
@@ -54,6 +55,8 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
         totals = {"samples": 0, "records": 0, "ok": 0, "rejected": 0, "prompt_tokens": 0, "generated_tokens": 0}
         lengths, at_cap, stubs, context_tokens, stored_bytes = [], 0, 0, 0, 0
         codec = {"samples": 0, "tokens": 0, "bytes": dict.fromkeys(CODEC_DTYPES, 0)}
+        modes = {mode: {"samples": 0, "generated_tokens": 0, "context_tokens": 0, "lengths": [], "at_cap": 0,
+                        "stubs": 0} for mode in run_modes(reader.settings)}
         for info in reader.shards():
             m = info.marker
             start = _epoch(m.get("task_started") or m.get("engine_started"))
@@ -81,6 +84,14 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
                 at_cap += rec.get("finish_reason") == "length"
                 stubs += is_stub(rec.get("flags") or [])
                 context_tokens += len(rec["input_ids"]) - 1
+                mine = modes.setdefault(record_mode(rec, reader.settings), {
+                    "samples": 0, "generated_tokens": 0, "context_tokens": 0, "lengths": [], "at_cap": 0, "stubs": 0})
+                mine["samples"] += 1
+                mine["generated_tokens"] += n
+                mine["context_tokens"] += len(rec["input_ids"]) - 1
+                mine["lengths"].append(n)
+                mine["at_cap"] += rec.get("finish_reason") == "length"
+                mine["stubs"] += is_stub(rec.get("flags") or [])
                 if layers and codec["samples"] < codec_samples:
                     got = reader.states(info, rec)
                     if got is not None:
@@ -114,4 +125,12 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
             "at_cap_share": at_cap / ok if ok else 0.0,
             "stub_share": stubs / ok if ok else 0.0,
         },
+        # the same per mode (a mixed run's thinking and non-thinking samples: their lengths differ by far)
+        "modes": {mode: {"samples": m["samples"], "generated_tokens": m["generated_tokens"],
+                         "context_tokens": m["context_tokens"],
+                         "median": float(statistics.median(m["lengths"])) if m["lengths"] else 0.0,
+                         "p90": percentile(m["lengths"], 90),
+                         "at_cap_share": m["at_cap"] / m["samples"] if m["samples"] else 0.0,
+                         "stub_share": m["stubs"] / m["samples"] if m["samples"] else 0.0}
+                  for mode, m in modes.items()},
     }

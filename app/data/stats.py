@@ -5,6 +5,10 @@ finish reasons and flag rates -- overall and per input file, since one bad sourc
 shows it at once, and the stub-or-empty rate is printed in red when it is above the run's pause threshold.
 Only done shards are read, so it works on a run still in progress. Reasoning tokens are not stored; they are
 `num_output_tokens - num_answer_tokens` (answer tokens count what follows `</think>`, end-of-turn excluded).
+
+A run of both modes (`--thinking-mix`) is split by mode everywhere: a table per mode with its own stub rate and
+alarm, every flag and finish table per mode, and every histogram drawn per mode, since a non-thinking answer is
+a fraction of a thinking one and an average over both describes neither. A run of one mode reads as before.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 
 from app.data.fanout import WHOLE, Part, open_reader, ordered_map, worker_reader
 from app.data.run_reader import RunReader
+from app.modes import record_mode, run_modes
 from app.states_bound import LayerErrors, promise
 
 
@@ -45,6 +50,9 @@ class RunStats:
     rejected: Counter = field(default_factory=Counter)
     total: Group = field(default_factory=Group)
     sources: dict[str, Group] = field(default_factory=lambda: defaultdict(Group))
+    modes: dict[str, Group] = field(default_factory=lambda: defaultdict(Group))  # thinking / non_thinking
+    run_modes: tuple[str, ...] = ("thinking",)  # the modes the run's samples can be in (app/modes.run_modes)
+    mode_of: list[str] = field(default_factory=list)  # each sample's mode, beside prompt / reasoning / answer
     prompt: list[int] = field(default_factory=list)
     reasoning: list[int] = field(default_factory=list)
     answer: list[int] = field(default_factory=list)
@@ -61,7 +69,22 @@ class RunStats:
 
     @property
     def stub_alarm(self) -> bool:
-        return self.total.ok > 0 and self.stub_rate >= self.pause_stub_rate
+        return any(self.mode_alarm(m) for m in self.modes) or (self.total.ok > 0
+                                                                and self.stub_rate >= self.pause_stub_rate)
+
+    def mode_alarm(self, mode: str) -> bool:
+        g = self.modes.get(mode)
+        return bool(g and g.ok and g.rate(g.stubs) >= self.pause_stub_rate)
+
+    @property
+    def mixed(self) -> bool:
+        return len(self.run_modes) > 1
+
+    def by_mode(self, values: list[int]) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {m: [] for m in self.run_modes}
+        for mode, v in zip(self.mode_of, values, strict=True):
+            out.setdefault(mode, []).append(v)
+        return out
 
 
 def collect(reader: RunReader, processes: int = 1, part: Part = WHOLE) -> RunStats:
@@ -69,7 +92,8 @@ def collect(reader: RunReader, processes: int = 1, part: Part = WHOLE) -> RunSta
     `processes` > 1 reads the shards in worker processes; each sends back what it read of a shard, and the
     shards are added here in the same order, so every count, list and float is the one one process makes."""
     quality = reader.settings.get("quality") or {}
-    st = RunStats(reader.run_id, float(quality.get("pause_stub_rate", 0.2)), part=None if part.whole else str(part))
+    st = RunStats(reader.run_id, float(quality.get("pause_stub_rate", 0.2)), part=None if part.whole else str(part),
+                  run_modes=run_modes(reader.settings))
     every = reader.expected_shards()
     st.shards_total = len(part.pick(every))
     run_states = promise(reader.settings)
@@ -84,6 +108,8 @@ def collect(reader: RunReader, processes: int = 1, part: Part = WHOLE) -> RunSta
                             (reader.storage.url, reader.run_id))
     else:
         found = (read_shard(reader, reader.shard(s), lossy) for s in shards)
+    for mode in st.run_modes:
+        st.modes[mode]  # noqa: B018 - every mode of the run has its row, an empty one too
     for shard in found:
         add_shard(st, shard)
     reader.close()
@@ -93,7 +119,8 @@ def collect(reader: RunReader, processes: int = 1, part: Part = WHOLE) -> RunSta
 @dataclass
 class ShardRead:
     """What stats takes from one shard: its marker's speed, its hidden file's index entries (lossy runs), its
-    records' fields (ok records as (source, prompt, output, answer, mask sum, flags, finish); rejects by reason)."""
+    records' fields (ok records as (source, prompt, output, answer, mask sum, flags, finish, mode); rejects by
+    reason)."""
 
     speed: tuple[str, str, float] | None
     entries: list[dict]
@@ -115,7 +142,7 @@ def read_shard(reader: RunReader, info, lossy: bool) -> ShardRead:
             continue
         ok.append(((rec.get("source") or {}).get("file") or "?", rec["num_prompt_tokens"], rec["num_output_tokens"],
                    rec.get("num_answer_tokens") or 0, sum(rec["loss_mask"]), tuple(rec.get("flags") or ()),
-                   rec.get("finish_reason")))
+                   rec.get("finish_reason"), record_mode(rec, reader.settings)))
     return ShardRead(speed, entries, ok, rejected)
 
 
@@ -129,13 +156,14 @@ def add_shard(st: RunStats, shard: ShardRead) -> None:
         st.speed.append(shard.speed)
     for reason in shard.rejected:
         st.rejected[reason] += 1
-    for src, n_prompt, n_out, n_ans, mask_sum, flags, finish in shard.ok:
+    for src, n_prompt, n_out, n_ans, mask_sum, flags, finish, mode in shard.ok:
+        st.mode_of.append(mode)
         st.prompt.append(n_prompt)
         st.answer.append(n_ans)
         st.reasoning.append(max(0, n_out - n_ans))
         st.mask_sum.append(mask_sum)
         stub = is_stub(flags)
-        for g in (st.total, st.sources[src]):
+        for g in (st.total, st.sources[src], st.modes[mode]):
             g.ok += 1
             g.stubs += stub
             g.flags.update(flags)
@@ -153,6 +181,40 @@ def _read_task(task: tuple[str, bool]) -> ShardRead:
 def stub_line(st: RunStats) -> str:
     return (f"stub-or-empty: {100 * st.stub_rate:.1f}% of samples "
             f"({st.total.stubs} of {st.total.ok}; pause threshold {100 * st.pause_stub_rate:.0f}%)")
+
+
+def mode_stub_line(st: RunStats, mode: str) -> str:
+    g = st.modes[mode]
+    return (f"{mode.replace('_', '-')}: stub-or-empty {_pct(g.stubs, g.ok)} of {g.ok} samples "
+            f"(pause threshold {100 * st.pause_stub_rate:.0f}%, judged per mode)")
+
+
+def _mode_rows(st: RunStats, flags: list[str]) -> list[list[str]]:
+    rows = []
+    for mode in st.run_modes:
+        g = st.modes[mode]
+        values = {name: st.by_mode(v)[mode] for name, v in (("reasoning", st.reasoning), ("answer", st.answer))}
+        rows.append([mode.replace("_", "-"), str(g.ok), _pct(g.stubs, g.ok), *(_pct(g.flags[f], g.ok) for f in flags),
+                     *(f"{sum(values[n]) / len(values[n]):.0f}" if values[n] else "-" for n in ("reasoning", "answer")),
+                     f"{g.output_tokens / g.ok:.0f}" if g.ok else "-"])
+    return rows
+
+
+def modes_summary(st: RunStats) -> dict:
+    """The per-mode part of `regen stats --json`."""
+    out = {}
+    for mode in st.run_modes:
+        g = st.modes[mode]
+        out[mode] = {"ok": g.ok, "stubs": g.stubs, "stub_rate": g.rate(g.stubs), "stub_alarm": st.mode_alarm(mode),
+                     "flags": dict(g.flags), "finish_reasons": {str(k): v for k, v in g.finish.items()},
+                     "prompt_tokens": g.prompt_tokens, "output_tokens": g.output_tokens,
+                     "answer_tokens": sum(st.by_mode(st.answer)[mode]),
+                     "reasoning_tokens": sum(st.by_mode(st.reasoning)[mode])}
+    return out
+
+
+_MODE_COLUMNS = ("mode", "ok", "stub-or-empty")
+_MODE_TAIL = ("mean reasoning tokens", "mean answer tokens", "mean output tokens")
 
 
 def _pct(n: int, total: int) -> str:
@@ -198,8 +260,29 @@ def print_terminal(st: RunStats, console) -> None:
     for k, v in _summary_rows(st):
         summary.add_row(k, v)
     console.print(summary)
-    console.print(f"[bold red]{stub_line(st)}[/bold red]" if st.stub_alarm else f"[green]{stub_line(st)}[/green]")
     flags = sorted(st.total.flags)
+    if st.mixed:
+        for mode in st.run_modes:
+            line = mode_stub_line(st, mode)
+            console.print(f"[bold red]{line}[/bold red]" if st.mode_alarm(mode) else f"[green]{line}[/green]")
+        per_mode = Table(title="per mode")
+        for col in (*_MODE_COLUMNS, *flags, *_MODE_TAIL):
+            per_mode.add_column(col, justify="left" if col == "mode" else "right")
+        for row in _mode_rows(st, flags):
+            per_mode.add_row(*row)
+        console.print(per_mode)
+        finish = Table(title="finish reasons per mode")
+        finish.add_column("mode")
+        reasons = sorted({str(r) for g in st.modes.values() for r in g.finish})
+        for r in reasons:
+            finish.add_column(f"finish {r}", justify="right")
+        for mode in st.run_modes:
+            g = st.modes[mode]
+            counts = {str(k): v for k, v in g.finish.items()}
+            finish.add_row(mode.replace("_", "-"), *(_pct(counts.get(r, 0), g.ok) for r in reasons))
+        console.print(finish)
+    else:
+        console.print(f"[bold red]{stub_line(st)}[/bold red]" if st.stub_alarm else f"[green]{stub_line(st)}[/green]")
     t = Table(title="flags and finish reasons")
     t.add_column("what")
     t.add_column("samples", justify="right")
@@ -226,9 +309,12 @@ def print_terminal(st: RunStats, console) -> None:
         console.print(errors)
         console.print(_states_line(st))
     for name, values in (("prompt", st.prompt), ("reasoning", st.reasoning), ("answer", st.answer)):
-        if values:
-            s = sorted(values)
-            console.print(f"{name} tokens: median {s[len(s) // 2]}, p90 {s[int(0.9 * (len(s) - 1))]}, max {s[-1]}")
+        for mode, part in (st.by_mode(values).items() if st.mixed else (("", values),)):
+            if part:
+                s = sorted(part)
+                of = f" ({mode.replace('_', '-')})" if mode else ""
+                console.print(f"{name} tokens{of}: median {s[len(s) // 2]}, p90 {s[int(0.9 * (len(s) - 1))]}, "
+                              f"max {s[-1]}")
 
 
 def plots(st: RunStats) -> dict[str, bytes]:
@@ -248,10 +334,18 @@ def plots(st: RunStats) -> dict[str, bytes]:
         out[name] = buf.getvalue()
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.5))
+    colors = {"thinking": "#4477aa", "non_thinking": "#ee7733"}
     for ax, (title, values) in zip(axes.flat, (("prompt tokens", st.prompt), ("reasoning tokens", st.reasoning),
                                                ("answer tokens", st.answer), ("loss-mask sum", st.mask_sum)),
                                    strict=True):
-        ax.hist(values or [0], bins=50, color="#4477aa")
+        if st.mixed:  # one histogram per mode, over the same bins
+            parts = st.by_mode(values)
+            bins = max(1, min(50, len(set(values)) or 1))
+            ax.hist([parts[m] or [0] for m in st.run_modes], bins=bins, color=[colors[m] for m in st.run_modes],
+                    label=[m.replace("_", "-") for m in st.run_modes], histtype="bar")
+            ax.legend(fontsize=8)
+        else:
+            ax.hist(values or [0], bins=50, color="#4477aa")
         ax.set_title(title)
         ax.set_ylabel("samples")
     save("token_histograms", fig)
@@ -267,6 +361,29 @@ def plots(st: RunStats) -> dict[str, bytes]:
     a2.set_xlabel("% of ok samples")
     a2.set_title("quality flags")
     save("finish_and_flags", fig)
+
+    if st.mixed:  # the flags and finish reasons of each mode side by side
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
+        reasons = sorted({str(r) for g in st.modes.values() for r in g.finish})
+        names = ["stub-or-empty", *sorted(st.total.flags)]
+        width = 0.8 / len(st.run_modes)
+        for k, mode in enumerate(st.run_modes):
+            g = st.modes[mode]
+            finish = {str(r): n for r, n in g.finish.items()}
+            a1.bar([i + k * width for i in range(len(reasons))], [100 * g.rate(finish.get(r, 0)) for r in reasons],
+                   width, color=colors[mode], label=mode.replace("_", "-"))
+            rates = [100 * g.rate(g.stubs), *(100 * g.rate(g.flags[f]) for f in names[1:])]
+            a2.barh([i + k * width for i in range(len(names))], rates, width, color=colors[mode],
+                    label=mode.replace("_", "-"))
+        a1.set_xticks([i + 0.4 - width / 2 for i in range(len(reasons))], reasons)
+        a1.set_ylabel("% of the mode's ok samples")
+        a1.set_title("finish reasons per mode")
+        a1.legend(fontsize=8)
+        a2.set_yticks([i + 0.4 - width / 2 for i in range(len(names))], names)
+        a2.axvline(100 * st.pause_stub_rate, color="#cc3311", linestyle="--", linewidth=1)
+        a2.set_xlabel("% of the mode's ok samples")
+        a2.set_title("quality flags per mode")
+        save("flags_per_mode", fig)
 
     fig, ax = plt.subplots(figsize=(10, 3.8))
     by_worker: dict[str, list[tuple[dt.datetime, float]]] = defaultdict(list)
@@ -305,6 +422,10 @@ def render_html(st: RunStats, images: dict[str, bytes]) -> str:
                [[f"flag {f}", st.total.flags[f], _pct(st.total.flags[f], st.total.ok)] for f in flags]
                + [[f"finish {r}", n, _pct(n, st.total.ok)] for r, n in st.total.finish.most_common()]
                + [[f"rejected {r}", n, ""] for r, n in st.rejected.most_common()]),
+        *(["<h2>per mode</h2>",
+           *(f'<p class="stub-{m}" style="color:{"#cc3311" if st.mode_alarm(m) else "#228833"};font-weight:bold">'
+             f"{html.escape(mode_stub_line(st, m))}</p>" for m in st.run_modes),
+           _table([*_MODE_COLUMNS, *flags, *_MODE_TAIL], _mode_rows(st, flags))] if st.mixed else []),
         "<h2>per input source</h2>",
         _table(["source", "ok", "stub-or-empty", *flags, "mean output tokens"], _source_rows(st, flags)),
     ]

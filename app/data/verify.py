@@ -36,10 +36,11 @@ import zstandard
 
 from app.data.fanout import WHOLE, Part, open_reader, ordered_map, worker_reader
 from app.data.run_reader import RunReader, ShardInfo
-from app.data.verify_checks import Problem, ShardResult, check_states
+from app.data.verify_checks import Problem, ShardResult, check_mode, check_states
 from app.hidden_file import CorruptHiddenFile, HiddenFileReader, bf16_to_float32
 from app.ids import shard_id as shard_name
 from app.jsonl_zst import iter_jsonl_zst
+from app.manifest import setting
 from app.states_bound import promise, reference_excess
 
 REFERENCE_MAX_ABS = 0.05  # bf16 noise between vLLM's kernels and transformers' eager forward (docs/measured-facts.md: ~0.002)
@@ -287,7 +288,7 @@ def _check_records(res: ShardResult, reader: RunReader, info: ShardInfo, raw: by
                 res.add("record_status", f"status {rec.get('status')!r}", sid)
                 continue
             res.ok += 1
-            good = _check_record(res, rec, reader.run_id)
+            good = _check_record(res, rec, reader.run_id) and check_mode(res, rec, reader.settings)
             if hreader is None or "input_ids" not in rec:
                 continue
             pos = hreader.by_id.get(sid)
@@ -333,12 +334,16 @@ def check_turns(res: ShardResult, turns: dict[str, list[dict]]) -> None:
 
 
 def _expected_sizes(reader: RunReader, counts: dict) -> dict[str, int]:
-    """Samples the producer put in each shard: shard_size each, the last one the remainder."""
+    """Samples the producer put in each shard: shard_size each, the last of each pass (one pass per sample of a
+    prompt, producer/produce.sample_shards) the remainder."""
     n, size, enq = int(counts.get("shards") or 0), int(reader.settings.get("shard_size") or 0), counts.get("enqueued")
     if not n or not size or enq is None:
         return {}
+    passes = int(setting(reader.settings, "samples_per_prompt"))
+    per_pass = n // passes
     sizes = {shard_name(k): size for k in range(n)}
-    sizes[shard_name(n - 1)] = int(enq) - size * (n - 1)
+    for k in range(passes):
+        sizes[shard_name((k + 1) * per_pass - 1)] = int(enq) - size * (per_pass - 1)
     return sizes
 
 
@@ -404,14 +409,23 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
         "dead_lettered": dead_samples, "missing": missing_samples,
     }
     if counts:
-        rhs = written + int(counts["duplicates"]) + int(counts["rejected"]) + dead_samples
+        # read = prompts enqueued + duplicates + rejected + left out (`--take`), and the samples made of the
+        # prompts (K each) = written + dead-lettered; with one sample per prompt and no take the two are
+        # today's one identity, read = written + duplicates + rejected + dead-lettered.
+        left_out = int(counts.get("left_out") or 0)
+        samples = int(counts.get("samples", counts["enqueued"]))
+        accounting.update(left_out=left_out, samples=samples)
+        extra = samples - int(counts["enqueued"])  # the prompts' samples beyond their first
+        rhs = written + int(counts["duplicates"]) + int(counts["rejected"]) + left_out + dead_samples - extra
         accounting["identity_holds"] = int(counts["read"]) == rhs
         if not accounting["identity_holds"]:
             # Short by exactly the samples of unfinished shards: the run is incomplete, not inconsistent.
             short_by_missing = int(counts["read"]) == rhs + missing_samples
+            more = (f" + left out {left_out}" if left_out else "") + (
+                f" - {extra} samples beyond each prompt's first" if extra else "")
             problems.append(Problem("accounting", None, None,
                                     f"read {counts['read']} != written {written} + duplicates {counts['duplicates']} "
-                                    f"+ rejected {counts['rejected']} + dead-lettered {dead_samples} "
+                                    f"+ rejected {counts['rejected']} + dead-lettered {dead_samples}{more} "
                                     f"({missing_samples} samples in missing shards)",
                                     severity=gap if short_by_missing else "error"))
     sampled = None

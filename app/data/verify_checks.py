@@ -39,6 +39,30 @@ class ShardResult:
         self.problems.append(Problem(kind, self.shard, sample, detail, severity))
 
 
+def check_mode(res: ShardResult, rec: dict, settings: dict) -> bool:
+    """A mixed run's record against its mode: its prompt ids must end as the target's template ends that mode's
+    generation prompt (the tails the producer measured, app/modes.py; Qwen3: a non-thinking prompt ends in the
+    empty think block), and its reasoning must be what the mode allows (none without thinking). True: clean."""
+    from app.modes import prompt_ends_in_mode, record_mode, record_thinking
+
+    tails = settings.get("mode_prompt_tails")
+    if not tails:
+        return True
+    thinking, sid = record_thinking(rec, settings), rec.get("sample_id")
+    if "thinking" not in rec:
+        res.add("mode", "record of a mixed run names no mode", sid)
+        return False
+    n_prompt = int(rec.get("num_prompt_tokens") or 0)
+    if not prompt_ends_in_mode(rec["input_ids"][:n_prompt], tails, thinking):
+        res.add("mode", f"record says {record_mode(rec, settings)}, but its prompt ids do not end in that mode's "
+                f"generation prompt ({tails[record_mode(rec, settings)]})", sid)
+        return False
+    if not thinking and rec.get("reasoning"):
+        res.add("mode", "non-thinking record with reasoning", sid)
+        return False
+    return True
+
+
 def check_states(res: ShardResult, rec: dict, hreader: HiddenFileReader, pos: int, reader: RunReader,
                   hidden_size: int | None) -> bool:
     """Decode sample `pos` of the hidden file and check it against its record and the run (ids, layers,

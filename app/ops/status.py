@@ -298,7 +298,8 @@ def summarise(scan: RunScan, now: float, stale_after: float = DEFAULT_VISIBILITY
         "shards": {"total": total, **by_state, "remaining": remaining,
                    "waiting": None if remaining is None else max(0, remaining - by_state["running"]
                                                                  - by_state["failed"] - by_state["stale"])},
-        "samples": {"total": counts.get("enqueued"), "done": sum(int(m.get("samples", 0)) for m in markers),
+        # samples: the prompts' K samples each (`--samples-per-prompt`); runs before it have one per prompt
+        "samples": {"total": counts.get("samples", counts.get("enqueued")), "done": sum(int(m.get("samples", 0)) for m in markers),
                     "ok": ok, "stubs": stubs, "rejected": sum(rejected.values()), "rejected_by_reason": rejected,
                     "flags": flags},
         "tokens": {"prompt": sum(int(m.get("prompt_tokens", 0)) for m in markers), "generated": generated,

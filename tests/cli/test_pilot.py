@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from app.cli import main
 from app.hidden_file import HiddenFileReader
 from app.jsonl_zst import loads_jsonl_zst
-from app.pilot import forecast, samples_per_s
+from app.pilot import commands, forecast, samples_per_s
 from app.storage import RunStore, Storage
 from producer.estimate import human_bytes
 from producer.pilot_sample import sample_inputs
@@ -319,3 +319,23 @@ def test_a_run_with_the_recommended_settings_completes_and_status_compares_it_wi
     shown = CliRunner().invoke(main, ["status", "rec", "--storage", str(run_storage), "--broker", PILOT_BROKER,
                                       "--inspect-timeout", "0"], catch_exceptions=False)
     assert "forecast by pilot dense" in shown.output
+
+
+def test_a_mixed_runs_forecast_is_split_by_mode_from_each_modes_measurements():
+    entry = _measured("a", "inline", 2.0)
+    # 100 samples: 40 thinking with long answers, 60 non-thinking short ones
+    entry["measured"]["modes"] = {
+        "thinking": {"samples": 40, "generated_tokens": 4000, "context_tokens": 5000},
+        "non_thinking": {"samples": 60, "generated_tokens": 1000, "context_tokens": 3000}}
+    pilot = _pilot("a", [entry])
+    pilot["settings"] = {**pilot["settings"], "thinking_mix": 0.4, "samples_per_prompt": 2}
+    plan = forecast([pilot])
+    assert plan["input_samples"] == 20_000 and plan["wall_s"] == pytest.approx(20_000 / 2.0)
+    thinking, plain = plan["modes"]["thinking"], plan["modes"]["non_thinking"]
+    assert (thinking["samples"], plain["samples"]) == (pytest.approx(8_000), pytest.approx(12_000))
+    assert thinking["generated_tokens"] == pytest.approx(8_000 * 100) and plain["generated_tokens"] == pytest.approx(
+        12_000 * 1000 / 60)
+    assert thinking["device_hours"] == pytest.approx(plan["device_hours"] * 0.8)  # 4000 of 5000 generated tokens
+    assert thinking["disk_bytes"]["bf16"] == pytest.approx(plan["disk_bytes"]["bf16"] * 5 / 8)  # context tokens
+    produce = commands([pilot], plan, ["/p.json"])["produce"]
+    assert "--thinking-mix 0.4" in produce and "--samples-per-prompt 2" in produce

@@ -84,6 +84,11 @@ def test_speculators_rows_are_the_ids_the_states_cover_and_states_round_trip(tmp
     freq = torch.load(tmp_path / "out" / "token_freq.pt", weights_only=True)
     want = Counter(t for r in keep for t, m in zip(r["input_ids"][:-1], r["loss_mask"][:-1], strict=True) if m)
     assert freq == dict(want)
+    # samples.jsonl names each number's sample; a run made before modes and several samples per prompt: each
+    # sample is its own prompt, in the run's one mode
+    named = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert named == [{"index": i, "sample_id": r["sample_id"], "prompt_id": r["sample_id"], "thinking": True}
+                     for i, r in enumerate(keep)]
 
 
 def test_trainer_export_resumes_numbering_and_removes_a_killed_attempts_files(tmp_path):

@@ -1,6 +1,7 @@
 """Trainer-ready exports of a real CPU run, checked against each trainer's contract and loaded by its own code.
 
-One small run of the session's worker (tiny Qwen3, vLLM layers 1-4 = the `eagle3` preset) is exported as
+One small mixed run of the session's worker (tiny Qwen3, vLLM layers 1-4 = the `eagle3` preset; both modes,
+`--thinking-mix 0.5`, and two samples per prompt, `--samples-per-prompt 2`) is exported as
 speculators, SpecForge DFlash and SpecForge EAGLE-3 data. Each export is read back with the trainer's own
 reader (speculators' `ArrowDataset`, SpecForge's `OfflineManifestReader` and its per-algorithm normalisers), its
 values compared with the run's stored states bit for bit, and SpecForge's own trainer runs a few DFlash and
@@ -34,11 +35,26 @@ H = 128
 @pytest.fixture(scope="module")
 def run(cpu_worker, e2e_storage, tiny_qwen3, tmp_path_factory):
     inputs = prompts_file(tmp_path_factory.mktemp("trainer-inputs"), n_synthetic=8, with_formats=False)
-    produce(e2e_storage, RUN, [inputs], tiny_qwen3, "--max-tokens", "32")
+    produce(e2e_storage, RUN, [inputs], tiny_qwen3, "--max-tokens", "32", "--thinking-mix", "0.5",
+            "--samples-per-prompt", "2")
     wait_run_done(e2e_storage, RUN)
     records = [r for r in run_records(e2e_storage, RUN) if r["status"] == "ok"]
-    assert len(records) == 8
+    assert len(records) == 16 and {r["thinking"] for r in records} == {True, False}
     return records, run_states(e2e_storage, RUN)
+
+
+def test_loss_masks_cover_exactly_the_generated_tokens_in_either_mode(run, tiny_qwen3):
+    from transformers import AutoTokenizer
+
+    records, _ = run
+    tok = AutoTokenizer.from_pretrained(str(tiny_qwen3))
+    empty_block = tok.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
+    for rec in records:
+        n_prompt, n_out = rec["num_prompt_tokens"], rec["num_output_tokens"]
+        assert rec["loss_mask"] == [0] * n_prompt + [1] * n_out
+        prompt = rec["input_ids"][:n_prompt]
+        # a non-thinking sample's empty think block is the template's, in the prompt, never supervised
+        assert (prompt[-len(empty_block):] == empty_block) == (not rec["thinking"]), rec["sample_id"]
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +123,10 @@ def test_speculators_arrow_dataset_loads_every_sample_with_the_run_states(run, e
     freq = torch.load(tmp_path / "spec" / "token_freq.pt", weights_only=True)
     want = Counter(t for r in records for t, m in zip(r["input_ids"][:-1], r["loss_mask"][:-1], strict=True) if m)
     assert freq == dict(want) and sum(freq.values()) > 0
+    # which prompt and mode each numbered sample is: the split a trainer makes by prompt
+    named = [json.loads(line) for line in (tmp_path / "spec" / "samples.jsonl").read_text().splitlines()]
+    assert named == [{"index": i, "sample_id": r["sample_id"], "prompt_id": r["prompt_id"], "thinking": r["thinking"]}
+                     for i, r in enumerate(records)]
 
 
 def test_specforge_dflash_reader_and_normaliser_take_every_file(run, dflash_export):

@@ -39,8 +39,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def test_sigkill_mid_shard_loses_and_duplicates_nothing(cpu_worker, e2e_storage, tiny_qwen3, tmp_path):
     # First the worker is killed (its engine process must die with it), then the engine process alone (the
     # worker must see its engine die, re-publish its shards and exit for a restart, as with a CUDA error).
-    inputs = prompts_beyond_the_slots(cpu_worker, tmp_path)  # the second kill needs shards the first did not reach
-    state = produce(e2e_storage, "sigkill", [inputs], tiny_qwen3, "--max-tokens", "48")
+    # The second kill needs shards the first did not reach. Two samples per prompt, each exactly once: the
+    # samples of a prompt are in different shards (one pass of shards per sample index), so a kill cuts some
+    # prompts' samples short and not others.
+    inputs = prompts_beyond_the_slots(cpu_worker, tmp_path)
+    state = produce(e2e_storage, "sigkill", [inputs], tiny_qwen3, "--max-tokens", "48", "--samples-per-prompt", "2")
     store = RunStore(Storage(str(e2e_storage)), "sigkill")
     starts_before = cpu_worker.text().count("engine self-test passed")
     killed: dict[str, set[str]] = {}
@@ -66,7 +69,13 @@ def test_sigkill_mid_shard_loses_and_duplicates_nothing(cpu_worker, e2e_storage,
     # The worker whose engine process died recorded why on the shards it was running, then exited for a restart.
     errors = [a.get("error", "") for shard in killed["engine"] for a in attempt_errors(store, shard)]
     assert any("the engine process exited (killed by SIGKILL)" in e for e in errors), (killed, errors)
-    report(e2e_storage, "sigkill", state["counts"]["enqueued"])
+    report(e2e_storage, "sigkill", state["counts"]["samples"])
+    per_prompt: dict[str, list[dict]] = {}
+    for rec in run_records(e2e_storage, "sigkill"):
+        per_prompt.setdefault(rec["prompt_id"], []).append(rec)
+    assert len(per_prompt) == state["counts"]["enqueued"] and state["counts"]["samples"] == 2 * len(per_prompt)
+    for recs in per_prompt.values():  # (prompt, index) exactly once, each sample its own seed
+        assert sorted(r["sample_index"] for r in recs) == [0, 1] and len({r["seed"] for r in recs}) == 2
     assert not store.dead_shards()
 
 

@@ -34,10 +34,10 @@ WORKER = Worker("gpu0@host", "tiny-fingerprint", "/models/tiny", LAYERS, max_att
                 engine={"vllm": "0.32.0", "vllm_args": []})
 
 
-def _store(root, capture: str = "inline", run_id: str = "guards") -> RunStore:
+def _store(root, capture: str = "inline", run_id: str = "guards", **more) -> RunStore:
     """A run on tmp storage whose manifest is written by the producer's own code."""
     store = RunStore(Storage(str(root)), run_id)
-    open_or_create(store, RunSettings(
+    open_or_create(store, RunSettings(**more,
         model={"path": "/models/tiny", "num_layers": 4, "hidden_size": 16, "model_type": "qwen3",
                "fingerprint": WORKER.model_fingerprint},
         sampling=Sampling.defaults(True, 64), thinking=True, capture_mode=capture,
@@ -279,6 +279,36 @@ def test_pause_on_stubs_pauses_the_run_once_its_stub_rate_crosses_the_threshold(
     assert pause["reason"] == ("stub-or-empty rate 100% over the last 4 samples on gpu0@host crossed the "
                                "threshold 20%")
     assert (pause["rate"], pause["window"], pause["by"]) == (1.0, 4, WORKER.name)
+
+
+def _judged(text: str, thinking: bool) -> dict:
+    """An ok record of `text` (finished on its own) with the flags the worker gives it in `thinking` mode."""
+    from app.quality import sample_flags, split_reasoning, think_closed
+
+    reasoning, answer = split_reasoning(text, thinking)
+    flags = sample_flags(thinking=thinking, reasoning=reasoning, think_closed=think_closed(text), answer=answer,
+                         answer_tokens=len(answer.split()), finish_reason="stop", output_ids=list(range(30)),
+                         quality=QualitySettings())
+    return {"status": "ok", "thinking": thinking, "flags": flags}
+
+
+def test_a_mixed_run_judges_and_pauses_each_mode_by_its_own_samples(tmp_path, deliver):
+    store = _store(tmp_path, run_id="mixed", thinking_mix=0.5)
+    d = _begun(deliver(store))
+    answer = "Paris is the capital of France, on the Seine, with about two million people in the city."
+    # A non-thinking answer has no reasoning and no </think>: judged as a thinking sample it would be an
+    # unterminated thought with an empty answer, a stub; judged in its own mode it is a clean answer.
+    assert _judged(answer, thinking=True)["flags"] == ["missing_think_end", "empty_answer"]
+    assert _judged(answer, thinking=False)["flags"] == []
+    pause_on_stubs(d, [_judged(answer, thinking=False)] * 40)
+    assert ledger.pause_state(store) is None
+    # Thinking stubs pause the run on the thinking window alone, though they are 4 of 44 samples (9%, under 20%).
+    stub = "<think>\n\n</think>\n\nOK."
+    assert "empty_reasoning" in _judged(stub, thinking=True)["flags"]
+    pause_on_stubs(d, [_judged(stub, thinking=True)] * 4)
+    pause = ledger.pause_state(store)
+    assert pause["reason"] == ("stub-or-empty rate 100% over the last 4 thinking samples on gpu0@host crossed the "
+                               "threshold 20%")
 
 
 def test_settle_failure_tells_an_engine_crash_from_the_shards_own_failures(tmp_path, deliver):

@@ -16,6 +16,7 @@ import numpy as np
 from app.hidden_file import encode_sample
 from app.ids import seed_for
 from app.manifest import compression_level
+from app.modes import record_thinking, sampling_for
 from app.quality import (
     answer_token_count,
     implausible_states,
@@ -31,6 +32,9 @@ from workers.engine.request import GenRequest, GenResult
 
 if TYPE_CHECKING:
     from workers.process.context import WorkerContext
+
+
+SAMPLING_RECORDED = ("temperature", "top_p", "top_k", "min_p")  # the record's `sampling`: what its mode and index gave
 
 
 def render_prompt(tokenizer, messages: list[dict], tools, thinking: bool) -> list[int]:
@@ -60,9 +64,10 @@ class ShardGeneration:
     def __init__(self, ctx: WorkerContext, manifest: dict, run_id: str, shard_id: str, hidden_out=None):
         settings = manifest["settings"]
         self.ctx, self.run_id, self.shard_id = ctx, run_id, shard_id
+        self.settings = settings
         self.sampling = dict(settings["sampling"])
         self.run_seed = int(self.sampling.pop("seed", 0))
-        self.thinking = bool(settings["thinking"])
+        self.thinking = bool(settings["thinking"])  # the mode of samples without their own (app/modes.py)
         self.capture_inline = settings["capture_mode"] == "inline"
         if self.capture_inline and hidden_out is None:
             raise ValueError("inline capture needs a hidden-state file to write into")
@@ -80,8 +85,13 @@ class ShardGeneration:
         self.gen_seconds = 0.0
 
     def base(self, sample: dict, index: int, messages: list[dict], **extra) -> dict:
+        mode = {"thinking": record_thinking(sample, self.settings)}
+        if sample.get("mode_rule"):
+            mode["mode_rule"] = sample["mode_rule"]
         return {
             "run_id": self.run_id, "shard_id": self.shard_id, "sample_id": sample["id"], "index": index, **extra,
+            "prompt_id": sample.get("prompt_id") or extra.get("conversation_id") or sample["id"],
+            "sample_index": int(sample.get("sample_index", 0)), **mode,
             "source": sample.get("source"), "messages": messages, "tools": sample.get("tools"),
             "worker": self.ctx.worker_name, "device": self.ctx.config.device_class,
         }
@@ -89,9 +99,10 @@ class ShardGeneration:
     def add(self, base: dict) -> GenRequest | None:
         """Append the sample's record; its request, or None when the prompt is rejected (the record says why)."""
         pos = len(self.records)
+        thinking = base["thinking"]
         try:
             with self.ctx.tokenizer_lock:
-                prompt_ids = render_prompt(self.ctx.tokenizer, base["messages"], base["tools"], self.thinking)
+                prompt_ids = render_prompt(self.ctx.tokenizer, base["messages"], base["tools"], thinking)
         except Exception as exc:  # a template that cannot render this conversation
             self.records.append(rejected_record(base, "template_error", f"{type(exc).__name__}: {exc}"))
             return None
@@ -103,17 +114,19 @@ class ShardGeneration:
             ))
             return None
         seed = seed_for(self.run_seed, base["sample_id"])
-        self.records.append({**base, "seed": seed})
-        return GenRequest(str(pos), prompt_ids, {**self.sampling, "seed": seed}, capture=self.capture_inline)
+        sampling = sampling_for(self.settings, thinking, base["sample_index"])
+        self.records.append({**base, "seed": seed, "sampling": {k: sampling[k] for k in SAMPLING_RECORDED}})
+        return GenRequest(str(pos), prompt_ids, {**sampling, "seed": seed}, capture=self.capture_inline)
 
     def finish(self, res: GenResult) -> dict:
         """The engine's result into its record (on the delivery thread); returns the record."""
         i = int(res.request_id)
         rec = self.records[i]
         input_ids = res.prompt_token_ids + res.output_token_ids
-        reasoning, answer = split_reasoning(res.text, self.thinking)
+        thinking = rec["thinking"]  # each sample judged in its own mode: no reasoning is no fault without thinking
+        reasoning, answer = split_reasoning(res.text, thinking)
         n_answer = answer_token_count(res.output_token_ids, self.think_end_id, self.eos_ids, answer)
-        flags = sample_flags(thinking=self.thinking, reasoning=reasoning, think_closed=think_closed(res.text),
+        flags = sample_flags(thinking=thinking, reasoning=reasoning, think_closed=think_closed(res.text),
                              answer=answer, answer_tokens=n_answer, finish_reason=res.finish_reason,
                              output_ids=res.output_token_ids, quality=self.quality)
         rec.update({

@@ -28,6 +28,7 @@ from celery.exceptions import Reject
 
 from app import ledger
 from app.errors import InvalidTask, ManifestMismatch
+from app.modes import record_mode, run_modes
 from app.quality import StubWindow, is_stub
 from app.storage import RunStore
 from workers.engine.limits import unsupported
@@ -191,16 +192,24 @@ def run_guards(d: Delivery) -> str | None:
 
 
 def pause_on_stubs(d: Delivery, records: list[dict]) -> None:
-    """Feed the run's stub window; pause the run when the recent stub-or-empty rate crosses its threshold."""
-    q = d.manifest["settings"].get("quality", {})
-    window = d.windows.setdefault(d.run_id, StubWindow(int(q.get("pause_window", 256))))
-    for r in records:
-        if r.get("status") == "ok":
-            window.add(is_stub(r["flags"]))
+    """Feed the run's stub window of each sample's mode (a mixed run has one per mode: non-thinking answers are
+    short by nature and must not hide, or dilute, thinking stubs); pause the run when a mode's recent
+    stub-or-empty rate crosses the threshold."""
+    settings = d.manifest["settings"]
+    q = settings.get("quality", {})
     threshold = float(q.get("pause_stub_rate", 0.2))
-    pausing = threshold < 1.0 and window.should_pause(threshold, int(q.get("pause_min_samples", 32)))
-    if pausing and not ledger.pause_state(d.store):
-        reason = (f"stub-or-empty rate {window.rate:.0%} over the last {len(window.values)} samples on "
-                  f"{d.worker.name} crossed the threshold {threshold:.0%}")
-        ledger.pause_run(d.store, reason, rate=window.rate, window=len(window.values), by=d.worker.name)
-        log.error("run %s paused: %s", d.run_id, reason)
+    mixed = len(run_modes(settings)) > 1
+    for mode in sorted({record_mode(r, settings) for r in records if r.get("status") == "ok"}):
+        key = (d.run_id, mode) if mixed else d.run_id
+        window = d.windows.setdefault(key, StubWindow(int(q.get("pause_window", 256))))
+        for r in records:
+            if r.get("status") == "ok" and record_mode(r, settings) == mode:
+                window.add(is_stub(r["flags"]))
+        pausing = threshold < 1.0 and window.should_pause(threshold, int(q.get("pause_min_samples", 32)))
+        if pausing and not ledger.pause_state(d.store):
+            of = f" {mode.replace('_', '-')}" if mixed else ""
+            reason = (f"stub-or-empty rate {window.rate:.0%} over the last {len(window.values)}{of} samples on "
+                      f"{d.worker.name} crossed the threshold {threshold:.0%}")
+            ledger.pause_run(d.store, reason, rate=window.rate, window=len(window.values), by=d.worker.name)
+            log.error("run %s paused: %s", d.run_id, reason)
+

@@ -1,0 +1,83 @@
+"""Each sample's generation mode (thinking or not), and the sampling it is generated with.
+
+Why per sample: a drafter serves whatever mode the traffic asks for, and a draft trained on one mode collapses in
+the other (docs/measured-facts.md), so one run can hold both (`regen produce --thinking-mix P`). The mode is
+decided by the producer and travels in the sample's message, so every worker, and every redelivery, renders
+and samples it the same way. The rules, in order (the manifest counts which rule decided each sample):
+
+- `input`: the input row names its mode (`enable_thinking`, or a boolean `thinking` field); mix runs only;
+- `mix`: drawn from the run seed and the sample id (`draw_thinking`): the same on every produce of the run;
+- `run`: the run's one mode (`--thinking` / `--no-thinking`, and every run made before mixes existed).
+
+A sample is rendered with the target's template and `enable_thinking` of its mode, and sampled with that mode's
+sampling (Qwen's recommended values unless the operator set them), with sample k of a prompt at
+`sample_temperatures[k % len]` when the run lists temperatures. Records say their mode (`thinking`); a record
+without one (runs made before) is in the run's mode (`record_thinking`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from app.manifest import mode_name, setting
+
+RULES = ("input", "mix", "run")
+
+
+def mode_draw(run_seed: int, sample_id: str) -> float:
+    """A uniform number in [0, 1) from the run seed and the sample id (independent of the sample's seed)."""
+    digest = hashlib.blake2b(f"mode:{run_seed}:{sample_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64
+
+
+def draw_thinking(mix: float, run_seed: int, sample_id: str) -> bool:
+    return mode_draw(run_seed, sample_id) < mix
+
+
+def sample_mode(settings: dict, sample: dict) -> tuple[bool, str]:
+    """(thinking, rule) for a sample the producer is about to shard; see the module docstring."""
+    mix = setting(settings, "thinking_mix")
+    if mix is None:
+        return bool(settings["thinking"]), "run"
+    own = sample.get("input_thinking")
+    if own is not None:
+        return bool(own), "input"
+    return draw_thinking(float(mix), int(settings["sampling"].get("seed", 0)), sample["id"]), "mix"
+
+
+def record_thinking(rec: dict, settings: dict) -> bool:
+    """A record's (or a sample message's) mode; one without its own is in the run's mode."""
+    own = rec.get("thinking")
+    return bool(settings.get("thinking", True)) if own is None else bool(own)
+
+
+def record_mode(rec: dict, settings: dict) -> str:
+    """`thinking` or `non_thinking`, for tables and counts."""
+    return mode_name(record_thinking(rec, settings))
+
+
+def run_modes(settings: dict) -> tuple[str, ...]:
+    """The modes a run's samples can be in."""
+    if setting(settings, "thinking_mix") is None:
+        return (mode_name(bool(settings.get("thinking", True))),)
+    return ("thinking", "non_thinking")
+
+
+def sampling_for(settings: dict, thinking: bool, sample_index: int = 0) -> dict:
+    """The sampling one sample is generated with (the run seed included; the sample's own seed is drawn apart)."""
+    by_mode = setting(settings, "mode_sampling")
+    out = dict(by_mode[mode_name(thinking)] if by_mode else settings["sampling"])
+    temperatures = setting(settings, "sample_temperatures")
+    if temperatures:
+        out["temperature"] = float(temperatures[sample_index % len(temperatures)])
+    return out
+
+
+def prompt_ends_in_mode(prompt_ids: list[int], tails: dict, thinking: bool) -> bool:
+    """Whether a prompt ends as its mode's generation prompt does (and not as the other mode's)."""
+    own, other = tails[mode_name(thinking)], tails[mode_name(not thinking)]
+
+    def ends(tail):
+        return len(prompt_ids) >= len(tail) and list(prompt_ids[len(prompt_ids) - len(tail):]) == list(tail)
+
+    return ends(own) and not (len(other) > len(own) and ends(other))
