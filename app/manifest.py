@@ -59,9 +59,18 @@ class StatesStorage:
     max_rel_error: float = 0.0
 
 
+@dataclass
+class CaptureCheckSettings:
+    """Which samples a worker re-captures on its own engine to check its capture (workers/shard/capture_check.py):
+    one in `every` by sample id (0: none by id), and every engine's first `first` samples."""
+
+    every: int = 100
+    first: int = 4
+
+
 # Settings added after runs were made: a manifest without one was made with its default, so reopening such a
 # run with the default is not a change of settings.
-_ADDED_LATER = {"states": asdict(StatesStorage())}
+_ADDED_LATER = {"states": asdict(StatesStorage()), "capture_check": asdict(CaptureCheckSettings())}
 
 
 @dataclass
@@ -87,6 +96,7 @@ class RunSettings:
     # written, None included: a manifest without it was made without it, and reopening a speculative run
     # without the setting (or the reverse) is refused as a change of settings.
     speculative: str | None = None
+    capture_check: CaptureCheckSettings = field(default_factory=CaptureCheckSettings)
 
     def to_dict(self) -> dict:
         out = asdict(self)

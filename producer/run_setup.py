@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 
 from app.errors import ConfigError, InputError, ManifestMismatch
 from app.layers import parse_layers
-from app.manifest import CAPTURE_MODES, QualitySettings, RunSettings, Sampling, StatesStorage
+from app.manifest import (
+    CAPTURE_MODES,
+    CaptureCheckSettings,
+    QualitySettings,
+    RunSettings,
+    Sampling,
+    StatesStorage,
+)
 from app.model_info import read_model_info
 from app.settings import DEFAULT_SHARD_SIZE
 from app.speculative import check_speculative, parse_speculative
@@ -66,6 +73,7 @@ class ProduceOptions:
     vllm_args: list[str] = field(default_factory=list)  # KEY=VALUE, recorded in the manifest for every worker
     states_dtype: str = "bf16"
     speculative: str | None = None  # "mtp" / "mtp:K" as given; the manifest records it normalised ("mtp:2")
+    capture_check_every: int = 100  # workers re-capture one sample in this many to check their capture (0: none)
 
     @property
     def prompt_char_cap(self) -> int:
@@ -146,6 +154,7 @@ def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
         engine_args=run_engine_args(opts.vllm_args, capture=opts.capture != "off"),
         states=StatesStorage(stored, promised_bound(stored, info.hidden_size)),
         speculative=speculative,
+        capture_check=CaptureCheckSettings(every=opts.capture_check_every),
     )
 
 

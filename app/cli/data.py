@@ -123,6 +123,13 @@ def _print_verify(report, strict: bool) -> None:
         summary.add_row("  checked for every shard", s["checked_everywhere"])
         summary.add_row("  not read", s["not_read"])
     out.print(summary)
+    if report.modes and report.modes.modes:
+        modes = Table(title="per engine mode")
+        for col in report.modes.header():
+            modes.add_column(col, justify="left" if col == "engine mode" else "right")
+        for row in report.modes.rows():
+            modes.add_row(*row)
+        out.print(modes)
     if report.problems:
         table = Table(title=f"{len(report.problems)} problems")
         for col in ("severity", "kind", "shard", "sample", "detail"):
@@ -232,6 +239,7 @@ def stats_cmd(run_id: str, storage: str, html_path: str | None, as_json: bool, p
             "finish_reasons": {str(k): v for k, v in t.finish.items()}, "rejected": dict(st.rejected),
             "sources": {s: {"ok": g.ok, "stubs": g.stubs, "flags": dict(g.flags)} for s, g in st.sources.items()},
             "states": states_summary(st),
+            "engine_modes": st.modes.as_dict(),
         }, option=orjson.OPT_INDENT_2).decode())
     else:
         print_terminal(st, _console())

@@ -16,6 +16,7 @@ import io
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from app.data.engine_modes import ModeCounts, shard_mode
 from app.data.fanout import WHOLE, Part, open_reader, ordered_map, worker_reader
 from app.data.run_reader import RunReader
 from app.states_bound import LayerErrors, promise
@@ -54,6 +55,7 @@ class RunStats:
     states_bound: float = 0.0
     states_errors: LayerErrors | None = None  # lossy runs: the recorded error per layer (app/states_bound.py)
     part: str | None = None  # `I/N` when only that part's shards were read
+    modes: ModeCounts = field(default_factory=ModeCounts)  # samples and capture checks per engine mode
 
     @property
     def stub_rate(self) -> float:
@@ -99,6 +101,7 @@ class ShardRead:
     entries: list[dict]
     ok: list[tuple]
     rejected: list[str]
+    mode: tuple[str, int, int] = ("unknown", 0, 0)  # engine mode, samples re-checked, failed (engine_modes.py)
 
 
 def read_shard(reader: RunReader, info, lossy: bool) -> ShardRead:
@@ -116,7 +119,7 @@ def read_shard(reader: RunReader, info, lossy: bool) -> ShardRead:
         ok.append(((rec.get("source") or {}).get("file") or "?", rec["num_prompt_tokens"], rec["num_output_tokens"],
                    rec.get("num_answer_tokens") or 0, sum(rec["loss_mask"]), tuple(rec.get("flags") or ()),
                    rec.get("finish_reason")))
-    return ShardRead(speed, entries, ok, rejected)
+    return ShardRead(speed, entries, ok, rejected, shard_mode(m, info.captured))
 
 
 def add_shard(st: RunStats, shard: ShardRead) -> None:
@@ -129,6 +132,7 @@ def add_shard(st: RunStats, shard: ShardRead) -> None:
         st.speed.append(shard.speed)
     for reason in shard.rejected:
         st.rejected[reason] += 1
+    st.modes.add(shard.mode[0], len(shard.ok), shard.mode[1], shard.mode[2])
     for src, n_prompt, n_out, n_ans, mask_sum, flags, finish in shard.ok:
         st.prompt.append(n_prompt)
         st.answer.append(n_ans)
@@ -217,6 +221,12 @@ def print_terminal(st: RunStats, console) -> None:
     for row in _source_rows(st, flags):
         per.add_row(*row)
     console.print(per)
+    modes = Table(title="per engine mode (the engine that captured the states; the capture check's re-captures)")
+    for col in st.modes.header():
+        modes.add_column(col, justify="left" if col == "engine mode" else "right")
+    for row in st.modes.rows():
+        modes.add_row(*row)
+    console.print(modes)
     if st.states_errors is not None:
         errors = Table(title=f"stored states: {st.states_dtype}, relative error per token (bound {st.states_bound})")
         for col in ("layer (vLLM id)", "max", "RMS"):
@@ -307,6 +317,8 @@ def render_html(st: RunStats, images: dict[str, bytes]) -> str:
                + [[f"rejected {r}", n, ""] for r, n in st.rejected.most_common()]),
         "<h2>per input source</h2>",
         _table(["source", "ok", "stub-or-empty", *flags, "mean output tokens"], _source_rows(st, flags)),
+        "<h2>per engine mode</h2>",
+        _table(st.modes.header(), st.modes.rows()),
     ]
     if st.states_errors is not None:
         parts += [f"<h2>stored states: {html.escape(st.states_dtype)} (bound {st.states_bound})</h2>",

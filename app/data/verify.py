@@ -33,6 +33,7 @@ import numpy as np
 import orjson
 import zstandard
 
+from app.data.engine_modes import ModeCounts, check_failure, shard_mode
 from app.data.fanout import WHOLE, Part, open_reader, ordered_map, worker_reader
 from app.data.run_reader import RunReader, ShardInfo
 from app.data.verify_checks import Problem, ShardResult, check_states
@@ -53,6 +54,7 @@ class VerifyReport:
     reference: dict | None = None
     incomplete: dict | None = None  # what is missing and why (None when the run is complete)
     sampled: dict | None = None  # what a sampled verify read and did not read
+    modes: ModeCounts | None = None  # samples and capture checks per engine mode (app/data/engine_modes.py)
     part: str | None = None  # `I/N` when only that part's shards were checked (verify_run says what that means)
 
     def headline(self) -> str | None:
@@ -80,7 +82,9 @@ class VerifyReport:
         return {"run_id": self.run_id, **({"part": self.part} if self.part else {}), "ok": self.ok(strict),
                 "headline": self.headline(),
                 "incomplete": self.incomplete, "accounting": self.accounting, "shards": self.shards,
-                "reference": self.reference, "sampled": self.sampled, "problems": [asdict(p) for p in self.problems]}
+                "reference": self.reference, "sampled": self.sampled,
+                "engine_modes": self.modes.as_dict() if self.modes else {},
+                "problems": [asdict(p) for p in self.problems]}
 
 
 def _read_records_file(res: ShardResult, reader: RunReader, info: dict) -> bytes | None:
@@ -399,10 +403,17 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
         from app.data.verify_sampled import decode_sample
 
         sampled = decode_sample(reader, [r for r in results if r.state == "done"], sample)
+    modes = ModeCounts()
+    for info in infos:  # the engine that made each shard's states, and what its capture check found
+        mode, checked, failed = shard_mode(info.marker, info.captured)
+        modes.add(mode, int(info.marker.get("ok") or 0), checked, failed)
+        failure = check_failure(info.shard_id, info.marker, info.captured)
+        if failure:
+            problems.append(Problem("capture_check", info.shard_id, failure[0], failure[1]))
     for res in sorted(results, key=lambda r: r.shard):
         problems += res.problems
     shard_counts = Counter(r.state for r in results)
-    report = VerifyReport(reader.run_id, accounting, dict(shard_counts), problems, sampled=sampled)
+    report = VerifyReport(reader.run_id, accounting, dict(shard_counts), problems, sampled=sampled, modes=modes)
     if not part.whole:
         report.part = str(part)
     dead_shards = sum(1 for s in every if s not in done and s in dead)

@@ -263,6 +263,24 @@ def pause_on_stubs(d: Delivery, records: list[dict]) -> None:
         log.error("run %s paused: %s", d.run_id, reason)
 
 
+def pause_on_capture_check(d: Delivery, checks: list[tuple[str, dict]]) -> None:
+    """Pause the run when a sample's capture check failed (workers/shard/capture_check.py): its states differ from
+    a re-capture of the same ids on this worker's engine. The reason names the worker, its engine mode and the
+    sample's worst layer, token and error; `regen resume-run` lifts it once the engine is understood."""
+    failed = [(sample, check) for sample, check in checks if not check.get("ok")]
+    if not failed or ledger.pause_state(d.store):
+        return
+    sample, check = failed[0]
+    mode = (d.worker.engine or {}).get("mode_key", "unknown")
+    reason = (f"capture check failed on worker {d.worker.name} (engine mode: {mode}): {len(failed)} of "
+              f"{len(checks)} re-captured samples of {d.shard} differ from their stored states; {sample}: "
+              f"{check.get('problem')}")
+    ledger.pause_run(d.store, reason, check="capture", by=d.worker.name, engine_mode=mode, shard=d.shard,
+                     sample_id=sample, layer=check.get("layer"), token=check.get("token"), error=check.get("error"),
+                     bound=check.get("bound"))
+    log.error("run %s paused: %s", d.run_id, reason)
+
+
 def settle_failure(d: Delivery, exc: Exception) -> str:
     """Record why the attempt failed; return what the task does next, as app/errors.classify decides by class:
     - "restart": the engine died. EngineLost (its process vanished under a signal) counts as a crash, any other
