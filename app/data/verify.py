@@ -40,6 +40,7 @@ from app.data.verify_checks import Problem, ShardResult, check_states
 from app.hidden_file import CorruptHiddenFile, HiddenFileReader, bf16_to_float32
 from app.ids import shard_id as shard_name
 from app.jsonl_zst import iter_jsonl_zst
+from app.layers import ascending_problem
 from app.states_bound import promise, reference_excess
 
 REFERENCE_MAX_ABS = 0.05  # bf16 noise between vLLM's kernels and transformers' eager forward (docs/measured-facts.md: ~0.002)
@@ -346,6 +347,8 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
     elif not produce.get("complete"):
         problems.append(Problem("produce_incomplete", None, None, "the producer has not finished enqueuing",
                                 severity=gap))
+    if reader.layers is not None and (mislabelled := ascending_problem(reader.layers)):
+        problems.append(Problem("layers_order", None, None, mislabelled))
     expected = _expected_sizes(reader, counts)
     done, dead = set(reader.done_shards()), reader.dead_generate_shards()
     every = reader.expected_shards()
