@@ -51,7 +51,7 @@ class WorkerProcess:
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
 
-    def wait_ready(self, count: int = 1, timeout: float = 240) -> None:
+    def wait_ready(self, count: int = 1, timeout: float = 600) -> None:
         wait_for(lambda: self.text().count("engine self-test passed") >= count or self._dead(), timeout,
                  f"worker start-up (log {self.log_path})")
         if self._dead():

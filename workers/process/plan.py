@@ -152,6 +152,14 @@ def refuse_unrunnable(configs, storage: str, run_id: str) -> None:
             raise ConfigError(f"worker {config.hostname} refuses run {run_id}: {why}")
 
 
+def run_sampling(storage: str, run_id: str) -> dict:
+    """The run's sampling (its manifest's): what a worker started with --run tests its engine with at start."""
+    from app import manifest as manifest_mod
+    from app.storage import RunStore, Storage
+
+    return dict(manifest_mod.load(RunStore(Storage(storage), run_id))["settings"]["sampling"])
+
+
 def manifest_engine_args(storage: str, run_id: str) -> dict:
     """The vLLM arguments a run's manifest gives every worker (`regen produce --vllm-arg`)."""
     from app import manifest as manifest_mod
