@@ -7,8 +7,8 @@ with 4 tokens and no `top_k` passed engines that crashed on the run's first shar
 wrong states at all. So the test generates, in one batch, with the run's sampling (`top_k` included; the default
 thinking-mode sampling for a worker started without `--run`):
 - a 1-token prompt (the shortest request an engine can be given);
-- a short prompt, and the same prompt again with the same seed (equal requests must give equal tokens and
-  states);
+- a short prompt, and the same prompt again with the same seed (equal requests must give equal states, where
+  their tokens agree: two rows of one batch may round apart and sample different tokens later);
 - a prompt longer than the engine's `max_num_batched_tokens`, so its prefill is split into chunks where chunked
   prefill is on (as long as `max_model_len` allows where it is off: the CPU preset's);
 and checks, by name: `tokens` (every request generated), `ids` (the capture covers exactly the request's prompt
@@ -103,9 +103,6 @@ def run_start_test(engine: Engine, sampling: dict | None, mode: dict | None) -> 
         res = got.get(req.request_id)
         if res is None or not res.output_token_ids:
             raise fail("tokens", f"the {req.request_id} prompt ({len(req.prompt_token_ids)} tokens) produced no tokens")
-    if got["short"].output_token_ids != got["short-again"].output_token_ids:
-        raise fail("duplicate", f"two equal requests (same prompt, same seed) generated different tokens: "
-                                f"{got['short'].output_token_ids} and {got['short-again'].output_token_ids}")
     if captures:
         _check_captures(engine, requests, got, fail)
     return time.monotonic() - t0
@@ -133,7 +130,12 @@ def _check_captures(engine: Engine, requests: list[GenRequest], got: dict[str, G
         if problem:
             raise fail("rows", f"the {req.request_id} prompt: {problem.line(layers)}")
         stored[req.request_id] = ids, states
-    same = compare(stored["short"][1], stored["short-again"][1], layers)
+    # Equal requests may sample apart after a few tokens (a random model's near-uniform logits, rounded apart in
+    # two rows of one batch, pick different tokens from the same seed): their states are compared where their
+    # tokens are still the same, the prompt and the common start of the output.
+    common = len(got["short"].prompt_token_ids) + _common_prefix(got["short"].output_token_ids,
+                                                                  got["short-again"].output_token_ids)
+    same = compare(stored["short"][1][:common], stored["short-again"][1][:common], layers)
     if not same.ok:
         raise fail("duplicate", f"two equal requests in one batch captured different states: {same.line()}")
     # Each alone, in a prefill-only batch of its own: the composition the generation batch did not have.
@@ -142,3 +144,10 @@ def _check_captures(engine: Engine, requests: list[GenRequest], got: dict[str, G
         (outcome,) = recheck(engine, [Pending(k, name, ids, states, duplicate=name == "short")], layers)
         if not outcome.ok:
             raise fail(outcome.check, f"the {name} prompt re-captured in a batch of its own: {outcome.line}")
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
