@@ -35,6 +35,13 @@ the layers in the same slots. Three tests, each of which catches what the others
    Rows that are bit-identical in the reference (a token repeated, rounded to one row in early layers) have no
    usable neighbour distinction and are not held to the first rule.
 
+   These distances forgive each value FORGIVE = 4 bf16 roundings of its own magnitude (a value's difference less
+   4u x its size, clipped at 0). Without that, one rounding step in the massive channel (2.0 at 400) could
+   outweigh the whole difference between two tokens' rows in a model whose other channels are small (a random
+   model's 0.02-scale embeddings): a right row whose channel rounded one way, beside a neighbour whose channel
+   rounded the other, would look nearer the neighbour. A shifted row differs from its counterpart by whole
+   values (another token's), which no per-value forgiveness of a few per cent hides.
+
 3. **Layer test.** Residual-stream layers of one token are close in a massive-channel model too, so a slot
    holding another captured layer can pass test 1; each slot's rows must be nearer the reference's same slot
    than any other slot (median over up to LAYER_PROBE_ROWS rows spread over the sequence).
@@ -57,6 +64,7 @@ from app.hidden_file import bf16_to_float32
 UNIT_ROUNDOFF_BF16 = 2.0 ** -8
 REL_BOUND = 16 * UNIT_ROUNDOFF_BF16  # 2^-4: two roundings x sqrt(64 decoder layers); see the module docstring
 SEPARATION = 0.5  # a row's distance to its counterpart, as a share of the layer's typical token-to-token step
+FORGIVE = 4 * UNIT_ROUNDOFF_BF16  # per value, in the shift and layer tests' distances: 4 bf16 roundings of it
 LAYER_PROBE_ROWS = 256  # rows the layer test compares across slots (it costs slots^2 passes over them)
 
 
@@ -115,9 +123,10 @@ def as_float(states: np.ndarray) -> np.ndarray:
     return np.asarray(states, dtype=np.float32)
 
 
-def _row_dist(a: np.ndarray, b: np.ndarray | None) -> np.ndarray:
-    """||a - b|| (||a|| when b is None) over the last axis, float32 (inf where a value is not finite), in blocks of rows so that a
-    3,000-token sample at width 5120 needs a few MB of scratch, not a copy of itself per distance."""
+def _row_dist(a: np.ndarray, b: np.ndarray | None, forgive: float = 0.0) -> np.ndarray:
+    """||a - b|| (||a|| when b is None) over the last axis, float32 (inf where a value is not finite), in blocks of
+    rows so that a 3,000-token sample at width 5120 needs a few MB of scratch, not a copy of itself per distance.
+    `forgive` > 0: each value's difference less `forgive` x its magnitude, clipped at 0 (see FORGIVE)."""
     out = np.empty(a.shape[:-1], dtype=np.float32)
     flat_a, flat_out = a.reshape(-1, a.shape[-1]), out.reshape(-1)
     flat_b = b.reshape(-1, b.shape[-1]) if b is not None else None
@@ -126,7 +135,10 @@ def _row_dist(a: np.ndarray, b: np.ndarray | None) -> np.ndarray:
         for start in range(0, len(flat_a), block):
             d = flat_a[start:start + block]
             if flat_b is not None:
-                d = d - flat_b[start:start + block]
+                x, y = d, flat_b[start:start + block]
+                d = x - y
+                if forgive:
+                    d = np.maximum(np.abs(d) - forgive * np.maximum(np.abs(x), np.abs(y)), 0.0)
             flat_out[start:start + block] = np.sqrt(np.einsum("rh,rh->r", d, d))
     return np.where(np.isnan(out), np.inf, out)
 
@@ -161,11 +173,12 @@ def compare(reference: np.ndarray, candidate: np.ndarray, layers: Sequence[int] 
     shifted = np.zeros((n_tokens, n_slots), dtype=bool)
     far = np.zeros((n_tokens, n_slots), dtype=bool)
     if n_tokens >= 2:
-        step = _row_dist(ref[1:], ref[:-1])  # [T-1, L]: reference neighbours' distance
+        own_f = _row_dist(cand, ref, FORGIVE)  # the shift test's distances forgive rounding per value
+        step = _row_dist(ref[1:], ref[:-1], FORGIVE)  # [T-1, L]: reference neighbours' distance
         local = np.zeros((n_tokens, n_slots), dtype=np.float32)  # each row's larger step to a neighbour
         for before, after, offset in ((cand[1:], ref[:-1], 1), (cand[:-1], ref[1:], 0)):
-            d_neighbour = _row_dist(before, after)
-            own = d_own[offset:offset + n_tokens - 1]
+            d_neighbour = _row_dist(before, after, FORGIVE)
+            own = own_f[offset:offset + n_tokens - 1]
             shifted[offset:offset + n_tokens - 1] |= (d_neighbour < own) & (step > 0)
             np.maximum(local[offset:offset + n_tokens - 1], step, out=local[offset:offset + n_tokens - 1])
         shifted &= np.isfinite(d_own) & (d_own < ref_norm)  # a zero or wild row is the error test's
@@ -173,7 +186,7 @@ def compare(reference: np.ndarray, candidate: np.ndarray, layers: Sequence[int] 
             moving = step[:, k][step[:, k] > 0]
             if moving.size:
                 scale = np.maximum(local[:, k], float(np.median(moving)))
-                far[:, k] = d_own[:, k] > separation * scale
+                far[:, k] = own_f[:, k] > separation * scale
     holds = _layer_test(ref, cand, separation)
     per_layer = []
     for k in range(n_slots):
@@ -198,9 +211,10 @@ def _layer_test(ref: np.ndarray, cand: np.ndarray, separation: float) -> list[in
     r, c = ref[rows], cand[rows]
     out: list[int | None] = []
     for k in range(n_slots):
-        medians = [float(np.median(_row_dist(c[:, k], r[:, j]))) for j in range(n_slots)]
+        medians = [float(np.median(_row_dist(c[:, k], r[:, j], FORGIVE))) for j in range(n_slots)]
         nearest = int(np.argmin(medians))
-        step = float(np.median(_row_dist(r[1:, nearest], r[:-1, nearest]))) if len(rows) > 1 else math.inf
+        step = (float(np.median(_row_dist(r[1:, nearest], r[:-1, nearest], FORGIVE))) if len(rows) > 1
+                else math.inf)
         out.append(nearest if medians[nearest] < medians[k] and medians[nearest] < separation * step else None)
     return out
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from app.errors import ConfigError, InputError, ManifestMismatch
 from app.layers import parse_layers
@@ -25,7 +25,7 @@ from app.manifest import (
 )
 from app.model_info import read_model_info
 from app.settings import DEFAULT_SHARD_SIZE
-from app.speculative import check_speculative, parse_speculative
+from app.speculative import check_speculative, ignored_with_capture, parse_speculative
 from app.states_codec import STATES_DTYPES, promised_bound, resolve
 from app.vllm_args import split_item
 from producer.enqueue import COMPRESS_MODES
@@ -120,6 +120,8 @@ def validate_options(opts: ProduceOptions) -> None:
     # the model's MTP head is checked in build_settings, where the model is read
     check_speculative(parse_speculative(opts.speculative), capture_mode=opts.capture, min_p=opts.min_p or 0.0,
                       model_path=None)
+    if why := ignored_with_capture({"min_p": opts.min_p}, opts.capture):
+        raise ConfigError(why)
 
 
 def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
@@ -139,6 +141,8 @@ def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
     stored = resolve(opts.states_dtype)
     speculative = parse_speculative(opts.speculative)
     check_speculative(speculative, capture_mode=opts.capture, min_p=sampling.min_p, model_path=opts.model)
+    if why := ignored_with_capture(asdict(sampling), opts.capture):
+        raise ConfigError(why)
     return RunSettings(
         model=info.to_manifest(),
         sampling=sampling,

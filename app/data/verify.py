@@ -245,6 +245,7 @@ def verify_shard(reader: RunReader, info: ShardInfo, decode: bool = True) -> Sha
     finally:
         if fh is not None:
             fh.close()
+    res.stale_rows = None  # this shard's row table: not kept with its result
     return res
 
 

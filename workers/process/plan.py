@@ -142,10 +142,14 @@ def refuse_unrunnable(configs, storage: str, run_id: str) -> None:
     """A ConfigError (one line) when a planned worker's engine cannot run the run's settings
     (workers/engine/limits.py), before any engine starts."""
     from app import manifest as manifest_mod
+    from app.speculative import ignored_with_capture
     from app.storage import RunStore, Storage
     from workers.engine.limits import unsupported
 
-    sampling = manifest_mod.load(RunStore(Storage(storage), run_id))["settings"]["sampling"]
+    settings = manifest_mod.load(RunStore(Storage(storage), run_id))["settings"]
+    sampling = settings["sampling"]
+    if why := ignored_with_capture(sampling, settings["capture_mode"]):  # every generating engine captures
+        raise ConfigError(f"workers refuse run {run_id}: {why}")
     for config, _ in configs:
         why = unsupported(config.device, sampling, bool(config.capture_layers))
         if why:

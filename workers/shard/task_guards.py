@@ -36,6 +36,7 @@ from celery.exceptions import Reject
 from app import ledger
 from app.errors import EngineLost, Failure, InvalidTask, ManifestMismatch, classify
 from app.quality import StubWindow, is_stub
+from app.speculative import ignored_with_capture
 from app.storage import RunStore
 from workers.engine.limits import unsupported
 from workers.process.inflight import Claim, InFlight
@@ -226,6 +227,8 @@ def check_manifest(d: Delivery) -> None:
     why = unsupported(d.worker.device, settings["sampling"], needs_capture and bool(d.worker.capture_layers))
     if why:
         problems.append(why)
+    if d.stage == ledger.GENERATE and (ignored := ignored_with_capture(settings["sampling"], settings["capture_mode"])):
+        problems.append(ignored)
     if problems:
         exc = ManifestMismatch(f"run {manifest['run_id']}: worker {d.worker.name} refuses shard: "
                                + "; ".join(problems))
