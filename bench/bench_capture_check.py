@@ -35,6 +35,7 @@ from workers.engine.options import EngineOptions  # noqa: E402
 from workers.engine.recapture import Pending, recheck  # noqa: E402
 from workers.engine.request import GenRequest, GenResult  # noqa: E402
 from workers.shard.capture_check import CheckPolicy, EngineChecks  # noqa: E402
+from workers.shard.generate import render_prompt  # noqa: E402
 
 LAYERS = (1, 2, 3, 4)
 TOPICS = ["the water cycle", "binary search", "a haiku about rain", "the French revolution", "prime numbers",
@@ -46,9 +47,8 @@ def prompts(tokenizer, n: int) -> list[tuple[str, list[int]]]:
     out = []
     for i in range(n):
         text = f"Question {i}: explain {TOPICS[i % len(TOPICS)]} " + "in detail, step by step. " * (1 + i % 5)
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        out.append((f"bench-{i:06d}", list(ids)))
+        ids = render_prompt(tokenizer, [{"role": "user", "content": text}], None, thinking=True)
+        out.append((f"bench-{i:06d}", ids))
     return out
 
 
