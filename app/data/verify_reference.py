@@ -74,7 +74,7 @@ def reference_check(reader: RunReader, pool: list[tuple[str, str]], n: int, prob
     try:
         for shard, sid in chosen:
             tokens, states = reader.states(reader.shard(shard), {"sample_id": sid})
-            result = compare(ref.capture(tokens.tolist()), states, layers, bound=bound)
+            result = compare(ref.capture(tokens.tolist()), states, layers, bound=bound, token_ids=tokens)
             for figure in result.per_layer:
                 row = per_layer[figure.layer]
                 if figure.worst_error >= row["worst_error"]:
