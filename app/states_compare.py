@@ -24,11 +24,13 @@ the layers in the same slots. Three tests, each of which catches what the others
    one by test 1. Distances between rows do not see it: the channel has about the same value in every token, so
    it cancels in `c[t] - r[t']` exactly as removing the per-channel mean over tokens would. So for every token t
    and slot, with `d_own = ||c[t] - r[t]||`:
-   - `d_own` must be less than `||c[t] - r[t-1]||` and `||c[t] - r[t+1]||` (a row shifted by one sits on its
-     neighbour's reference, at distance ~0; a right row's noise is orthogonal to the step between neighbours,
-     so it never comes nearer the neighbour in a wide layer);
+   - `d_own` must not be more than twice `||c[t] - r[t-1]||` or `||c[t] - r[t+1]||` (a row shifted by one sits
+     on its neighbour's reference, at distance ~0; a right row's noise is orthogonal to the step between
+     neighbours, so it comes no nearer the neighbour; a neighbour whose reference is within NEIGHBOUR_SHARE of
+     the layer's typical step of this row's, a token repeated, says nothing and is not asked);
    - `d_own` must be under SEPARATION x the larger of the layer's typical distance between consecutive tokens'
-     reference rows (the median of the non-zero `||r[t] - r[t+1]||`) and the row's own larger step to a
+     reference rows (the median of the non-zero `||r[t] - r[t+1]||` between different tokens, where the ids are
+     given) and the row's own larger step to a
      neighbour (an attention-sink row, ~100x the others, has its noise measured against its own size): a
      foreign or stale row is about that far from its counterpart (it is another token's state), a right row
      only by rounding noise (a few per cent of it).
@@ -65,6 +67,7 @@ UNIT_ROUNDOFF_BF16 = 2.0 ** -8
 REL_BOUND = 16 * UNIT_ROUNDOFF_BF16  # 2^-4: two roundings x sqrt(64 decoder layers); see the module docstring
 SEPARATION = 0.5  # a row's distance to its counterpart, as a share of the layer's typical token-to-token step
 FORGIVE = 4 * UNIT_ROUNDOFF_BF16  # per value, in the shift and layer tests' distances: 4 bf16 roundings of it
+NEIGHBOUR_SHARE = 0.25  # a neighbour judges a row's shift only when its step is this share of the typical or more
 LAYER_PROBE_ROWS = 256  # rows the layer test compares across slots (it costs slots^2 passes over them)
 
 
@@ -147,10 +150,13 @@ _DIST_BLOCK_ELEMENTS = 1 << 18  # 1 MiB of float32 per block
 
 
 def compare(reference: np.ndarray, candidate: np.ndarray, layers: Sequence[int] | None = None, *,
-            bound: float = REL_BOUND, separation: float = SEPARATION) -> Comparison:
+            bound: float = REL_BOUND, separation: float = SEPARATION,
+            token_ids: Sequence[int] | np.ndarray | None = None) -> Comparison:
     """Judge `candidate` against `reference` (same shape `[T, L, H]`, slots in the same order; see the module
     docstring for the three tests). `layers` names the slots in messages (default 0..L-1); `bound` is the
-    largest relative error per row (raise it by a lossy run's promised error when the candidate is stored)."""
+    largest relative error per row (raise it by a lossy run's promised error when the candidate is stored).
+    `token_ids` (the sample's ids, one per row): the far test's typical step is then taken between neighbours
+    that are different tokens (a token repeated may give nearly the same row twice); give them where known."""
     if reference.shape != candidate.shape or reference.ndim != 3:
         n_ref = reference.shape[0] if reference.ndim else 0
         n_cand = candidate.shape[0] if candidate.ndim else 0
@@ -176,17 +182,27 @@ def compare(reference: np.ndarray, candidate: np.ndarray, layers: Sequence[int] 
         own_f = _row_dist(cand, ref, FORGIVE)  # the shift test's distances forgive rounding per value
         step = _row_dist(ref[1:], ref[:-1], FORGIVE)  # [T-1, L]: reference neighbours' distance
         local = np.zeros((n_tokens, n_slots), dtype=np.float32)  # each row's larger step to a neighbour
+        distinct = np.ones(n_tokens - 1, dtype=bool)
+        if token_ids is not None and len(token_ids) >= n_tokens:
+            ids = np.asarray(token_ids[:n_tokens])
+            distinct = ids[1:] != ids[:-1]
+        typical = np.zeros(n_slots, dtype=np.float32)  # each layer's median step between different tokens
+        for k in range(n_slots):
+            moving = step[:, k][(step[:, k] > 0) & distinct]
+            typical[k] = float(np.median(moving)) if moving.size else 0.0
         for before, after, offset in ((cand[1:], ref[:-1], 1), (cand[:-1], ref[1:], 0)):
             d_neighbour = _row_dist(before, after, FORGIVE)
             own = own_f[offset:offset + n_tokens - 1]
-            shifted[offset:offset + n_tokens - 1] |= (d_neighbour < own) & (step > 0)
+            # clearly nearer a neighbour (half the distance or less) that is itself clearly another row (a
+            # quarter of the layer's typical step or more): a shifted row sits on its neighbour's reference; a
+            # right row beside a near-duplicate (a token repeated) is about as near both, and is not judged by it
+            telling = step > NEIGHBOUR_SHARE * typical[None, :]
+            shifted[offset:offset + n_tokens - 1] |= (2 * d_neighbour < own) & telling & (step > 0)
             np.maximum(local[offset:offset + n_tokens - 1], step, out=local[offset:offset + n_tokens - 1])
         shifted &= np.isfinite(d_own) & (d_own < ref_norm)  # a zero or wild row is the error test's
         for k in range(n_slots):
-            moving = step[:, k][step[:, k] > 0]
-            if moving.size:
-                scale = np.maximum(local[:, k], float(np.median(moving)))
-                far[:, k] = own_f[:, k] > separation * scale
+            if typical[k] > 0:
+                far[:, k] = own_f[:, k] > separation * np.maximum(local[:, k], typical[k])
     holds = _layer_test(ref, cand, separation)
     per_layer = []
     for k in range(n_slots):
