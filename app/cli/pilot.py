@@ -119,19 +119,22 @@ def _run_candidate(candidate, run_args: list[str], scratch: str, devices: dict, 
 
 
 def reference_check(run_storage: str, run_id: str, model: str, n: int) -> dict:
-    """`regen verify --reference n` on the candidate's finished run (its engines are gone, so the checkpoint is
-    loaded after them, in transformers on this host's CPU), where the checkpoint fits the free memory; what it
-    found, or why it was skipped."""
+    """`regen verify --reference n` on the candidate's finished run: its engines are gone, so the checkpoint is
+    loaded after them, in transformers on this host's GPU where torch sees one (else its CPU), where it fits that
+    device's free memory; what it found, or why it was skipped."""
     import psutil
+    import torch
 
     from app.data.run_reader import RunReader
     from app.data.verify import verify_run
     from workers.process.devices import weights_bytes
 
-    need, free = int(weights_bytes(model) * REFERENCE_ROOM), psutil.virtual_memory().available
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    free = torch.cuda.mem_get_info()[0] if device == "cuda" else psutil.virtual_memory().available
+    need = int(weights_bytes(model) * REFERENCE_ROOM)
     if need > free:
-        return {"skipped": f"the checkpoint needs ~{_human(need)}, {_human(free)} free"}
-    report = verify_run(RunReader(run_storage, run_id), reference=n, sample=n)
+        return {"skipped": f"the checkpoint needs ~{_human(need)}, {_human(free)} free on the {device}"}
+    report = verify_run(RunReader(run_storage, run_id), reference=n, sample=n, reference_device=device)
     bad = [p for p in report.problems if p.kind.startswith("reference") and p.severity == "error"]
     out = {"samples": n, "ok": not bad, "problem": f"{bad[0].sample}: {bad[0].detail}" if bad else None}
     out.update({k: v for k, v in (report.reference or {}).items() if isinstance(v, int | float | str)})
