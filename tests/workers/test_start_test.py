@@ -110,7 +110,7 @@ def test_each_fault_fails_the_recapture_despite_the_massive_channel(engine, capt
 def test_a_start_test_whose_capture_is_wrong_fails_in_one_line_naming_the_check_and_mode(engine, mode, tmp_path,
                                                                                         monkeypatch):
     faults = tmp_path / "faults.json"
-    faults.write_text(json.dumps({"self-test": "shift"}))
+    faults.write_text(json.dumps({"self-test": "swap"}))  # the same in both equal requests: only a re-capture sees it
     monkeypatch.setenv("REGEN_FAULT_INJECTION_FOR_TESTS", str(faults))
     with pytest.raises(SelfTestFailed) as failed:
         run_start_test(engine, SAMPLING, mode)
