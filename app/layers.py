@@ -11,6 +11,14 @@ Presets: `dflash` (5 layers evenly over DFlash ids [1, N-3]; Qwen3-8B -> 1,9,17,
 layers, and `eagle3`: the three auxiliary layers of vLLM's and speculators' default (vLLM ids 2, N//2, N-3) plus
 vLLM id N, the final layer that speculators' verifier slot and SpecForge's EAGLE-3 target need. Where the
 default's three ids are not distinct (N < 7), three distinct ids spread over 1..N-1 stand in.
+
+Slots are ascending, whatever order the ids are typed in: vLLM returns the captured layers in ascending layer
+order whatever order `eagle_aux_hidden_state_layer_ids` lists them in (a model appends to its
+`aux_hidden_states` as its layer loop passes each listed id), so a run that kept the typed order `vllm:4,1,2`
+labelled layer 1's states "4" (measured: error 2.2 of the row against transformers). `parse_layers` sorts the
+ids, the engine is asked for them in that order, and every slot's label is the layer it holds; exports write
+each trainer's order from the labels (app/data/export_states.py). `ascending_problem` names a run made before
+this (its manifest lists the ids out of order): its labels are wrong, and workers refuse to add to it.
 """
 
 from __future__ import annotations
@@ -92,7 +100,18 @@ def parse_layers(spec: str, num_layers: int) -> LayerSelection:
         )
     if len(set(vllm)) != len(vllm):
         raise ConfigError(f"layers {spec!r}: repeated layer ids")
-    return LayerSelection(vllm=tuple(vllm), spec=spec, num_layers=num_layers)
+    return LayerSelection(vllm=tuple(sorted(vllm)), spec=spec, num_layers=num_layers)
+
+
+def ascending_problem(vllm_ids) -> str | None:
+    """Why a run's recorded capture layers cannot be the labels of its slots (ids out of ascending order: vLLM
+    stored them ascending), else None."""
+    ids = [int(v) for v in vllm_ids or ()]
+    if ids == sorted(ids):
+        return None
+    return (f"the run lists capture layers (vLLM ids) {ids} out of ascending order; vLLM stores captured layers "
+            f"ascending, so its slots hold layers {sorted(ids)} in that order under the labels {ids} (a run made "
+            "before regen sorted the ids): produce it again")
 
 
 def _int(text: str, spec: str) -> int:

@@ -69,12 +69,22 @@ class StatesStorage:
     max_rel_error: float = 0.0
 
 
+@dataclass
+class CaptureCheckSettings:
+    """Which samples a worker re-captures on its own engine to check its capture (workers/shard/capture_check.py):
+    one in `every` by sample id (0: none by id), and every engine's first `first` samples."""
+
+    every: int = 100
+    first: int = 4
+
+
 # Settings added after runs were made: a manifest without one was made with its default, so reopening such a
 # run with the default is not a change of settings. `to_dict` leaves out those still at their default (a run
 # that uses none of them writes the manifest older releases wrote), and `settings_diff` reads a missing one as
 # its default on either side.
 _ADDED_LATER = {"states": asdict(StatesStorage()), "engine_args": {}, "thinking_mix": None, "mode_sampling": None,
-                "mode_prompt_tails": None, "samples_per_prompt": 1, "sample_temperatures": None, "take": None}
+                "mode_prompt_tails": None, "samples_per_prompt": 1, "sample_temperatures": None, "take": None,
+                "capture_check": asdict(CaptureCheckSettings())}
 _LEFT_OUT_AT_DEFAULT = ("engine_args", "thinking_mix", "mode_sampling", "mode_prompt_tails", "samples_per_prompt",
                         "sample_temperatures", "take")
 MODES = ("thinking", "non_thinking")
@@ -120,6 +130,7 @@ class RunSettings:
     sample_temperatures: list[float] | None = None
     # `--take GLOB=N|FRACTION`: [{"glob", "count"} or {"glob", "fraction"}], drawn with the run seed.
     take: list[dict] | None = None
+    capture_check: CaptureCheckSettings = field(default_factory=CaptureCheckSettings)
 
     def to_dict(self) -> dict:
         out = asdict(self)

@@ -133,8 +133,24 @@ def rates(measured: dict) -> dict:
 
 
 # -- the forecast over hosts ---------------------------------------------------------------------------------
+def capture_failure(entry: dict) -> str | None:
+    """Why a candidate's capture is not proven on its host (its run's capture check or reference check failed, or
+    the check paused its run); None when it is. Such a candidate is shown as failed and never recommended."""
+    if entry.get("capture_failed"):
+        return entry["capture_failed"]
+    check = (entry.get("measured") or {}).get("capture_check") or {}
+    if check.get("failed"):
+        return f"capture check: {check['failed']} of {check.get('checked')} re-captured samples differ: " + (
+            "; ".join(check.get("failures") or [])[:300])
+    reference = entry.get("reference") or {}
+    if reference.get("ok") is False:
+        return f"verify --reference: {reference.get('problem')}"
+    return None
+
+
 def _measured(pilot: dict) -> list[tuple[dict, dict]]:
-    return [(c["candidate"], c["measured"]) for c in pilot["candidates"] if c.get("measured")]
+    return [(c["candidate"], c["measured"]) for c in pilot["candidates"]
+            if c.get("measured") and capture_failure(c) is None]
 
 
 def _run_setting(candidate: dict) -> str:

@@ -12,14 +12,17 @@ Flags:
 - `stub_answer`      a handful of answer tokens (<= stub_max_answer_tokens), like `OK.`
 - `truncated`        finish_reason == "length"
 - `repetition_loop`  the output ends in an n-gram repeated many times
-- `states_zero` / `states_nonfinite`  captured hidden states all-zero in some layer, or NaN/Inf (every layer is
-  checked: on a hybrid the linear-attention layers and the full-attention ones alike)
+- `states_zero` / `states_nonfinite`  an all-zero row (one token's state in one layer: a whole layer zero is the
+  extreme of it) or a NaN/Inf anywhere (every row of every layer is checked: on a hybrid the linear-attention
+  layers and the full-attention ones alike). A real forward pass never gives a token an all-zero state (its
+  embedding runs through the residual stream), so one such row is a capture fault.
 - `states_repeated`  in some layer most tokens' rows equal the previous (different) token's: a buffer not written
   per token
-- `states_stale`     a row of this sample equals, bit for bit, a row an earlier sample had as the state of a
-  different token: values left over from another request (uncleared cache blocks, a wrong cache-group index:
-  the failure vLLM PR 45849 fixed for hybrids). The same token may get equal rows in two contexts (a shared
-  prefix) and is not flagged.
+- `states_stale`     a row of this sample equals, bit for bit, a row an earlier sample (or this one) had as the
+  state of a different token: values left over from another request (uncleared cache blocks, a wrong cache-group
+  index: the failure vLLM PR 45849 fixed for hybrids). The same token may get equal rows in two contexts (a
+  shared prefix) and is not flagged. Every row of every sample is hashed, so one stale row is found whenever
+  the row it repeats is among the table's newest `capacity` rows.
 - `capture_mismatch` captured token_ids differ from the record's input_ids[:-1]
 """
 
@@ -27,10 +30,12 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 
 import numpy as np
 import xxhash
+
+from app.states_compare import row_problems
 
 STUB_FLAGS = frozenset({"empty_reasoning", "empty_answer", "stub_answer"})
 THINK_END = "</think>"
@@ -93,35 +98,17 @@ def repetition_loop(ids: list[int], min_repeats: int, max_period: int = 64, min_
 
 
 def states_problem(states_u16: np.ndarray) -> str | None:
-    """'states_zero' if any layer is all zeros, 'states_nonfinite' if any NaN/Inf, else None (bf16 bits).
-
-    One pass, in blocks of rows that stay in cache: shifting left by one drops the sign bit, so each block's
-    column maxima hold every (layer, channel)'s largest magnitude x 2. A magnitude with all exponent bits set
-    (>= 0x7F80) is NaN or Inf; a layer whose maxima are all 0 is all (+/-)zero. This runs on every sample beside
-    the engine; at a real model's size ([4000, 5, 5120]) it takes ~50 ms where three whole-array passes took ~200.
-    """
+    """'states_nonfinite' if any row holds a NaN/Inf, 'states_zero' if any row of any layer is all zeros (an empty
+    array too), else None (bf16 bits). One pass in cache-sized blocks (app/states_compare.row_problems): at a real
+    model's size ([3000, 5, 5120]) the cost of the per-layer check it replaced (bench/bench_row_checks.py)."""
     if states_u16.size == 0:
         return "states_zero"
-    n_tokens, n_layers = states_u16.shape[0], states_u16.shape[1]
-    rows = states_u16.reshape(n_tokens, n_layers, -1)
-    block = max(1, _STATES_BLOCK_ELEMENTS // rows[0].size)
-    top = np.zeros(rows.shape[1:], dtype=np.uint16)
-    scratch = np.empty((min(block, n_tokens), *rows.shape[1:]), dtype=np.uint16)
-    for start in range(0, n_tokens, block):
-        part = rows[start:start + block]
-        shifted = np.left_shift(part, 1, out=scratch[:len(part)])
-        np.maximum(top, shifted.max(axis=0), out=top)
-    if top.max() >= 0x7F80 << 1:
-        return "states_nonfinite"
-    if not top.any(axis=1).all():
-        return "states_zero"
-    return None
+    problem = row_problems(states_u16.reshape(states_u16.shape[0], states_u16.shape[1], -1))
+    return problem.kind if problem else None
 
-
-_STATES_BLOCK_ELEMENTS = 1 << 16  # 128 KiB of uint16 per block: stays in L2
 
 STATE_PROBLEMS = {
-    "states_zero": "all-zero layer",
+    "states_zero": "all-zero rows",
     "states_nonfinite": "NaN/Inf in states",
     "states_repeated": "most tokens' rows repeat the previous token's in a layer",
     "states_stale": "rows equal to an earlier sample's rows for other tokens (stale values)",
@@ -158,46 +145,82 @@ def repeated_rows(states_u16: np.ndarray, token_ids: np.ndarray | None = None) -
 
 
 class StaleRows:
-    """Content hashes of a few rows of recent samples, each with the token it is the state of.
+    """Content hashes of the rows of recent samples, each with the token it is the state of.
 
     A row is the state of one token in its context: the token's own embedding runs through the residual stream
     of every layer, so two different tokens never get the same row. The same token in two contexts can (a
     shared prefix, or a context whose contribution rounds away in bf16, as in a small random model's early
     layers), so only a row seen before *for a different token* is flagged: a value left over from another
-    request. Each sample contributes `positions` rows per layer (spread over its tokens), and the table keeps the
-    newest `capacity`; all-zero rows are skipped (`states_zero` covers them). Thread-safe: encoder threads share
-    one per process.
+    request. Every row of every layer is hashed (`positions` > 0 hashes only that many rows a sample, spread over
+    its tokens: the old probe, which found one stale row of a 3,000-token sample with a chance of about
+    (16/3000)^2); all-zero rows are skipped (`states_zero` covers them).
+
+    The table holds the newest ~`capacity` rows (16 bytes each: 32 MiB at the default, ~140 samples of 3,000
+    tokens x 5 layers) as sorted runs of keys merged as they grow, so looking up a sample's 15,000 rows is a few
+    binary searches, not 15,000 dictionary operations. Thread-safe: encoder threads share one per process.
     """
 
-    def __init__(self, capacity: int = 1 << 16, positions: int = 16):
+    def __init__(self, capacity: int = 1 << 21, positions: int = 0):
         self.capacity, self.positions = capacity, positions
-        self._seen: OrderedDict[int, int] = OrderedDict()
+        self._runs: list[tuple[np.ndarray, np.ndarray]] = []  # (sorted keys, their tokens), oldest first
         self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return sum(len(keys) for keys, _ in self._runs)
 
     def check(self, token_ids: np.ndarray, states_u16: np.ndarray) -> str | None:
         """'states_stale' if a row of this sample was seen before as another token's state; records its rows."""
         n_tokens = min(len(token_ids), states_u16.shape[0])
         if n_tokens == 0:
             return None
-        picks = sorted({round(k * (n_tokens - 1) / max(1, self.positions - 1)) for k in range(self.positions)})
-        entries = []
-        for t in picks:
-            token = int(token_ids[t])
-            for layer in range(states_u16.shape[1]):
-                row = np.ascontiguousarray(states_u16[t, layer])
-                if row.any():
-                    entries.append((xxhash.xxh3_64_intdigest(row.tobytes(), seed=layer), token))
-        stale = False
+        if self.positions:
+            picks = np.array(sorted({round(k * (n_tokens - 1) / max(1, self.positions - 1))
+                                     for k in range(self.positions)}))
+        else:
+            picks = None
+        keys, tokens = row_keys(states_u16[:n_tokens], picks, np.asarray(token_ids[:n_tokens], dtype=np.int64))
+        order = np.argsort(keys, kind="stable")
+        keys, tokens = keys[order], tokens[order]
+        same = keys[1:] == keys[:-1]
+        stale = bool((same & (tokens[1:] != tokens[:-1])).any())  # within this sample
         with self._lock:
-            for key, token in entries:
-                seen = self._seen.get(key)
-                if seen is not None and seen != token:
+            for run_keys, run_tokens in self._runs:
+                at = np.minimum(np.searchsorted(run_keys, keys), len(run_keys) - 1)
+                hit = run_keys[at] == keys
+                if (hit & (run_tokens[at] != tokens)).any():
                     stale = True
-                self._seen[key] = token
-                self._seen.move_to_end(key)
-            while len(self._seen) > self.capacity:
-                self._seen.popitem(last=False)
+            self._add(keys, tokens)
         return "states_stale" if stale else None
+
+    def _add(self, keys: np.ndarray, tokens: np.ndarray) -> None:
+        if not len(keys):
+            return
+        self._runs.append((keys, tokens))
+        while len(self._runs) > 1 and len(self._runs[-1][0]) >= len(self._runs[-2][0]):
+            (k1, t1), (k2, t2) = self._runs[-2], self._runs.pop()
+            k, t = np.concatenate([k1, k2]), np.concatenate([t1, t2])
+            order = np.argsort(k, kind="stable")
+            self._runs[-1] = (k[order], t[order])
+        while len(self._runs) > 1 and len(self) > self.capacity:
+            self._runs.pop(0)
+
+
+def row_keys(states_u16: np.ndarray, picks: np.ndarray | None, token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(xxh3 key, token) of every row at `picks` (None: every row) in every layer, all-(+)zero rows left out (the
+    layer is the hash's seed, so the same values in two layers are two keys). Hashes the rows where they lie:
+    no copy of the sample."""
+    n_tokens, n_layers = states_u16.shape[0], states_u16.shape[1]
+    rows = states_u16.reshape(n_tokens, n_layers, -1)
+    if picks is not None or not rows.flags.c_contiguous:
+        rows = np.ascontiguousarray(rows[picks if picks is not None else slice(None)])
+    width = rows.shape[2] * 2
+    flat = memoryview(rows.reshape(-1).view(np.uint8))
+    keys = np.fromiter((xxhash.xxh3_64_intdigest(flat[i * width:(i + 1) * width], seed=i % n_layers)
+                        for i in range(rows.shape[0] * n_layers)), dtype=np.uint64, count=rows.shape[0] * n_layers)
+    zero = np.array([xxhash.xxh3_64_intdigest(bytes(width), seed=k) for k in range(n_layers)], dtype=np.uint64)
+    keep = keys != np.tile(zero, rows.shape[0])
+    tokens = np.repeat(token_ids if picks is None else token_ids[picks], n_layers)
+    return keys[keep], tokens[keep]
 
 
 @functools.lru_cache(maxsize=1)
@@ -213,13 +236,19 @@ def implausible_states(token_ids: np.ndarray, states_u16: np.ndarray, stale: Sta
 
 
 def layer_detail(states_u16: np.ndarray, layers: list[int], kinds: list[str] | None = None) -> str:
-    """Which captured layers are all-zero or non-finite, named with their kind on a hybrid: for messages."""
+    """Which captured layers have all-zero or non-finite rows (how many, the first token), named with their
+    kind on a hybrid: for messages."""
     out = []
     for k, layer in enumerate(layers):
-        problem = states_problem(states_u16[:, k:k + 1])
+        problem = row_problems(states_u16[:, k:k + 1].reshape(states_u16.shape[0], 1, -1))
         if problem:
             kind = f" ({kinds[k]})" if kinds and k < len(kinds) else ""
-            out.append(f"vllm layer {layer}{kind}: {STATE_PROBLEMS[problem]}")
+            if problem.kind == "states_zero" and problem.rows == problem.tokens:
+                what = "all-zero layer"
+            else:
+                what = (f"{'all-zero' if problem.kind == 'states_zero' else 'NaN/Inf in'} {problem.rows} of "
+                        f"{problem.tokens} rows, first at token {problem.token}")
+            out.append(f"vllm layer {layer}{kind}: {what}")
     return "; ".join(out)
 
 

@@ -108,6 +108,29 @@ def has_mtp_head(model_path: str) -> bool:
         return False
 
 
+IGNORED_UNDER_SPECULATION = ("min_p", "logit_bias")
+
+
+def ignored_with_capture(sampling: dict, capture_mode: str) -> str | None:
+    """Why a run's sampling cannot be what its inline-capture engines apply, else None.
+
+    vLLM builds no min_p or logit_bias processor when an engine has any `speculative_config`
+    (vllm/v1/sample/logits_processor/__init__.py: "min_p and logit_bias parameters won't work with speculative
+    decoding"), and inline capture is one (`extract_hidden_states`): the run's manifest would record a setting its
+    engines never applied. A staged run's generate stage has no speculative config, and its capture stage's one
+    sampled token is thrown away, so only inline capture is refused."""
+    if capture_mode != "inline":
+        return None
+    for name in IGNORED_UNDER_SPECULATION:
+        value = sampling.get(name)
+        if value:
+            flag = "--" + name.replace("_", "-")
+            return (f"{flag} {value} with --capture inline: vLLM ignores {name} in an engine with a speculative "
+                    f"config, and inline capture is one (extract_hidden_states), so the samples would not follow "
+                    f"the run's sampling; use {flag} {0 if name == 'min_p' else 'none'} or --capture staged")
+    return None
+
+
 def check_speculative(setting: str | None, *, capture_mode: str, min_p: float, model_path: str | None) -> None:
     """Refuse, in one line each, a speculative run that cannot be what it says: an inline capture (its one engine
     captures, and capture is itself vLLM's speculative method), a non-zero `min_p` (vLLM ignores it under

@@ -4,7 +4,7 @@ A run's manifest records `settings.states`: the stored dtype and `max_rel_error`
 `||stored - captured|| / ||captured||` any (token, layer) of any sample may have (app/states_codec.py). Each lossy
 sample's hidden-file entry records what its encoding measured, per layer. `regen verify` holds every entry to the
 promise (`sample_problem`), `regen verify --reference` allows the promised error on top of the capture tolerance
-(`reference_excess`), and `regen stats` sums the recorded errors per layer (`LayerErrors`). A bf16 entry is
+(app/data/verify_reference.reference_bound), and `regen stats` sums the recorded errors per layer (`LayerErrors`). A bf16 entry is
 exact; a lossy run stores a sample its quality gate flagged as bf16, so such entries are always allowed.
 """
 
@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-
-import numpy as np
 
 
 @dataclass(frozen=True)
@@ -49,20 +47,6 @@ def sample_problem(entry: dict, run: StatesPromise) -> tuple[str, str] | None:
         return "states_error", (f"relative error {errors[worst]:.5f} at layer {layers[worst]} is above the run's "
                                 f"bound {run.max_rel_error} ({codec})")
     return None
-
-
-def reference_excess(reference: np.ndarray, stored: np.ndarray, bound: float, abs_tol: float) -> float:
-    """Largest `||stored - ref|| / allowed` over (token, layer) rows of float32 `[T, L, H]`; above 1 fails.
-
-    A lossless capture is within `abs_tol` of the reference per value, so within `abs_tol * sqrt(H)` per row; the
-    stored row is within `bound * ||captured||` of the capture, and `||captured|| <= ||ref|| + abs_tol * sqrt(H)`.
-    So `allowed = bound * ||ref|| + (1 + bound) * abs_tol * sqrt(H)`.
-    """
-    ref = reference.astype(np.float64)
-    diff = np.linalg.norm(stored.astype(np.float64) - ref, axis=-1)
-    noise = abs_tol * math.sqrt(reference.shape[-1])
-    allowed = bound * np.linalg.norm(ref, axis=-1) + (1 + bound) * noise
-    return float((diff / allowed).max()) if diff.size else 0.0
 
 
 @dataclass

@@ -210,7 +210,7 @@ def write_shard(store: RunStore, shape: Shape, s: int, pool: np.ndarray | None) 
     quality = QualitySettings()
     records = [record(store.run_id, sid, k, s * SHARD_SIZE + k, rng, quality) for k in range(shape.shard_samples(s))]
     record_attempt(store, sid, attempt, worker)
-    ctx = SimpleNamespace(worker_name=worker, config=SimpleNamespace(device_class="h200"))
+    ctx = SimpleNamespace(worker_name=worker, config=SimpleNamespace(device_class="h200"), engine_mode_key="scale-run")
     summary = shard_summary(records, float(sum(r["seconds"] for r in records)) / 8, ctx)
     publish_shard(store, sid, attempt, records, None, summary)
     if pool is not None:

@@ -15,10 +15,19 @@ from dataclasses import asdict, dataclass, field
 
 from app.errors import ConfigError, InputError, ManifestMismatch
 from app.layers import parse_layers
-from app.manifest import CAPTURE_MODES, MODES, QualitySettings, RunSettings, Sampling, StatesStorage, setting
+from app.manifest import (
+    CAPTURE_MODES,
+    MODES,
+    CaptureCheckSettings,
+    QualitySettings,
+    RunSettings,
+    Sampling,
+    StatesStorage,
+    setting,
+)
 from app.model_info import read_model_info
 from app.settings import DEFAULT_SHARD_SIZE
-from app.speculative import check_speculative, parse_speculative
+from app.speculative import check_speculative, ignored_with_capture, parse_speculative
 from app.states_codec import STATES_DTYPES, promised_bound, resolve
 from app.vllm_args import split_item
 from producer.enqueue import COMPRESS_MODES
@@ -70,6 +79,7 @@ class ProduceOptions:
     samples_per_prompt: int | None = None  # None: 1 (with --resume: the run's)
     sample_temperatures: list[float] | None = None  # sample k of a prompt at [k % len]
     take: list[str] = field(default_factory=list)  # GLOB=N / GLOB=FRACTION (producer/take.py)
+    capture_check_every: int = 100  # workers re-capture one sample in this many to check their capture (0: none)
 
     @property
     def prompt_char_cap(self) -> int:
@@ -115,6 +125,8 @@ def validate_options(opts: ProduceOptions) -> None:
     # the model's MTP head is checked in build_settings, where the model is read
     check_speculative(parse_speculative(opts.speculative), capture_mode=opts.capture, min_p=opts.min_p or 0.0,
                       model_path=None)
+    if why := ignored_with_capture({"min_p": opts.min_p}, opts.capture):
+        raise ConfigError(why)
 
 
 def validate_mix_options(opts: ProduceOptions) -> None:
@@ -165,6 +177,8 @@ def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
     speculative = parse_speculative(opts.speculative)
     for mode in (MODES if mixed else ("thinking" if thinking else "non_thinking",)):
         check_speculative(speculative, capture_mode=opts.capture, min_p=by_mode[mode].min_p, model_path=opts.model)
+        if why := ignored_with_capture(asdict(by_mode[mode]), opts.capture):
+            raise ConfigError(why)
     tails = None
     if mixed:
         from producer.modes import mode_prompt_tails
@@ -198,6 +212,7 @@ def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
         samples_per_prompt=opts.samples_per_prompt or 1,
         sample_temperatures=[float(t) for t in opts.sample_temperatures] if opts.sample_temperatures else None,
         take=take,
+        capture_check=CaptureCheckSettings(every=opts.capture_check_every),
     )
 
 

@@ -77,12 +77,19 @@ _CORPUS = [
 ]
 
 
+MASSIVE_CHANNEL = 7
+
+
 def build_tiny_qwen3(out_dir: str, vocab_size: int = 1024, num_layers: int = 4, seed: int = 0,
-                     stub: bool = False) -> str:
+                     stub: bool = False, massive: float = 0.0) -> str:
     """Write a tiny random Qwen3 (weights, config, tokenizer, template) to `out_dir`; return the path.
 
     `stub=True` builds a broken checkpoint that ends every answer at once (its first token is always
     `<|im_end|>`): the empty-stub failure the quality gate exists to catch, made on purpose for its tests.
+    `massive` > 0 sets channel MASSIVE_CHANNEL of every token's embedding to that value: the residual stream then
+    carries it in every token at every layer (the decoder layers read it through their norms and add small
+    updates), as real Qwen models carry "massive activations" in a few channels. The head is tied, so every
+    logit moves by the same amount and sampling is unchanged.
     """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -110,6 +117,9 @@ def build_tiny_qwen3(out_dir: str, vocab_size: int = 1024, num_layers: int = 4, 
     model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     if stub:
         _make_stub(model, config.eos_token_id)
+    if massive:
+        with torch.no_grad():
+            model.model.embed_tokens.weight[:, MASSIVE_CHANNEL] = massive
     model.save_pretrained(out_dir, safe_serialization=True)
     gen = {"eos_token_id": [config.eos_token_id], "pad_token_id": config.pad_token_id, "do_sample": True}
     with open(os.path.join(out_dir, "generation_config.json"), "w") as fh:

@@ -31,8 +31,14 @@ def main() -> None:
         from workers.process.context import WorkerContext
 
         config = WorkerContext.get().config
-    except BaseException:  # an engine that cannot start (or a malformed setting) must not consume shards
-        logging.getLogger("regen.worker").exception("worker start-up failed")
+    except BaseException as exc:  # an engine that cannot start (or a malformed setting) must not consume shards
+        from workers.engine.self_test import SelfTestFailed
+
+        log = logging.getLogger("regen.worker")
+        if isinstance(exc, SelfTestFailed):  # one line: the check that failed and the engine mode
+            log.error("worker start-up failed: %s", exc)
+        else:
+            log.exception("worker start-up failed")
         sys.stderr.flush()
         os._exit(70)
     from workers.celery_worker import build_worker_app

@@ -42,9 +42,10 @@ def _register() -> None:
     from app.cli.pilot import pilot  # runs `regen run` per candidate and reads the runs back: assembled here
     from app.cli.produce import commands as producer_commands
     from app.cli.run import run  # drives both the producer and the workers, so it is assembled here
+    from app.cli.selfcheck import selfcheck  # engines (workers) judged by transformers (data)
     from app.cli.worker import commands as worker_commands
 
-    for command in (*producer_commands, *worker_commands, run, pilot, *ops_commands, *data_commands):
+    for command in (*producer_commands, *worker_commands, run, pilot, selfcheck, *ops_commands, *data_commands):
         main.add_command(command)
 
 

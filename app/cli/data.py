@@ -49,7 +49,10 @@ def _console(stderr: bool = False):
 @click.argument("run_id", metavar="RUN")
 @_storage
 @click.option("--reference", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Recompute N samples' states with transformers and compare (max abs diff 0.05).")
+              help="Recompute N samples' states with transformers and judge them row by row: each token's error "
+                   "relative to its row under 2^-4 (bf16), no row shifted, foreign or in another layer's slot.")
+@click.option("--device", "reference_device", default="cpu", show_default=True, metavar="cpu|cuda|cuda:N|auto",
+              help="Where --reference runs the model (a target too big for the CPU on a GPU; auto: a GPU if any).")
 @click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True,
               help="Shards checked in parallel.")
 @click.option("--strict", is_flag=True, help="Warnings (e.g. a dead-lettered staged capture) fail the check too.")
@@ -62,8 +65,9 @@ def _console(stderr: bool = False):
 @_processes("checked", " Above 1, they replace the --workers threads.")
 @_part_option("Each part checks its shards and the run-wide accounting; the run is verified when every part "
               "exits 0.")
-def verify_cmd(run_id: str, storage: str, reference: int, workers: int, strict: bool, allow_incomplete: bool,
-               sample: float | None, as_json: bool, processes: int, part_spec: str | None) -> None:
+def verify_cmd(run_id: str, storage: str, reference: int, reference_device: str, workers: int, strict: bool,
+               allow_incomplete: bool, sample: float | None, as_json: bool, processes: int,
+               part_spec: str | None) -> None:
     """Check RUN: markers, sizes, sha256, CRCs, token ids, states, masks and the accounting identity.
 
     Exit status 0 only when every check holds and the run is complete; otherwise the first line says how many
@@ -78,11 +82,15 @@ def verify_cmd(run_id: str, storage: str, reference: int, workers: int, strict: 
         raise click.UsageError("--reference recomputes a few samples of the whole run: run it without --part")
     if reference:
         require("torch", "regen verify --reference")
+    if reference_device != "cpu" and not reference:
+        raise click.UsageError("--device places the --reference model: give --reference N with it")
+    if not (reference_device in ("cpu", "cuda", "auto") or reference_device.startswith("cuda:")):
+        raise click.UsageError(f"--device {reference_device!r}: expected cpu, cuda, cuda:N or auto")
     reader = RunReader(storage, run_id)
     err = _console(stderr=True)
     done = set(reader.done_shards())
     n = sum(1 for s in part.pick(reader.expected_shards()) if s in done)
-    options = {"reference": reference, "workers": workers, "allow_incomplete": allow_incomplete, "sample": sample,
+    options = {"reference": reference, "reference_device": reference_device, "workers": workers, "allow_incomplete": allow_incomplete, "sample": sample,
                "processes": processes, "part": part}
     if as_json:
         report = verify_run(reader, **options)
@@ -113,8 +121,9 @@ def _print_verify(report, strict: bool) -> None:
     for key, value in [*acc.items(), *((f"shards {k}", v) for k, v in report.shards.items())]:
         summary.add_row(key.replace("_", " "), str(value))
     if report.reference:
-        summary.add_row("reference", f"{report.reference.get('checked', 0)} samples, max abs "
-                                     f"{report.reference.get('max_abs', float('nan')):.4f}")
+        from app.data.verify_reference import reference_line
+
+        summary.add_row("reference", reference_line(report.reference))
     if report.sampled:
         s = report.sampled
         summary.add_row("states decoded", f"{s['states_decoded']:,} of {s['of_samples']:,} samples, in "
@@ -123,6 +132,13 @@ def _print_verify(report, strict: bool) -> None:
         summary.add_row("  checked for every shard", s["checked_everywhere"])
         summary.add_row("  not read", s["not_read"])
     out.print(summary)
+    if report.modes and report.modes.modes:
+        modes = Table(title="per engine mode")
+        for col in report.modes.header():
+            modes.add_column(col, justify="left" if col == "engine mode" else "right")
+        for row in report.modes.rows():
+            modes.add_row(*row)
+        out.print(modes)
     if report.problems:
         table = Table(title=f"{len(report.problems)} problems")
         for col in ("severity", "kind", "shard", "sample", "detail"):
@@ -232,6 +248,7 @@ def stats_cmd(run_id: str, storage: str, html_path: str | None, as_json: bool, p
             "finish_reasons": {str(k): v for k, v in t.finish.items()}, "rejected": dict(st.rejected),
             "sources": {s: {"ok": g.ok, "stubs": g.stubs, "flags": dict(g.flags)} for s, g in st.sources.items()},
             "states": states_summary(st), "modes": modes_summary(st),
+            "engine_modes": st.engine_modes.as_dict(),
         }, option=orjson.OPT_INDENT_2).decode())
     else:
         print_terminal(st, _console())

@@ -36,6 +36,7 @@ from app.errors import ConfigError
 from app.settings import DEFAULT_SHARD_SIZE
 
 MEMORY_POLL_S = 0.5
+REFERENCE_ROOM = 1.5  # a reference forward needs the checkpoint in bf16 plus activations: room for this much of it
 
 
 def memory_kind(gpus: list[str] | None) -> str:
@@ -117,6 +118,49 @@ def _run_candidate(candidate, run_args: list[str], scratch: str, devices: dict, 
     return rc, memory.peak
 
 
+def reference_check(run_storage: str, run_id: str, model: str, n: int) -> dict:
+    """`regen verify --reference n` on the candidate's finished run: its engines are gone, so the checkpoint is
+    loaded after them, in transformers on this host's GPU where torch sees one (else its CPU), where it fits that
+    device's free memory; what it found, or why it was skipped."""
+    import psutil
+    import torch
+
+    from app.data.run_reader import RunReader
+    from app.data.verify import verify_run
+    from workers.process.devices import weights_bytes
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    free = torch.cuda.mem_get_info()[0] if device == "cuda" else psutil.virtual_memory().available
+    need = int(weights_bytes(model) * REFERENCE_ROOM)
+    if need > free:
+        return {"skipped": f"the checkpoint needs ~{_human(need)}, {_human(free)} free on the {device}"}
+    report = verify_run(RunReader(run_storage, run_id), reference=n, sample=n, reference_device=device)
+    bad = [p for p in report.problems if p.kind.startswith("reference") and p.severity == "error"]
+    out = {"samples": n, "ok": not bad, "problem": f"{bad[0].sample}: {bad[0].detail}" if bad else None}
+    out.update({k: v for k, v in (report.reference or {}).items() if isinstance(v, int | float | str)})
+    return out
+
+
+def _capture_rows(entry: dict) -> dict[str, str]:
+    """What a candidate proved of its capture: the capture check's re-captures, the reference check."""
+    from app.pilot import capture_failure
+
+    m, rows = entry.get("measured") or {}, {}
+    check = m.get("capture_check")
+    if check is not None:
+        rows["capture check"] = (f"{check['checked']} re-captured, all agree" if not check["failed"] else
+                                 f"FAILED: {check['failed']} of {check['checked']} differ")
+    reference = entry.get("reference")
+    if reference is not None:
+        rows["verify --reference"] = (f"skipped: {reference['skipped']}" if "skipped" in reference else
+                                      f"{reference['samples']} samples agree" if reference["ok"] else
+                                      f"FAILED: {reference['problem']}"[:200])
+    failure = capture_failure(entry)
+    if failure:
+        rows["result"] = f"capture failed, not recommended: {failure}"[:200]
+    return rows
+
+
 def _tail(path: str, lines: int = 6) -> str:
     with open(path, "rb") as fh:
         text = fh.read()[-4000:].decode(errors="replace")
@@ -146,7 +190,7 @@ def setting_rows(entry: dict) -> dict[str, str]:
     rows = {"capture": c["capture"], "task slots": str(c["task_slots"]),
             "max_num_seqs": str(c.get("max_num_seqs") or "preset"), "speculative": c.get("speculative") or "-"}
     if not m:
-        return rows | {"result": f"failed: {entry.get('error', '?')[:200]}"}
+        return rows | {"result": f"failed: {entry.get('error', '?')[:200]}"} | _capture_rows(entry)
     r, resp = rates(m), m["responses"]
     rows |= {
         "generated tokens/s per device": f"{r['tokens_per_s_per_device']:,.1f}",
@@ -164,7 +208,7 @@ def setting_rows(entry: dict) -> dict[str, str]:
     for dtype in CODEC_DTYPES:
         rows[f"bytes/sample, states {dtype}"] = _human(r["bytes_per_sample"].get(dtype))
     rows["export bytes/sample (raw bf16)"] = _human(r["raw_bytes_per_sample"])
-    return rows
+    return rows | _capture_rows(entry)
 
 
 def settings_table(pilot: dict) -> Table:
@@ -269,11 +313,14 @@ def _load_pilots(paths: list[str]) -> list[dict]:
               help="Another host's pilot JSON to forecast the fleet with (repeatable).")
 @click.option("--forecast-only", is_flag=True,
               help="INPUTS are pilot JSON files (one per host): print their tables and the fleet's forecast.")
+@click.option("--reference", "reference_samples", type=click.IntRange(min=0), default=2, show_default=True,
+              help="After each capturing candidate's run, `regen verify --reference N` on its samples (transformers "
+                   "on this host, where the checkpoint fits the free memory); a failure rules the candidate out.")
 @click.option("--keep-runs", is_flag=True, help="Keep the candidates' scratch runs (default: removed).")
 @click.option("--timeout", type=float, default=7200.0, show_default=True, help="Seconds each candidate may take.")
 def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, layers, max_tokens, thinking,
           thinking_mix, samples_per_prompt, regenerate, shard_size, max_model_len, vllm_args, only, host_results,
-          forecast_only, keep_runs, timeout, **sampling):
+          forecast_only, keep_runs, timeout, reference_samples, **sampling):
     """Measure this host on a sample of INPUTS in each candidate setting, then forecast the whole job.
 
     Prints a table per setting (generated tokens/s per device, samples/s, the staged capture's share, peak
@@ -296,7 +343,8 @@ def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, la
                             max_tokens=max_tokens, thinking=thinking, thinking_mix=thinking_mix,
                             samples_per_prompt=samples_per_prompt, regenerate=regenerate, shard_size=shard_size,
                             max_model_len=max_model_len, vllm_args=list(vllm_args), only=only, keep_runs=keep_runs,
-                            timeout=timeout, sampling={k: v for k, v in sampling.items() if v is not None})
+                            timeout=timeout, sampling={k: v for k, v in sampling.items() if v is not None},
+                            reference_samples=reference_samples)
     pilot_json, path = measured
     console.print(settings_table(pilot_json))
     console.print(f"measurements: {path}", soft_wrap=True, markup=False)
@@ -306,14 +354,15 @@ def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, la
 
 
 def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, layers,
-                 max_tokens, thinking, regenerate, thinking_mix=None, samples_per_prompt=1, shard_size, max_model_len, vllm_args, only, keep_runs,
-                 timeout, sampling: dict) -> tuple[dict, str]:
+                 max_tokens, thinking, regenerate, thinking_mix=None, samples_per_prompt=1, shard_size, max_model_len,
+                 vllm_args, only, keep_runs, timeout, sampling: dict, reference_samples: int = 2) -> tuple[dict, str]:
     """`sampling`: temperature, top_p, top_k, min_p, max_prompt_tokens, where given (the run's otherwise)."""
     from app.data.pilot_measure import measure_run
     from app.ids import validate_id
+    from app.ledger import pause_state
     from app.model_info import read_model_info
-    from app.pilot import PILOT_VERSION, PILOTS_DIR, candidates, mtp_available
-    from app.storage import Storage
+    from app.pilot import PILOT_VERSION, PILOTS_DIR, candidates, capture_failure, mtp_available
+    from app.storage import RunStore, Storage
     from producer.pilot_sample import sample_inputs
     from producer.readers import expand_inputs
     from producer.run_setup import ProduceOptions
@@ -371,6 +420,9 @@ def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu,
         started = time.monotonic()
         rc, peak = _run_candidate(candidate, [*base, "--run", candidate.name], scratch, devices, log_path)
         entry = {"candidate": candidate.to_json(), "seconds_with_start_up": round(time.monotonic() - started, 3)}
+        paused = pause_state(RunStore(Storage(run_storage), candidate.name))
+        if paused and paused.get("check") == "capture":  # the capture check paused the candidate's run
+            entry["capture_failed"] = paused.get("reason")
         if rc != 0:
             entry["error"] = f"regen run exited {rc}: {_tail(log_path)}"
             console.print(f"candidate {candidate.name} failed: {entry['error']}", soft_wrap=True, markup=False)
@@ -383,6 +435,12 @@ def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu,
                 measured["peak_memory_bytes"] = peak or None
                 measured["peak_memory_what"] = memory_kind(devices["indices"])
                 entry["measured"] = measured
+                if reference_samples and measured["layers"]:
+                    entry["reference"] = reference_check(run_storage, candidate.name, model, reference_samples)
+        failure = capture_failure(entry)
+        if failure:
+            console.print(f"candidate {candidate.name}: capture failed, not recommended: {failure}",
+                          soft_wrap=True, markup=False)
         results.append(entry)
     pilot_json = {
         "version": PILOT_VERSION, "name": name, "host": socket.gethostname(),

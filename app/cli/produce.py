@@ -43,7 +43,7 @@ STATES_DTYPE_HELP = ("How hidden states are stored: bf16 (lossless, ~1.45x small
 SETTING_FLAGS = ("shard_size", "max_tokens", "thinking", "temperature", "top_p", "top_k", "min_p", "seed",
                   "capture", "layers", "max_prompt_tokens", "max_prompt_chars", "regenerate", "model",
                   "pause_stub_rate", "pause_window", "pause_min_samples", "vllm_args", "states_dtype", "speculative",
-                  "thinking_mix", "sample_temperatures", "take")
+                  "thinking_mix", "sample_temperatures", "take", "capture_check_every")
 # ... and those `regen run` takes over from `regen produce` (samples per prompt can grow on a resume)
 RUN_SETTING_FLAGS = (*SETTING_FLAGS, "samples_per_prompt")
 
@@ -108,6 +108,10 @@ def _broker_options(f):
               help="How many recent samples per worker the stub rate is measured over.")
 @click.option("--pause-min-samples", type=click.IntRange(min=1), default=32, show_default=True,
               help="Samples a worker must have seen before it may pause the run.")
+@click.option("--capture-check-every", type=click.IntRange(min=0), default=100, show_default=True,
+              help="Each worker re-captures one sample in N (chosen by sample id) and every engine's first 4 on its "
+                   "own engine in another batch, and pauses the run when the states differ (0: the first 4 only; "
+                   "docs/capture.md, 'How a run proves its states').")
 @click.option("--vllm-arg", "vllm_args", multiple=True, metavar="KEY=VALUE",
               help="A vLLM engine argument every worker of the run applies, recorded in the manifest; the only way "
                    "to give one that changes the data (dtype, quantization, kv_cache_dtype). Repeatable.")

@@ -21,6 +21,7 @@ from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZ
 from workers.process.plan import (
     manifest_engine_args,
     refuse_unrunnable,
+    run_sampling,
     run_speculative,
     settings_from_run,
     worker_configs,
@@ -106,6 +107,9 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
                              shard_size=shard_size, task_slots=task_slots, encode_threads=encode_threads)
     if run_id:
         refuse_unrunnable(configs, storage, run_id)
+        sampling = run_sampling(storage, run_id)
+        for config, *_ in configs:  # the engine's start test generates with the run's own sampling
+            config.self_test_sampling = sampling
     sup = Supervisor(configs, broker_settings.url, queues, log_dir=log_dir)
     click.echo(f"regen worker: {len(configs)} process(es) on {broker_settings.masked_url}, queues {queues}", err=True)
     raise SystemExit(sup.run())

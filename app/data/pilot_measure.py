@@ -8,6 +8,9 @@ timed from outside except peak memory (a poll of the run's processes, app/cli/pi
   the engines' start-up is outside it, since a task starts only once its worker's engine is up.
 - The capture pass's share is its task-seconds over all task-seconds (generate + capture). Tasks of one worker
   overlap, so task-seconds exceed the window; the share says how the engine's time splits between the passes.
+- The capture check (workers/shard/capture_check.py) ran in the candidate's run as in any run (each engine's
+  first samples, then one in 100): its re-checks and failures per engine mode come from the markers, and a
+  candidate whose capture failed is never recommended (app/pilot.py).
 - Bytes per sample by states dtype are the codec's real output: the run's own states (read back as bf16),
   encoded again by app/hidden_file.encode_sample for each dtype, on up to `codec_samples` samples, scaled per
   token to the run's context tokens (the states of a sample cover `input_ids[:-1]`).
@@ -21,6 +24,7 @@ import statistics
 import numpy as np
 
 from app import ledger
+from app.data.engine_modes import ModeCounts, check_failure, shard_mode
 from app.hidden_file import encode_sample
 from app.modes import record_mode, run_modes
 from app.quality import is_stub
@@ -57,8 +61,14 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
         codec = {"samples": 0, "tokens": 0, "bytes": dict.fromkeys(CODEC_DTYPES, 0)}
         modes = {mode: {"samples": 0, "generated_tokens": 0, "context_tokens": 0, "lengths": [], "at_cap": 0,
                         "stubs": 0} for mode in run_modes(reader.settings)}
+        engine_modes, failures = ModeCounts(), []
         for info in reader.shards():
             m = info.marker
+            engine_mode, checked, failed = shard_mode(m, info.captured)
+            engine_modes.add(engine_mode, int(m.get("ok", 0)), checked, failed)
+            failure = check_failure(info.shard_id, m, info.captured)
+            if failure:
+                failures.append(f"{info.shard_id} {failure[0]}: {failure[1]}")
             start = _epoch(m.get("task_started") or m.get("engine_started"))
             end = _epoch(m["finished"])
             starts.append(start)
@@ -118,6 +128,8 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
         "hidden_size": hidden_size,
         "stored_states_bytes": stored_bytes,
         "codec": codec,
+        "capture_check": {"checked": sum(c.checked for c in engine_modes.modes.values()), "failed": engine_modes.failed,
+                          "failures": failures[:5], "modes": engine_modes.as_dict()},
         "responses": {
             "max_tokens": max_tokens,
             "median": float(statistics.median(lengths)) if lengths else 0.0,

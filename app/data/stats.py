@@ -20,6 +20,7 @@ import io
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from app.data.engine_modes import ModeCounts, shard_mode
 from app.data.fanout import WHOLE, Part, open_reader, ordered_map, worker_reader
 from app.data.run_reader import RunReader
 from app.modes import record_mode, run_modes
@@ -62,6 +63,7 @@ class RunStats:
     states_bound: float = 0.0
     states_errors: LayerErrors | None = None  # lossy runs: the recorded error per layer (app/states_bound.py)
     part: str | None = None  # `I/N` when only that part's shards were read
+    engine_modes: ModeCounts = field(default_factory=ModeCounts)  # samples and capture checks per engine mode
 
     @property
     def stub_rate(self) -> float:
@@ -126,6 +128,7 @@ class ShardRead:
     entries: list[dict]
     ok: list[tuple]
     rejected: list[str]
+    engine_mode: tuple[str, int, int] = ("unknown", 0, 0)  # engine mode, samples re-checked, failed (engine_modes.py)
 
 
 def read_shard(reader: RunReader, info, lossy: bool) -> ShardRead:
@@ -143,7 +146,7 @@ def read_shard(reader: RunReader, info, lossy: bool) -> ShardRead:
         ok.append(((rec.get("source") or {}).get("file") or "?", rec["num_prompt_tokens"], rec["num_output_tokens"],
                    rec.get("num_answer_tokens") or 0, sum(rec["loss_mask"]), tuple(rec.get("flags") or ()),
                    rec.get("finish_reason"), record_mode(rec, reader.settings)))
-    return ShardRead(speed, entries, ok, rejected)
+    return ShardRead(speed, entries, ok, rejected, shard_mode(m, info.captured))
 
 
 def add_shard(st: RunStats, shard: ShardRead) -> None:
@@ -156,6 +159,7 @@ def add_shard(st: RunStats, shard: ShardRead) -> None:
         st.speed.append(shard.speed)
     for reason in shard.rejected:
         st.rejected[reason] += 1
+    st.engine_modes.add(shard.engine_mode[0], len(shard.ok), shard.engine_mode[1], shard.engine_mode[2])
     for src, n_prompt, n_out, n_ans, mask_sum, flags, finish, mode in shard.ok:
         st.mode_of.append(mode)
         st.prompt.append(n_prompt)
@@ -300,6 +304,12 @@ def print_terminal(st: RunStats, console) -> None:
     for row in _source_rows(st, flags):
         per.add_row(*row)
     console.print(per)
+    modes = Table(title="per engine mode (the engine that captured the states; the capture check's re-captures)")
+    for col in st.engine_modes.header():
+        modes.add_column(col, justify="left" if col == "engine mode" else "right")
+    for row in st.engine_modes.rows():
+        modes.add_row(*row)
+    console.print(modes)
     if st.states_errors is not None:
         errors = Table(title=f"stored states: {st.states_dtype}, relative error per token (bound {st.states_bound})")
         for col in ("layer (vLLM id)", "max", "RMS"):
@@ -428,6 +438,8 @@ def render_html(st: RunStats, images: dict[str, bytes]) -> str:
            _table([*_MODE_COLUMNS, *flags, *_MODE_TAIL], _mode_rows(st, flags))] if st.mixed else []),
         "<h2>per input source</h2>",
         _table(["source", "ok", "stub-or-empty", *flags, "mean output tokens"], _source_rows(st, flags)),
+        "<h2>per engine mode</h2>",
+        _table(st.engine_modes.header(), st.engine_modes.rows()),
     ]
     if st.states_errors is not None:
         parts += [f"<h2>stored states: {html.escape(st.states_dtype)} (bound {st.states_bound})</h2>",

@@ -4,7 +4,8 @@ Why: the failures that hurt drafter training are silent (all-zero states from a 
 copy, a shard that never ran). Every check here needs only the run itself: markers name files with sizes and
 sha256, hidden files carry per-part CRCs, records carry the ids the states must belong to, and the producer's
 counts must add up with what the workers wrote. `--reference N` additionally recomputes N samples' states
-with plain transformers (app/data/reference.py), independent of vLLM's capture path. A run with a lossy
+with plain transformers (app/data/reference.py), independent of vLLM's capture path, and judges them row by row
+(app/data/verify_reference.py). A run with a lossy
 `--states-dtype` promises a bound on each token's relative error: every lossy sample's recorded error is held
 to it (app/states_bound.py), and the reference comparison allows it on top of the capture tolerance.
 
@@ -23,27 +24,24 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
-import random
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import orjson
 import zstandard
 
+from app.data.engine_modes import ModeCounts, check_failure, shard_mode
 from app.data.fanout import WHOLE, Part, open_reader, ordered_map, worker_reader
 from app.data.run_reader import RunReader, ShardInfo
 from app.data.verify_checks import Problem, ShardResult, check_mode, check_states
-from app.hidden_file import CorruptHiddenFile, HiddenFileReader, bf16_to_float32
+from app.data.verify_reference import reference_check
+from app.hidden_file import CorruptHiddenFile, HiddenFileReader
 from app.ids import shard_id as shard_name
 from app.jsonl_zst import iter_jsonl_zst
+from app.layers import ascending_problem
 from app.manifest import setting
-from app.states_bound import promise, reference_excess
-
-REFERENCE_MAX_ABS = 0.05  # bf16 noise between vLLM's kernels and transformers' eager forward (docs/measured-facts.md: ~0.002)
 
 
 @dataclass
@@ -55,6 +53,7 @@ class VerifyReport:
     reference: dict | None = None
     incomplete: dict | None = None  # what is missing and why (None when the run is complete)
     sampled: dict | None = None  # what a sampled verify read and did not read
+    modes: ModeCounts | None = None  # samples and capture checks per engine mode (app/data/engine_modes.py)
     part: str | None = None  # `I/N` when only that part's shards were checked (verify_run says what that means)
 
     def headline(self) -> str | None:
@@ -82,7 +81,9 @@ class VerifyReport:
         return {"run_id": self.run_id, **({"part": self.part} if self.part else {}), "ok": self.ok(strict),
                 "headline": self.headline(),
                 "incomplete": self.incomplete, "accounting": self.accounting, "shards": self.shards,
-                "reference": self.reference, "sampled": self.sampled, "problems": [asdict(p) for p in self.problems]}
+                "reference": self.reference, "sampled": self.sampled,
+                "engine_modes": self.modes.as_dict() if self.modes else {},
+                "problems": [asdict(p) for p in self.problems]}
 
 
 def _read_records_file(res: ShardResult, reader: RunReader, info: dict) -> bytes | None:
@@ -242,6 +243,7 @@ def verify_shard(reader: RunReader, info: ShardInfo, decode: bool = True) -> Sha
     finally:
         if fh is not None:
             fh.close()
+    res.stale_rows = None  # this shard's row table: not kept with its result
     _name_leftovers(res, reader, info.shard_id)
     return res
 
@@ -349,7 +351,8 @@ def _expected_sizes(reader: RunReader, counts: dict) -> dict[str, int]:
 
 def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
                progress: Callable[[str], None] | None = None, allow_incomplete: bool = False,
-               sample: float | None = None, processes: int = 1, part: Part = WHOLE) -> VerifyReport:
+               sample: float | None = None, processes: int = 1, part: Part = WHOLE,
+               reference_device: str = "cpu") -> VerifyReport:
     """Check the run; `allow_incomplete`: missing shards are warnings; `sample`: decode the states of only this
     many samples (a count >= 1, or a fraction of the ok samples below 1); see the module docstring.
 
@@ -367,6 +370,8 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
     elif not produce.get("complete"):
         problems.append(Problem("produce_incomplete", None, None, "the producer has not finished enqueuing",
                                 severity=gap))
+    if reader.layers is not None and (mislabelled := ascending_problem(reader.layers)):
+        problems.append(Problem("layers_order", None, None, mislabelled))
     expected = _expected_sizes(reader, counts)
     done, dead = set(reader.done_shards()), reader.dead_generate_shards()
     every = reader.expected_shards()
@@ -433,10 +438,17 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
         from app.data.verify_sampled import decode_sample
 
         sampled = decode_sample(reader, [r for r in results if r.state == "done"], sample)
+    modes = ModeCounts()
+    for info in infos:  # the engine that made each shard's states, and what its capture check found
+        mode, checked, failed = shard_mode(info.marker, info.captured)
+        modes.add(mode, int(info.marker.get("ok") or 0), checked, failed)
+        failure = check_failure(info.shard_id, info.marker, info.captured)
+        if failure:
+            problems.append(Problem("capture_check", info.shard_id, failure[0], failure[1]))
     for res in sorted(results, key=lambda r: r.shard):
         problems += res.problems
     shard_counts = Counter(r.state for r in results)
-    report = VerifyReport(reader.run_id, accounting, dict(shard_counts), problems, sampled=sampled)
+    report = VerifyReport(reader.run_id, accounting, dict(shard_counts), problems, sampled=sampled, modes=modes)
     if not part.whole:
         report.part = str(part)
     dead_shards = sum(1 for s in every if s not in done and s in dead)
@@ -448,7 +460,7 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
                              "missing_shard_samples": missing_samples, "producer_unfinished": unfinished}
     if reference:
         pool = [(r.shard, s) for r in sorted(results, key=lambda r: r.shard) for s in r.good_samples]
-        report.reference = _reference_check(reader, pool, reference, problems)
+        report.reference = reference_check(reader, pool, reference, problems, device=reference_device)
     return report
 
 
@@ -477,45 +489,3 @@ def _dead_reason(reader: RunReader, name: str) -> str:
     except orjson.JSONDecodeError:
         return "?"
     return "?" if letter is None else str(letter.get("reason", "?"))[:200]
-
-
-def _reference_check(reader: RunReader, pool: list[tuple[str, str]], n: int, problems: list[Problem]) -> dict:
-    """Recompute `n` samples (a fixed-seed random choice) with transformers and compare the stored states."""
-    if reader.layers is None:
-        problems.append(Problem("reference", None, None, "run captured no hidden states"))
-        return {"checked": 0}
-    chosen = random.Random(0).sample(pool, min(n, len(pool)))
-    if len(chosen) < n:
-        problems.append(Problem("reference", None, None, f"only {len(chosen)} intact samples to check, asked {n}"))
-    model_path = (reader.settings.get("model") or {}).get("path")
-    if not model_path or not os.path.isdir(model_path):  # checked before importing torch (seconds)
-        problems.append(Problem("reference_unavailable", None, None, f"model folder {model_path!r} not found here"))
-        return {"checked": 0}
-    try:
-        from app.data.reference import ReferenceCapture
-
-        ref = ReferenceCapture(model_path, reader.layers)
-    except Exception as exc:  # a model folder that is gone or unloadable here
-        problems.append(Problem("reference_unavailable", None, None, f"{type(exc).__name__}: {exc}"[:300]))
-        return {"checked": 0}
-    worst, lossy, worst_excess = 0.0, promise(reader.settings), 0.0
-    for shard, sid in chosen:
-        info = reader.shard(shard)
-        tokens, states = reader.states(info, {"sample_id": sid})
-        got = ref.capture(tokens.tolist())
-        diff = float(np.abs(bf16_to_float32(got) - bf16_to_float32(states)).max())
-        worst = max(worst, diff)
-        if lossy.lossy:  # per token and layer: the capture tolerance plus the run's promised error
-            excess = reference_excess(bf16_to_float32(got), bf16_to_float32(states), lossy.max_rel_error,
-                                      REFERENCE_MAX_ABS)
-            worst_excess = max(worst_excess, excess)
-            if excess > 1:
-                problems.append(Problem("reference_mismatch", shard, sid,
-                                        f"a token's states differ from transformers by {excess:.2f}x what "
-                                        f"{REFERENCE_MAX_ABS} per value and the run's {lossy.dtype} bound allow"))
-        elif diff > REFERENCE_MAX_ABS:
-            problems.append(Problem("reference_mismatch", shard, sid,
-                                    f"max abs diff {diff:.4f} > {REFERENCE_MAX_ABS} vs transformers"))
-    reader.close()
-    out = {"checked": len(chosen), "max_abs": worst, "tolerance": REFERENCE_MAX_ABS}
-    return {**out, "states_dtype": lossy.dtype, "excess": worst_excess} if lossy.lossy else out

@@ -106,6 +106,19 @@ def test_repetition_loop_matches_its_definition(prefix, block, repeats, min_repe
     assert repetition_loop(ids, min_repeats) == _loop_by_definition(ids, min_repeats)
 
 
+def test_one_zero_row_inside_a_layer_is_flagged():
+    good = float32_to_bf16(np.random.default_rng(2).normal(size=(3000, 5, 64)).astype(np.float32))
+    one_row = good.copy()
+    one_row[1234, 3] = 0  # one token's state in one layer: a capture fault, though the layer is not zero
+    assert states_problem(one_row) == "states_zero"
+    quarter = good.copy()
+    quarter[:750, 2] = 0
+    assert states_problem(quarter) == "states_zero"
+    from app.quality import layer_detail
+
+    assert layer_detail(quarter, [1, 16, 31, 46, 61]) == "vllm layer 31: all-zero 750 of 3000 rows, first at token 0"
+
+
 def test_states_checks_find_zero_layers_and_non_finite_values():
     good = float32_to_bf16(np.random.default_rng(1).normal(size=(5, 3, 8)).astype(np.float32))
     assert states_problem(good) is None
@@ -124,7 +137,7 @@ def _states_problem_by_definition(states: np.ndarray) -> str | None:
     values = bf16_to_float32(states)
     if not np.isfinite(values).all():
         return "states_nonfinite"
-    if states.size == 0 or not (values != 0).any(axis=(0, 2)).all():
+    if states.size == 0 or not (values != 0).any(axis=2).all():  # any row of any layer all zero
         return "states_zero"
     return None
 
@@ -133,7 +146,8 @@ def _states_problem_by_definition(states: np.ndarray) -> str | None:
 @given(
     shape=st.tuples(st.integers(1, 40), st.integers(1, 4), st.sampled_from([1, 8, 4096, 20000])),
     seed=st.integers(0, 2**31),
-    damage=st.sampled_from(["none", "zero_layer", "nan", "inf", "neg_inf", "max_finite", "tiny", "neg_zero"]),
+    damage=st.sampled_from(["none", "zero_layer", "zero_row", "neg_zero_row", "nan", "inf", "neg_inf", "max_finite",
+                            "tiny", "neg_zero"]),
     where=st.floats(0, 1, exclude_max=True),
 )
 def test_states_check_matches_its_definition_across_blocks(shape, seed, damage, where):
@@ -147,6 +161,10 @@ def test_states_check_matches_its_definition_across_blocks(shape, seed, damage, 
         states[:, layer, :] = 0
     elif damage == "neg_zero":
         states[:, layer, :] = 0x8000
+    elif damage == "zero_row":
+        states[t, layer, :] = 0
+    elif damage == "neg_zero_row":
+        states[t, layer, :] = 0x8000
     elif damage in special:
         states[t, layer, ch] = float32_to_bf16(np.array([special[damage]], dtype=np.float32))[0]
     assert states_problem(states) == _states_problem_by_definition(states)
@@ -162,3 +180,62 @@ def test_the_window_pauses_after_enough_stubs_only():
     for _ in range(10):
         window.add(False)
     assert window.rate == 0.0 and not window.should_pause(0.2, min_samples=5)
+
+
+def _sample_states(seed: int, n_tokens: int = 3000, n_layers: int = 5, hidden: int = 64) -> np.ndarray:
+    return float32_to_bf16(np.random.default_rng(seed).normal(size=(n_tokens, n_layers, hidden)).astype(np.float32))
+
+
+def test_one_stale_row_in_a_3000_token_sample_is_found_wherever_it_lies():
+    from app.quality import StaleRows
+
+    earlier_ids, earlier = np.arange(3000), _sample_states(1)
+    rng = np.random.default_rng(5)
+    for trial in range(20):
+        seen = StaleRows()
+        assert seen.check(earlier_ids, earlier) is None
+        ids, states = np.arange(10_000, 13_000), _sample_states(100 + trial)
+        assert seen.check(ids, states) is None  # a clean later sample
+        t, source, layer = (int(x) for x in (rng.integers(3000), rng.integers(3000), rng.integers(5)))
+        ids, states = np.arange(20_000, 23_000), _sample_states(200 + trial)
+        states[t, layer] = earlier[source, layer]  # one row left over from the earlier request
+        assert seen.check(ids, states) == "states_stale", (t, source, layer)
+
+
+def test_the_old_16_position_probe_misses_most_single_stale_rows():
+    """What the full hash replaced: 16 probed positions a sample see a stale row only where both ends were probed."""
+    from app.quality import StaleRows
+
+    earlier_ids, earlier = np.arange(3000), _sample_states(1)
+    found = 0
+    for t in range(0, 3000, 150):
+        seen = StaleRows(positions=16)
+        seen.check(earlier_ids, earlier)
+        ids, states = np.arange(20_000, 23_000), _sample_states(2)
+        states[t, 0] = earlier[(t * 7) % 3000, 0]
+        found += seen.check(ids, states) == "states_stale"
+    assert found <= 2
+
+
+def test_a_stale_row_within_one_sample_and_the_table_bound():
+    from app.quality import StaleRows
+
+    ids, states = np.arange(3000), _sample_states(3)
+    states[2000, 1] = states[10, 1]  # another token's row of this very request
+    assert StaleRows().check(ids, states) == "states_stale"
+    small = StaleRows(capacity=20_000)
+    for seed in range(6):
+        assert small.check(np.arange(seed * 5000, seed * 5000 + 3000), _sample_states(10 + seed)) is None
+    assert len(small) <= 20_000 + 15_000  # the oldest runs are dropped as new ones arrive
+
+
+def test_the_same_token_repeating_its_row_is_not_stale():
+    from app.quality import StaleRows
+
+    ids, states = np.arange(3000), _sample_states(4)
+    later_ids = np.arange(5000, 8000)
+    later_ids[:100] = ids[:100]  # a shared prefix: the same tokens in the same context
+    later = _sample_states(6)
+    later[:100] = states[:100]
+    seen = StaleRows()
+    assert seen.check(ids, states) is None and seen.check(later_ids, later) is None

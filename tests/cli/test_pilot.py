@@ -113,6 +113,32 @@ def test_the_fleet_takes_the_run_setting_fastest_on_all_hosts_together_and_each_
         forecast([a, other])
 
 
+def test_a_candidate_whose_capture_failed_is_shown_as_such_and_never_recommended():
+    from app.cli.pilot import setting_rows
+    from app.pilot import capture_failure
+
+    fast, slow = _measured("a", "inline", 9.0), _measured("a", "staged", 3.0)
+    fast["measured"]["capture_check"] = {"checked": 6, "failed": 1, "failures": ["shard-000000 s1: layer 2 ..."],
+                                         "modes": {}}
+    slow["measured"]["capture_check"] = {"checked": 6, "failed": 0, "failures": [], "modes": {}}
+    for entry in (fast, slow):  # what the table rows also read
+        entry["measured"]["responses"] = {"max_tokens": 64, "median": 50, "p90": 60, "at_cap_share": 0.1,
+                                          "stub_share": 0.0}
+    plan = forecast([_pilot("a", [fast, slow])])
+    assert plan["run_setting"] == "staged" and plan["fleet_samples_per_s"] == pytest.approx(3.0)  # not the 9.0
+    assert capture_failure(fast).startswith("capture check: 1 of 6") and capture_failure(slow) is None
+    rows = setting_rows(fast)
+    assert rows["capture check"] == "FAILED: 1 of 6 differ"
+    assert rows["result"].startswith("capture failed, not recommended: capture check")
+    assert setting_rows(slow)["capture check"] == "6 re-captured, all agree" and "result" not in setting_rows(slow)
+    # a reference check that failed, or a run the check paused, rules a candidate out the same way
+    slow["reference"] = {"samples": 2, "ok": False, "problem": "s3: layer 1 token 5: error 0.9"}
+    assert capture_failure(slow) == "verify --reference: s3: layer 1 token 5: error 0.9"
+    with pytest.raises(Exception, match="no run setting"):
+        forecast([_pilot("a", [fast, slow])])
+    assert capture_failure({"capture_failed": "capture check failed on worker w"}) == "capture check failed on worker w"
+
+
 def test_a_file_that_is_not_a_pilot_is_one_line(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text("{}")
@@ -254,6 +280,14 @@ def test_the_dense_pilot_prints_every_setting_and_a_forecast_recomputed_from_its
                                "duplicates": 1}
     _check_measurements_against_the_runs(pilot, storage)
     _check_forecast(output, [pilot])
+    # every capture candidate proved its capture on the host: the capture check's re-captures (each engine's
+    # first samples) and verify --reference on two samples, all agreeing
+    for entry in pilot["candidates"]:
+        check = entry["measured"]["capture_check"]
+        assert check["checked"] >= 4 and check["failed"] == 0, (entry["candidate"]["name"], check)
+        assert entry["reference"]["ok"] and entry["reference"]["samples"] == 2, entry["reference"]
+    assert set(_settings_row(output, "capture check")) == {
+        f"{e['measured']['capture_check']['checked']} re-captured, all agree" for e in pilot["candidates"]}
 
 
 @pytest.mark.vllm

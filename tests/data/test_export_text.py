@@ -115,7 +115,7 @@ def write_run(root: Path, shards: list[list[dict]], *, regenerate: str = "last",
         sampling=Sampling.defaults(thinking, 64), thinking=thinking, capture_mode="off", layers=None,
         shard_size=max(len({r.get("conversation_id", r["sample_id"]) for r in s}) for s in shards),
         max_prompt_tokens=4096, regenerate=regenerate, inputs=[]))
-    ctx = SimpleNamespace(worker_name="w0", config=SimpleNamespace(device_class="cpu"))
+    ctx = SimpleNamespace(worker_name="w0", config=SimpleNamespace(device_class="cpu"), engine_mode_key="synthetic")
     total = 0
     for k, records in enumerate(shards):
         sid = f"shard-{k:06d}"

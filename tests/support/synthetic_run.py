@@ -108,7 +108,7 @@ def build_run(root: Path, spec: Spec | None = None) -> Built:
     open_or_create(store, settings)
     rng = np.random.default_rng(spec.seed)
     all_records, all_states = [], {}
-    ctx = SimpleNamespace(worker_name="w0", config=SimpleNamespace(device_class="cpu"))
+    ctx = SimpleNamespace(worker_name="w0", config=SimpleNamespace(device_class="cpu"), engine_mode_key="synthetic")
     for s in range(spec.shards):
         sid = shard_id(s)
         records, encoded = [], []

@@ -51,7 +51,7 @@ class WorkerProcess:
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
 
-    def wait_ready(self, count: int = 1, timeout: float = 240) -> None:
+    def wait_ready(self, count: int = 1, timeout: float = 600) -> None:
         wait_for(lambda: self.text().count("engine self-test passed") >= count or self._dead(), timeout,
                  f"worker start-up (log {self.log_path})")
         if self._dead():
@@ -126,11 +126,19 @@ def e2e_storage(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def cpu_worker(tiny_qwen3, e2e_redis, tmp_path_factory):
+def capture_faults_file(tmp_path_factory) -> Path:
+    """The `cpu_worker`'s fault-injection file (workers/engine/capture_faults_for_tests.py): a test writes
+    `{run id: fault}` into it before producing that run; runs it does not list are captured as they are."""
+    return tmp_path_factory.mktemp("capture-faults") / "faults.json"
+
+
+@pytest.fixture(scope="session")
+def cpu_worker(tiny_qwen3, e2e_redis, tmp_path_factory, capture_faults_file):
     """One real CPU worker for the session, consuming the generate and the staged-capture queues."""
-    # REGEN_BENCH_TASKS: the fleet bench's in-worker baseline is tested on this worker too.
-    with session_worker(tiny_qwen3, E2E_LAYERS, "e2e", tmp_path_factory.mktemp("worker-logs"),
-                        {**worker_env(), "REGEN_BENCH_TASKS": "1"}) as worker:
+    # REGEN_BENCH_TASKS: the fleet bench's in-worker baseline is tested on this worker too;
+    # REGEN_FAULT_INJECTION_FOR_TESTS: the capture check's fault cases run on it too, one run per fault.
+    env = {**worker_env(), "REGEN_BENCH_TASKS": "1", "REGEN_FAULT_INJECTION_FOR_TESTS": str(capture_faults_file)}
+    with session_worker(tiny_qwen3, E2E_LAYERS, "e2e", tmp_path_factory.mktemp("worker-logs"), env) as worker:
         yield worker
 
 

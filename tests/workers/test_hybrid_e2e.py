@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from app.cli import main
-from app.hidden_file import bf16_to_float32
+from app.hidden_file import HiddenFileReader, bf16_to_float32
 from app.ledger import attempt_errors
 from app.storage import RunStore, Storage
 from tests.support.faults import (
@@ -118,6 +118,58 @@ def test_the_operators_vllm_setting_reaches_the_engine_and_its_attempt_records(h
                                          "speculative": None,  # a capture engine's own config is the capture's
                                          "speculative_config": {"method": "extract_hidden_states",
                                                                 "num_speculative_tokens": 1}}
+
+
+def test_layer_ids_typed_out_of_order_are_stored_under_true_labels(hybrid_worker, hybrid_storage, tiny_hybrid,
+                                                                   tmp_path):
+    """`--layers vllm:4,1,2` on the 4-layer model: vLLM returns the layers ascending whatever order they are asked
+    in, so each stored slot must carry the label of the layer it holds (judged against transformers per row)."""
+    from app.data.reference import ReferenceCapture
+    from app.states_compare import compare
+
+    inputs = prompts_file(tmp_path, n_synthetic=3, with_formats=False)
+    produce(hybrid_storage, "hybrid-unsorted", [inputs], tiny_hybrid, "--layers", "vllm:4,1,2", "--max-tokens", "16",
+            broker=HYBRID_BROKER)
+    wait_run_done(hybrid_storage, "hybrid-unsorted")
+    manifest = json.loads((hybrid_storage / "hybrid-unsorted" / "run.json").read_text())
+    assert manifest["settings"]["layers"]["spec"] == "vllm:4,1,2"
+    assert manifest["settings"]["layers"]["vllm_ids"] == [1, 2, 4]
+    store = RunStore(Storage(str(hybrid_storage)), "hybrid-unsorted")
+    checked = 0
+    for shard in sorted(store.done_shards()):
+        with store.storage.open(store.done_marker(shard)["files"]["hidden"]["path"]) as fh:
+            reader = HiddenFileReader(fh)
+            for i, entry in enumerate(reader.entries):
+                tokens, states = reader.read(i)
+                labels = list(entry["layers"])
+                ref = ReferenceCapture.from_model(reference_model(tiny_hybrid), labels)
+                try:
+                    result = compare(ref.capture(tokens.tolist()), states, labels)
+                finally:
+                    ref.close()
+                assert result.ok, (labels, result.line())
+                checked += 1
+    assert checked == 3
+    code, report_ = verify_json(hybrid_storage, "hybrid-unsorted")
+    assert code == 0, report_["problems"]
+
+
+_MODELS: dict = {}
+
+
+def reference_model(path: Path):
+    """The hybrid loaded once in transformers for the label test (hooks are added and removed per layer list)."""
+    if path not in _MODELS:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        _MODELS[path] = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    return _MODELS[path]
+
+
+def verify_json(storage: Path, run_id: str) -> tuple[int, dict]:
+    result = CliRunner().invoke(main, ["verify", run_id, "--storage", str(storage), "--json"], catch_exceptions=False)
+    return result.exit_code, json.loads(result.output[result.output.index("{"):])
 
 
 def test_a_hybrid_shard_survives_a_sigkill_of_its_worker(hybrid_worker, hybrid_storage, tiny_hybrid,

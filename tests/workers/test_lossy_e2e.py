@@ -14,9 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 from app.cli import main
-from app.data.verify import REFERENCE_MAX_ABS
-from app.hidden_file import bf16_to_float32
-from app.states_bound import reference_excess
+from app.data.verify_reference import reference_bound
+from app.states_compare import compare
 from tests.support.redis_db import HYBRID_BROKER
 from tests.support.runs import produce, prompts_file, run_states, wait_run_done
 from tests.support.workers import HYBRID_KINDS, HYBRID_LAYERS
@@ -60,8 +59,8 @@ def test_a_lossy_run_stores_fp8_within_its_bound_and_passes_verify_with_the_refe
     reference = ReferenceCapture(str(tiny_qwen3), settings["layers"]["vllm_ids"])
     for token_ids, stored in run_states(e2e_storage, run_id, staged=capture == "staged").values():
         assert stored.dtype == np.uint16  # bf16 bit patterns, whatever the file holds
-        want = bf16_to_float32(reference.capture(token_ids.tolist()))
-        assert reference_excess(want, bf16_to_float32(stored), bound, REFERENCE_MAX_ABS) <= 1
+        result = compare(reference.capture(token_ids.tolist()), stored, bound=reference_bound(bound))
+        assert result.ok, result.line()
 
 
 def test_a_lossy_hybrid_run_stays_within_its_bound_at_linear_and_full_attention_layers(
@@ -85,8 +84,8 @@ def test_a_lossy_hybrid_run_stays_within_its_bound_at_linear_and_full_attention_
     states = run_states(storage, "lossy-hybrid")
     assert len(states) == 4
     for token_ids, stored in states.values():
-        want = bf16_to_float32(reference.capture(token_ids.tolist()))
-        for layer in range(want.shape[1]):  # each layer, linear and full attention alike, within the bound
-            assert reference_excess(want[:, layer:layer + 1], bf16_to_float32(stored)[:, layer:layer + 1], bound,
-                                    REFERENCE_MAX_ABS) <= 1, layer
+        result = compare(reference.capture(token_ids.tolist()), stored, settings["layers"]["vllm_ids"],
+                         bound=reference_bound(bound))
+        # each layer, linear and full attention alike, within the bound
+        assert result.ok and all(f.worst_error <= reference_bound(bound) for f in result.per_layer), result.line()
     reference.close()

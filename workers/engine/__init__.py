@@ -10,7 +10,10 @@ llm_arguments.py      the `vllm.LLM` arguments and per-request sampling paramete
 settings.py           settings chosen from the model's config; the vLLM a hybrid target needs
 capture_connector.py  vLLM's hidden-state connector, made to work on the CPU
 capture_file.py       reading and removing the connector's per-request files
-self_test.py          the few tokens generated before a worker consumes
+self_test.py          the start-up test: the run's sampling, prompts that break engines, the capture check
+recapture.py          a sample's stored ids captured again in a batch of their own and compared
+capture_faults_for_tests.py  TEST ONLY: corrupts listed runs' captures on purpose (REGEN_FAULT_INJECTION_FOR_TESTS)
+engine_mode.py        the mode a built engine runs in (runner, scheduling, chunking, graphs, device)
 limits.py             settings an engine is known to crash on, refused before it runs
 scheduling.py         how the engine and the worker's side threads share a CPU's cores
 

@@ -1,7 +1,21 @@
-"""The engine's self-test: a few tokens generated (and captured) before the worker consumes a shard.
+"""The engine's self-test before the worker consumes a shard: the run's own sampling, the prompts that break
+engines, and the capture check over them.
 
-Why: a broken engine (no tokens, NaN or all-zero captured states) must fail the worker's start, where the
-supervisor restarts it with backoff, rather than fail every shard it would take.
+Why: a broken engine must fail the worker's start, where the supervisor restarts it with backoff and the log says
+why in one line, rather than fail (or, worse, silently mis-capture) every shard it would take. A test of "Hello"
+with 4 tokens and no `top_k` passed engines that crashed on the run's first shard (`top_k`) and could not see
+wrong states at all. So the test generates, in one batch, with the run's sampling (`top_k` included; the default
+thinking-mode sampling for a worker started without `--run`):
+- a 1-token prompt (the shortest request an engine can be given);
+- a short prompt, and the same prompt again with the same seed (equal requests must give equal states, where
+  their tokens agree: two rows of one batch may round apart and sample different tokens later);
+- a prompt longer than the engine's `max_num_batched_tokens`, so its prefill is split into chunks where chunked
+  prefill is on (as long as `max_model_len` allows where it is off: the CPU preset's);
+and checks, by name: `tokens` (every request generated), `ids` (the capture covers exactly the request's prompt
+and output), `rows` (no zero or non-finite row in any layer, app/states_compare.row_problems), `duplicate`
+(equal requests equal), and `recapture`: the capture check of workers/shard/capture_check.py over them, each
+re-captured in a prefill-only batch of its own and compared row by row. A failure raises `SelfTestFailed`: one
+line naming the check and the engine mode (workers/engine/engine_mode.py).
 """
 
 from __future__ import annotations
@@ -9,29 +23,131 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from app.errors import EngineDead
+from workers.engine.capture_faults_for_tests import process_injector
 from workers.engine.request import GenRequest, GenResult
 
 if TYPE_CHECKING:
     from workers.engine.interface import Engine
 
+MAX_TOKENS = 4
+LONG_TEXT = ("The quick brown fox jumps over the lazy dog while the committee reviews the budget for next year. ")
+LONG_DEFAULT = 600  # the long prompt where the engine's token budget is unknown
+
+
+SELF_TEST_RUN = "self-test"  # the run id under which the test-only fault injector corrupts this test's captures
+
+
+class SelfTestFailed(EngineDead):
+    """The engine failed its start-up self-test: one line, naming the check and the engine mode."""
+
 
 def run_self_test(engine: Engine) -> float:
-    """Generate a few tokens on `engine` (either kind) and check them; the seconds it took."""
-    ids = engine.tokenizer.encode("Hello")
-    got: list[GenResult] = []
-    t0 = time.monotonic()
-    engine.run(
-        [GenRequest("self-test", ids, {"temperature": 0.6, "top_p": 0.95, "max_tokens": 4, "seed": 0},
-                    capture=engine.options.capture_layers is not None)],
-        got.append,
-    )
-    if len(got) != 1 or not got[0].output_token_ids:
-        raise EngineDead("engine self-test produced no tokens")
-    if got[0].captured_states is not None:
-        from app.quality import states_problem
+    """`Engine.self_test`: the start test with the default sampling and no mode read (see `run_start_test`)."""
+    return run_start_test(engine, None, None)
 
-        problem = states_problem(got[0].captured_states)
-        if problem:
-            raise EngineDead(f"engine self-test captured bad hidden states: {problem}")
+
+def start_sampling(sampling: dict | None, device: str, captures: bool) -> dict:
+    """The sampling the test generates with: the run's (`top_k` included), or the default thinking-mode one; a
+    setting the engine is known to crash on (workers/engine/limits.py) is left out only from that default."""
+    from app.manifest import THINKING_SAMPLING
+    from workers.engine.limits import unsupported
+
+    if sampling is not None:
+        chosen = dict(sampling)
+    else:
+        chosen = dict(THINKING_SAMPLING)
+        if unsupported(device, chosen, captures):
+            chosen["top_k"] = 0
+    chosen.pop("seed", None)
+    chosen["max_tokens"] = MAX_TOKENS
+    return chosen
+
+
+def start_prompts(tokenizer, max_model_len: int, budget: int | None) -> dict[str, list[int]]:
+    """The prompts by name: one token, a short one, one past the token budget (as long as the engine allows)."""
+    short = tokenizer.encode("Hello") or [1]
+    want = (budget + 16) if budget else LONG_DEFAULT
+    room = max_model_len - MAX_TOKENS - 1
+    text = tokenizer.encode(LONG_TEXT * 8) or short
+    long = (text * (min(want, room) // len(text) + 1))[:min(want, room)]
+    return {"one-token": short[:1], "short": short, "long": long}
+
+
+def run_start_test(engine: Engine, sampling: dict | None, mode: dict | None) -> float:
+    """Run the test on `engine` (either kind, see the module); the seconds it took. Raises SelfTestFailed."""
+    from workers.engine.engine_mode import mode_key
+
+    key = mode_key(mode) if mode is not None else "not read"
+    options = engine.options
+    captures = options.capture_layers is not None
+    t0 = time.monotonic()
+    prompts = start_prompts(engine.tokenizer, options.max_model_len, (mode or {}).get("max_num_batched_tokens"))
+    params = start_sampling(sampling, options.device, captures)
+    requests = [GenRequest(name, ids, {**params, "seed": 1234 + k}, capture=captures)
+                for k, (name, ids) in enumerate(prompts.items())]
+    requests.append(GenRequest("short-again", prompts["short"], {**params, "seed": 1234 + 1}, capture=captures))
+    got: dict[str, GenResult] = {}
+
+    def fail(check: str, detail: str):
+        return SelfTestFailed(f"engine self-test failed, check '{check}': {detail}; engine mode: {key}; "
+                              f"sampling {params}")
+
+    try:
+        engine.run(requests, lambda res: got.__setitem__(res.request_id, res))
+    except EngineDead as exc:
+        raise fail("generate", str(exc)) from exc
+    for req in requests:
+        res = got.get(req.request_id)
+        if res is None or not res.output_token_ids:
+            raise fail("tokens", f"the {req.request_id} prompt ({len(req.prompt_token_ids)} tokens) produced no tokens")
+    if captures:
+        _check_captures(engine, requests, got, fail)
     return time.monotonic() - t0
+
+
+def _check_captures(engine: Engine, requests: list[GenRequest], got: dict[str, GenResult], fail) -> None:
+    from app.states_compare import compare, row_problems
+    from workers.engine.recapture import Pending, recheck
+
+    layers = list(engine.options.capture_layers)
+    stored: dict[str, tuple[list[int], np.ndarray]] = {}
+    faults = process_injector()  # the test-only fault injector (capture_faults_for_tests.py): None but in tests
+    for req in requests:
+        res = got[req.request_id]
+        ids = res.prompt_token_ids + res.output_token_ids[:-1]
+        if res.captured_states is None or res.captured_token_ids is None:
+            raise fail("ids", f"the {req.request_id} prompt returned no captured states")
+        if res.captured_token_ids.tolist() != ids or res.captured_states.shape[0] != len(ids):
+            raise fail("ids", f"the {req.request_id} prompt's capture covers {len(res.captured_token_ids)} ids, "
+                              f"{res.captured_states.shape[0]} rows for its {len(ids)} prompt and output tokens")
+        states = res.captured_states
+        if faults is not None:  # tests only: this test's own captures, each of the two equal ones alike
+            states, _ = faults.corrupt(SELF_TEST_RUN, req.request_id, states)
+        problem = row_problems(states)
+        if problem:
+            raise fail("rows", f"the {req.request_id} prompt: {problem.line(layers)}")
+        stored[req.request_id] = ids, states
+    # Equal requests may sample apart after a few tokens (a random model's near-uniform logits, rounded apart in
+    # two rows of one batch, pick different tokens from the same seed): their states are compared where their
+    # tokens are still the same, the prompt and the common start of the output.
+    common = len(got["short"].prompt_token_ids) + _common_prefix(got["short"].output_token_ids,
+                                                                  got["short-again"].output_token_ids)
+    same = compare(stored["short"][1][:common], stored["short-again"][1][:common], layers)
+    if not same.ok:
+        raise fail("duplicate", f"two equal requests in one batch captured different states: {same.line()}")
+    # Each alone, in a prefill-only batch of its own: the composition the generation batch did not have.
+    for k, name in enumerate(("one-token", "short", "long")):
+        ids, states = stored[name]
+        (outcome,) = recheck(engine, [Pending(k, name, ids, states, duplicate=name == "short")], layers)
+        if not outcome.ok:
+            raise fail(outcome.check, f"the {name} prompt re-captured in a batch of its own: {outcome.line}")
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

@@ -46,6 +46,9 @@ class WorkerConfig:
     task_slots: int = 3  # Celery thread-pool slots (workers/process/devices.task_slots_for)
     encode_threads: int = 2  # threads checking and compressing hidden states (workers/process/devices.encode_threads_for)
     self_test: bool = True
+    # The sampling the engine self-test generates with (workers/engine/self_test.py): the run's, when the worker
+    # was started with --run; None: the default thinking-mode sampling.
+    self_test_sampling: dict | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> WorkerConfig:
@@ -164,8 +167,21 @@ class WorkerContext:
         self.windows: dict[str, StubWindow] = {}
         self.manifests: dict[str, dict] = {}
         self.closed = False
+        from workers.engine.engine_mode import mode_key, read_mode
+        from workers.shard.capture_check import EngineChecks
+
+        # Read from the built engine, not from the options: what attempt records and the checks' messages name.
+        self.engine_mode = read_mode(self.engine)
+        self.engine_mode_key = mode_key(self.engine_mode)
+        log.info("engine mode: %s (%s)", self.engine_mode_key, self.engine_mode)
+        self.capture_checks = EngineChecks()  # the capture check's counts (workers/shard/capture_check.py)
+        from workers.engine.capture_faults_for_tests import process_injector
+
+        self.faults_for_tests = process_injector()  # None but in the tests; it says so in the log at once
         if config.self_test:
-            seconds = self.engine.self_test()
+            from workers.engine.self_test import run_start_test
+
+            seconds = run_start_test(self.engine, config.self_test_sampling, self.engine_mode)
             log.info("engine self-test passed in %.2fs", seconds)
         from workers.engine.llm_arguments import held_speculative
 
@@ -194,7 +210,9 @@ class WorkerContext:
         # the engine's own (a capture engine's is vLLM's extract_hidden_states), both as the engine reports them.
         return {"vllm": software_versions()["vllm"], "vllm_args": list(self.config.engine.get("vllm_args") or []),
                 "speculative": describe_engine_config(self.speculative_config),
-                "speculative_config": self.speculative_config}
+                "speculative_config": self.speculative_config,
+                "mode": self.engine_mode, "mode_key": self.engine_mode_key,
+                **({"fault_injection_for_tests": self.faults_for_tests.path} if self.faults_for_tests else {})}
 
     def close(self) -> None:
         if self.closed:

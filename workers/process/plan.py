@@ -83,6 +83,7 @@ def settings_from_run(storage: str, run_id: str, queues: str) -> tuple[str, list
     """Model path, capture layers this worker's engine needs, a max_model_len and the shard size from a run
     manifest."""
     from app import manifest as manifest_mod
+    from app.layers import ascending_problem
     from app.storage import RunStore, Storage
 
     m = manifest_mod.load(RunStore(Storage(storage), run_id))["settings"]
@@ -91,6 +92,8 @@ def settings_from_run(storage: str, run_id: str, queues: str) -> tuple[str, list
     needs_capture = (mode == "inline" and qs - {DEFAULT_CAPTURE_QUEUE}) or (mode == "staged"
                                                                            and DEFAULT_CAPTURE_QUEUE in qs)
     layers = m["layers"]["vllm_ids"] if needs_capture and m.get("layers") else None
+    if layers and (why := ascending_problem(layers)):
+        raise ConfigError(f"run {run_id}: {why}")
     wanted = int(m["max_prompt_tokens"]) + int(m["sampling"]["max_tokens"])
     max_len = min(wanted, _model_max_len(m["model"]["path"]) or wanted)
     return m["model"]["path"], layers, max_len, int(m["shard_size"])
@@ -139,14 +142,26 @@ def refuse_unrunnable(configs, storage: str, run_id: str) -> None:
     """A ConfigError (one line) when a planned worker's engine cannot run the run's settings
     (workers/engine/limits.py), before any engine starts."""
     from app import manifest as manifest_mod
+    from app.speculative import ignored_with_capture
     from app.storage import RunStore, Storage
     from workers.engine.limits import unsupported
 
-    sampling = manifest_mod.load(RunStore(Storage(storage), run_id))["settings"]["sampling"]
+    settings = manifest_mod.load(RunStore(Storage(storage), run_id))["settings"]
+    sampling = settings["sampling"]
+    if why := ignored_with_capture(sampling, settings["capture_mode"]):  # every generating engine captures
+        raise ConfigError(f"workers refuse run {run_id}: {why}")
     for config, _ in configs:
         why = unsupported(config.device, sampling, bool(config.capture_layers))
         if why:
             raise ConfigError(f"worker {config.hostname} refuses run {run_id}: {why}")
+
+
+def run_sampling(storage: str, run_id: str) -> dict:
+    """The run's sampling (its manifest's): what a worker started with --run tests its engine with at start."""
+    from app import manifest as manifest_mod
+    from app.storage import RunStore, Storage
+
+    return dict(manifest_mod.load(RunStore(Storage(storage), run_id))["settings"]["sampling"])
 
 
 def manifest_engine_args(storage: str, run_id: str) -> dict:

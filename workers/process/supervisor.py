@@ -49,7 +49,7 @@ class Supervisor:
         for config, visible, *own_queues in configs:  # an entry may name its own queues (regen run's split)
             self.children.append(Child(config, worker_child_env(config.to_env(), visible, broker_url,
                                                                 own_queues[0] if own_queues else queues,
-                                                                extra_env)))
+                                                                extra_env, name=config.hostname)))
 
     def _start(self, child: Child) -> None:
         out = None

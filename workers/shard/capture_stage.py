@@ -13,7 +13,10 @@ from typing import TYPE_CHECKING
 from app.jsonl_zst import loads_jsonl_zst
 from app.manifest import compression_level
 from app.storage import RunStore
+from workers.engine.capture_faults_for_tests import process_injector
+from workers.engine.recapture import CheckOutcome, Pending
 from workers.engine.request import GenRequest
+from workers.shard import capture_check
 from workers.shard.generate import encode_into, states_dtype
 from workers.shard.shard_output import hidden_file_stream, publish_marker
 
@@ -22,9 +25,13 @@ if TYPE_CHECKING:
 
 
 def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_id: str, attempt: str,
-                    stale_after: float | None = None) -> bool:
-    """Capture the states of a finished shard's ok records into the attempt's file; True if this attempt's
-    capture marker won (another attempt's may have been written first: then this one's file is removed)."""
+                    stale_after: float | None = None) -> tuple[bool, list[CheckOutcome]]:
+    """Capture the states of a finished shard's ok records into the attempt's file; (True if this attempt's
+    capture marker won (another attempt's may have been written first: then this one's file is removed), the
+    capture check's outcomes).
+
+    The capture check (workers/shard/capture_check.py) re-captures its chosen samples in a batch of their own,
+    after this batch of the whole shard: the same prefill in another batch composition."""
     marker = store.done_marker(shard_id)
     records = loads_jsonl_zst(store.storage.read_bytes(marker["files"]["records"]["path"]))
     layers = manifest["settings"]["layers"]["vllm_ids"]
@@ -38,23 +45,41 @@ def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_i
     futures = {}
     problems: dict[str, list[str]] = {}
     index = {}
+    policy = capture_check.CheckPolicy.of(manifest["settings"])
+    to_check: list[Pending] = []
+    faults = process_injector()  # None but in the tests
     # As in generate: each sample's states go into the attempt's file as soon as they are checked and encoded.
     with hidden_file_stream(store, shard_id, f"{attempt}c") as stream:
 
         def on_done(res) -> None:  # on the engine's delivery thread: the check and the encoding go to the pool
             i = int(res.request_id)
             rec = records[i]
-            futures[i] = ctx.encode_pool.submit(encode_into, stream, rec["sample_id"], rec["input_ids"][:-1],
-                                                res.captured_token_ids, res.captured_states, layers, level, True,
+            expected = rec["input_ids"][:-1]
+            states = res.captured_states[:len(expected)]
+            if faults is not None:
+                states, _ = faults.corrupt(store.run_id, rec["sample_id"], states)
+            wanted, first = ctx.capture_checks.wants(rec["sample_id"], policy)
+            if wanted:
+                to_check.append(Pending(i, rec["sample_id"], expected, states, duplicate=first))
+            futures[i] = ctx.encode_pool.submit(encode_into, stream, rec["sample_id"], expected,
+                                                res.captured_token_ids, states, layers, level, True,
                                                 stored=stored)
 
         ctx.engine.run(requests, on_done)
+        outcomes = capture_check.run_checks(ctx, to_check, layers)
         for i in sorted(futures):
             issues, position, _ = futures[i].result()
             if issues:
                 problems[records[i]["sample_id"]] = issues
             index[records[i]["sample_id"]] = position
+        checks = {}
+        for outcome in outcomes:
+            checks[outcome.sample_id] = outcome.as_record()
+            if not outcome.ok:
+                problems.setdefault(outcome.sample_id, []).append(capture_check.FLAG)
     written = stream.written
     body = {"shard_id": shard_id, "attempt": attempt, "hidden": written.info(), "index": index,
-            "problems": problems, "worker": ctx.worker_name}
-    return publish_marker(store, store.captured_path(shard_id), body, [written.path], shard_id, stale_after)
+            "problems": problems, "worker": ctx.worker_name, "engine_mode": ctx.engine_mode_key,
+            "capture_check": {**capture_check.summary(outcomes), "samples": checks}}
+    won = publish_marker(store, store.captured_path(shard_id), body, [written.path], shard_id, stale_after)
+    return won, outcomes

@@ -28,7 +28,10 @@ from app.quality import (
     think_closed,
 )
 from app.records import conversation_id, loss_mask, rejected_record
+from workers.engine.capture_faults_for_tests import process_injector
+from workers.engine.recapture import Pending
 from workers.engine.request import GenRequest, GenResult
+from workers.shard import capture_check
 
 if TYPE_CHECKING:
     from workers.process.context import WorkerContext
@@ -83,6 +86,10 @@ class ShardGeneration:
         self.encoded: dict[int, Future] = {}
         self.spans: list[tuple[float, float]] = []
         self.gen_seconds = 0.0
+        # The capture check (workers/shard/capture_check.py): the samples to re-capture once the shard is generated.
+        self.check_policy = capture_check.CheckPolicy.of(settings)
+        self.to_check: list[Pending] = []
+        self.faults = process_injector() if self.capture_inline else None  # None but in the tests
 
     def base(self, sample: dict, index: int, messages: list[dict], **extra) -> dict:
         mode = {"thinking": record_thinking(sample, self.settings)}
@@ -143,10 +150,18 @@ class ShardGeneration:
             "flags": flags,
             "hidden": None,
         })
-        if res.captured_states is not None:
+        states = res.captured_states
+        if states is not None:
+            if self.faults is not None:
+                states, fault = self.faults.corrupt(self.run_id, rec["sample_id"], states)
+                if fault:
+                    rec["fault_injected_for_tests"] = fault
+            wanted, first = self.ctx.capture_checks.wants(rec["sample_id"], self.check_policy)
+            if wanted:
+                self.to_check.append(Pending(i, rec["sample_id"], input_ids[:-1], states, duplicate=first))
             self.encoded[i] = self.ctx.encode_pool.submit(
                 encode_into, self.hidden_out, rec["sample_id"], input_ids[:-1], res.captured_token_ids,
-                res.captured_states, self.layers, self.level, stored=self.stored)
+                states, self.layers, self.level, stored=self.stored)
         return rec
 
     def run(self, requests: list[GenRequest], on_done=None) -> None:
@@ -163,7 +178,11 @@ class ShardGeneration:
         self.spans.append(span or (wall0, wall0))
 
     def collect(self, order: list[int] | None = None) -> tuple[list[dict], dict]:
-        """Wait for every encoding (all states are in the file then); (records in `order`, summary)."""
+        """Re-capture the samples the capture check chose (while the encoders work), wait for every encoding (all
+        states are in the file then); (records in `order`, summary)."""
+        outcomes = capture_check.run_checks(self.ctx, self.to_check, self.layers)
+        for outcome in outcomes:
+            capture_check.mark(self.records[outcome.position], outcome)
         for i in sorted(self.encoded):
             problems, position, n_tokens = self.encoded[i].result()
             self.records[i]["flags"].extend(problems)
@@ -174,6 +193,7 @@ class ShardGeneration:
         # thread's, which hears of the end later): the gaps between shards' spans are the engine's idle time.
         summary["engine_started"] = round(min(s[0] for s in self.spans), 4)
         summary["engine_finished"] = round(max(s[1] for s in self.spans), 4)
+        summary["capture_check"] = capture_check.summary(outcomes)
         return records, summary
 
 
@@ -254,6 +274,7 @@ def shard_summary(records: list[dict], gen_seconds: float, ctx: WorkerContext) -
         "generation_seconds": round(gen_seconds, 4),
         "worker": ctx.worker_name,
         "device": ctx.config.device_class,
+        "engine_mode": ctx.engine_mode_key,
     }
 
 

@@ -30,6 +30,7 @@ from app import ledger
 from app.errors import InvalidTask, ManifestMismatch
 from app.modes import record_mode, run_modes
 from app.quality import StubWindow, is_stub
+from app.speculative import ignored_with_capture
 from app.storage import RunStore
 from workers.engine.limits import unsupported
 from workers.process.inflight import Claim, InFlight
@@ -167,6 +168,8 @@ def check_manifest(d: Delivery) -> None:
     why = unsupported(d.worker.device, settings["sampling"], needs_capture and bool(d.worker.capture_layers))
     if why:
         problems.append(why)
+    if d.stage == ledger.GENERATE and (ignored := ignored_with_capture(settings["sampling"], settings["capture_mode"])):
+        problems.append(ignored)
     if problems:
         exc = ManifestMismatch(f"run {manifest['run_id']}: worker {d.worker.name} refuses shard: "
                                + "; ".join(problems))
@@ -213,3 +216,20 @@ def pause_on_stubs(d: Delivery, records: list[dict]) -> None:
             ledger.pause_run(d.store, reason, rate=window.rate, window=len(window.values), by=d.worker.name)
             log.error("run %s paused: %s", d.run_id, reason)
 
+
+def pause_on_capture_check(d: Delivery, checks: list[tuple[str, dict]]) -> None:
+    """Pause the run when a sample's capture check failed (workers/shard/capture_check.py): its states differ from
+    a re-capture of the same ids on this worker's engine. The reason names the worker, its engine mode and the
+    sample's worst layer, token and error; `regen resume-run` lifts it once the engine is understood."""
+    failed = [(sample, check) for sample, check in checks if not check.get("ok")]
+    if not failed or ledger.pause_state(d.store):
+        return
+    sample, check = failed[0]
+    mode = (d.worker.engine or {}).get("mode_key", "unknown")
+    reason = (f"capture check failed on worker {d.worker.name} (engine mode: {mode}): {len(failed)} of "
+              f"{len(checks)} re-captured samples of {d.shard} differ from their stored states; {sample}: "
+              f"{check.get('problem')}")
+    ledger.pause_run(d.store, reason, check="capture", by=d.worker.name, engine_mode=mode, shard=d.shard,
+                     sample_id=sample, layer=check.get("layer"), token=check.get("token"), error=check.get("error"),
+                     bound=check.get("bound"))
+    log.error("run %s paused: %s", d.run_id, reason)

@@ -24,7 +24,7 @@ from workers.shard.capture_stage import capture_records
 from workers.shard.delivery import GuardedTask, run_delivery
 from workers.shard.generate import generate_records
 from workers.shard.shard_output import hidden_file_stream, publish_shard
-from workers.shard.task_guards import Delivery, pause_on_stubs
+from workers.shard.task_guards import Delivery, pause_on_capture_check, pause_on_stubs
 
 log = logging.getLogger("regen.tasks")
 
@@ -64,12 +64,14 @@ def generate_and_publish(task: Task, ctx: WorkerContext, d: Delivery, *, storage
         task.app.send_task(CAPTURE_TASK, kwargs={"run_id": d.run_id, "storage": storage, "shard_id": d.shard},
                            queue=settings.get("capture_queue", DEFAULT_CAPTURE_QUEUE))
     pause_on_stubs(d, records)
+    pause_on_capture_check(d, [(r["sample_id"], r["capture_check"]) for r in records if r.get("capture_check")])
     return "done" if won else "duplicate"
 
 
 def capture_and_publish(ctx: WorkerContext, d: Delivery) -> str:
     """The capture stage's work: the states of the generated records, published with the stage's marker."""
-    won = capture_records(ctx, d.store, d.manifest, d.shard, d.attempt, stale_after=d.stale_after)
+    won, outcomes = capture_records(ctx, d.store, d.manifest, d.shard, d.attempt, stale_after=d.stale_after)
+    pause_on_capture_check(d, [(o.sample_id, o.as_record()) for o in outcomes])
     return "done" if won else "duplicate"
 
 

@@ -1,0 +1,104 @@
+"""`regen verify --reference N`: N stored samples recomputed with plain transformers and judged row by row.
+
+The judgement is app/states_compare.py's, the same the worker-side re-capture uses: each token's error relative
+to its reference row under a bound derived for bf16 (REL_BOUND = 2^-4; vLLM and transformers agree to 3e-5 of
+the row on these CPUs, the room is for a GPU's fused kernels), each row nearer its own counterpart than its
+neighbours' (a massive-activation channel, large in every token, dominates every row's norm and would hide a
+shift from the relative error alone), each slot nearer its own layer than the others'. It replaced an absolute
+0.05 per value, set on random models whose values are near 1: at a real model's scale one bf16 step in a
+channel of 400 is 2.0, so right states from a GPU would have failed it.
+
+A lossy run's stored rows may differ from the capture by its promised `max_rel_error` on top:
+`||s - r|| <= ||s - c|| + ||c - r|| <= e ||c|| + b ||r||` and `||c|| <= (1 + b) ||r||`, so the bound per row is
+`b + e (1 + b)` (`reference_bound`).
+
+`device` runs the reference where the target fits: `cpu` (default), `cuda`/`cuda:N`, or `auto` (the first GPU
+where torch sees one). transformers on a GPU is a second, independent implementation of the model too.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+from app.data.run_reader import RunReader
+from app.data.verify_checks import Problem
+from app.states_bound import promise
+from app.states_compare import REL_BOUND, compare
+
+
+def reference_bound(max_rel_error: float = 0.0) -> float:
+    """The largest error per row against transformers: the capture's REL_BOUND plus a lossy run's promise."""
+    return REL_BOUND + max_rel_error * (1 + REL_BOUND)
+
+
+def resolve_device(device: str) -> str:
+    """`auto` -> `cuda` where torch sees a GPU, else `cpu`; `cuda*` refused in one line where it sees none."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: torch sees no GPU here (torch {torch.__version__})")
+    return device
+
+
+def reference_check(reader: RunReader, pool: list[tuple[str, str]], n: int, problems: list[Problem],
+                    device: str = "cpu") -> dict:
+    """Recompute `n` samples (a fixed-seed random choice of `pool`'s (shard, sample)) with transformers on `device`
+    and judge the stored states; a problem per failing sample, the worst figures per layer in the result."""
+    if reader.layers is None:
+        problems.append(Problem("reference", None, None, "run captured no hidden states"))
+        return {"checked": 0}
+    chosen = random.Random(0).sample(pool, min(n, len(pool)))
+    if len(chosen) < n:
+        problems.append(Problem("reference", None, None, f"only {len(chosen)} intact samples to check, asked {n}"))
+    model_path = (reader.settings.get("model") or {}).get("path")
+    if not model_path or not os.path.isdir(model_path):  # checked before importing torch (seconds)
+        problems.append(Problem("reference_unavailable", None, None, f"model folder {model_path!r} not found here"))
+        return {"checked": 0}
+    try:
+        from app.data.reference import ReferenceCapture
+
+        device = resolve_device(device)
+        ref = ReferenceCapture(model_path, reader.layers, device=device)
+    except Exception as exc:  # a model folder that is gone or unloadable here, a device that is not
+        problems.append(Problem("reference_unavailable", None, None, f"{type(exc).__name__}: {exc}"[:300]))
+        return {"checked": 0}
+    lossy = promise(reader.settings)
+    bound = reference_bound(lossy.max_rel_error if lossy.lossy else 0.0)
+    layers = [int(v) for v in reader.layers]
+    per_layer = {v: {"layer": v, "worst_error": 0.0, "shard": None, "sample": None, "token": None} for v in layers}
+    worst = {"error": 0.0, "layer": None, "token": None, "shard": None, "sample": None}
+    failed = 0
+    try:
+        for shard, sid in chosen:
+            tokens, states = reader.states(reader.shard(shard), {"sample_id": sid})
+            result = compare(ref.capture(tokens.tolist()), states, layers, bound=bound, token_ids=tokens)
+            for figure in result.per_layer:
+                row = per_layer[figure.layer]
+                if figure.worst_error >= row["worst_error"]:
+                    row.update(worst_error=figure.worst_error, shard=shard, sample=sid, token=figure.worst_token)
+            if result.error >= worst["error"]:
+                worst = {"error": result.error, "layer": result.layer, "token": result.token, "shard": shard,
+                         "sample": sid}
+            if not result.ok:
+                failed += 1
+                problems.append(Problem("reference_mismatch", shard, sid, f"against transformers: {result.line()}"))
+    finally:
+        ref.close()
+        reader.close()
+    out = {"checked": len(chosen), "failed": failed, "device": device, "tolerance": bound,
+           "worst": worst, "per_layer": list(per_layer.values())}
+    return {**out, "states_dtype": lossy.dtype, "excess": worst["error"] / bound} if lossy.lossy else out
+
+
+def reference_line(reference: dict) -> str:
+    """verify's summary of the reference check: samples, device, the worst error against the bound, per layer."""
+    if not reference.get("checked"):
+        return "0 samples"
+    worst = reference["worst"]
+    layers = ", ".join(f"{row['layer']} {row['worst_error']:.2g}" for row in reference["per_layer"])
+    return (f"{reference['checked']} samples on {reference['device']}, {reference['failed']} failed; worst error "
+            f"{worst['error']:.2g} of the row at layer {worst['layer']} token {worst['token']} (bound "
+            f"{reference['tolerance']:.3g}); worst per layer: {layers}")
