@@ -53,6 +53,7 @@ UNSTARTED_LEASES = 2.0  # how long a fetched message may show no attempt before 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 CLAIM_PREFIX = "regen.resent"
 CLAIM_TTL_S = 7 * 86400  # a claim outlives any shard; a run's shard dies with a new attempt id next time
+TURN_KEY = "regen.dead-holders.turn"  # whose the current period's check is (workers/process/dead_holder_watch.py)
 _STAGES = {GENERATE_TASK: GENERATE, CAPTURE_TASK: CAPTURE}
 
 
@@ -92,6 +93,23 @@ def decode_held(tag: str, raw: bytes) -> Held | None:
                     dt.datetime.fromisoformat(eta).timestamp() if eta else None)
     except Exception:  # not a shard message regen can read: the visibility timeout stays its only way back
         return None
+
+
+def take_turn(broker_url: str, seconds: float) -> bool:
+    """Whether this caller takes the fleet's one dead-holder check for the next `seconds` (`SET NX PX` in Redis);
+    True where the broker is not Redis (nothing to share a turn on) and when Redis cannot be asked (a check that
+    fails on its own is logged by the check)."""
+    if not broker_url.startswith(REDIS_SCHEMES):
+        return True
+    try:
+        client = redis_client(broker_url)
+        try:
+            return bool(client.set(TURN_KEY, "1", nx=True, px=max(1, int(seconds * 1000))))
+        finally:
+            client.close()
+    except Exception as exc:
+        log.warning("could not take the dead-holder check's turn: %s", mask_text(str(exc)))
+        return True
 
 
 def died_holding(records: list[dict], now: float, stale_after: float | None) -> dict | None:

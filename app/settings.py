@@ -110,6 +110,7 @@ class Settings:
     queues: str = DEFAULT_QUEUE  # REGEN_QUEUES: what a worker child consumes (set by `regen worker`)
     worker_config: str | None = None  # REGEN_WORKER_CONFIG: a worker child's WorkerConfig as JSON (workers/process/context.py)
     bench_tasks: bool = False  # REGEN_BENCH_TASKS=1: the worker registers the fleet bench's task too
+    storage_counts: str | None = None  # REGEN_STORAGE_COUNTS=DIR: count storage operations (app/storage_counts.py)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -134,6 +135,7 @@ class Settings:
             queues=_queues(env.get("REGEN_QUEUES", DEFAULT_QUEUE)),
             worker_config=_worker_config(env.get("REGEN_WORKER_CONFIG") or None),
             bench_tasks=_switch(env, "REGEN_BENCH_TASKS"),
+            storage_counts=env.get("REGEN_STORAGE_COUNTS") or None,
         )
 
     def broker_for(self, url: str | None = None, visibility_timeout: int | None = None) -> BrokerSettings:

@@ -49,7 +49,8 @@ from workers.engine.request import EngineSpan, GenRequest, GenResult, check_capt
 from workers.engine.scheduling import name_thread
 
 PREFIX = "stand-in"
-THREAD_NAME = "regen-stand-in"  # the stand-in's own threads (the harness leaves their CPU out of the fleet's)
+THREAD_NAME = "regen-stand-in"  # the stand-in's engine thread (the harness leaves its CPU out of the fleet's)
+DELIVERY_THREAD = "regen-deliver"  # runs the worker's `on_done` (its records): the fleet's CPU, not the GPU's
 
 # The thinking-mode shape (bench/scale_run.py lays down the job's run with it too)
 MEDIAN_OUTPUT = 2300
@@ -202,7 +203,7 @@ class StandInEngine:
         self._done: queue.Queue = queue.Queue()
         self._delivery_id: int | None = None
         self._engine_thread = threading.Thread(target=self._engine_loop, name=THREAD_NAME, daemon=True)
-        self._delivery_thread = threading.Thread(target=self._deliver_loop, name=THREAD_NAME + "-out", daemon=True)
+        self._delivery_thread = threading.Thread(target=self._deliver_loop, name=DELIVERY_THREAD, daemon=True)
         self._engine_thread.start()
         self._delivery_thread.start()
 
@@ -305,7 +306,7 @@ class StandInEngine:
             self._done.put(None)
 
     def _deliver_loop(self) -> None:
-        name_thread(THREAD_NAME + "-out")
+        name_thread(DELIVERY_THREAD)
         self._delivery_id = threading.get_native_id()
         while True:
             seq = self._done.get()
