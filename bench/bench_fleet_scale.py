@@ -421,7 +421,8 @@ def run_fleet(work: Path, files: list[Path], storage_root: str, model: Path, red
               workers: int, hosts: int, scale: float, rate: float, max_pending: int | None, kill_host: bool,
               fractions=FRACTIONS, s3_endpoint: str | None = None, extra_env: dict | None = None,
               seqs: int = 0, idle_window: float = 10.0, timeout: float = 7200, log=print,
-              shard_size: int = SHARD_SIZE, max_tokens: int = MAX_TOKENS, deadline: float | None = None) -> FleetRun:
+              shard_size: int = SHARD_SIZE, max_tokens: int = MAX_TOKENS, deadline: float | None = None,
+              kill_at: float | None = None) -> FleetRun:
     """Produce `files` onto an empty Redis with `--max-pending`, run the fleet until every shard is done, and
     measure at each fraction of the shards done (module docstring). With `deadline` (seconds after the producer's
     start) a run not done by then gets its last checkpoint at the shards done so far and is stopped there
@@ -479,9 +480,12 @@ def run_fleet(work: Path, files: list[Path], storage_root: str, model: Path, red
                 if producer.returncode != 0:
                     raise SystemExit(f"regen produce failed: see {work / 'produce.out'}")
             done = len(view.done())
-            if (kill_host and killed is None and result.producer_s is not None and hosts > 1
-                    and redis.client.llen("regen") == 0 and done < shards):
+            at_tail = result.producer_s is not None and redis.client.llen("regen") == 0
+            if (kill_host and killed is None and hosts > 1 and done < shards
+                    and (time.monotonic() - t_start >= kill_at if kill_at is not None else at_tail)):
+                queued = redis.client.llen("regen")
                 killed = kill_one_host(fleet[-1], view, done, log)
+                killed["queue_at_kill"] = queued
             if killed is not None and "resent_s" not in killed:
                 follow_reclaim(killed, view)
             if deadline is not None and time.monotonic() - t_start > deadline and done < targets[0]:
@@ -511,6 +515,10 @@ def run_fleet(work: Path, files: list[Path], storage_root: str, model: Path, red
             while "done_s" not in killed:
                 follow_reclaim(killed, view)
                 time.sleep(0.5)
+        if killed is not None:
+            follow_reclaim(killed, view)
+            killed["queue_at_kill"] = killed.get("queue_at_kill")
+            killed["watched_s"] = time.monotonic() - killed["t_kill"]
             result.reclaim = killed
         if producer.poll() is None and not result.partial:
             producer.wait(timeout=600)
@@ -804,9 +812,14 @@ def report(run: FleetRun, backlog_rows: list[dict] | None, out=print) -> None:
         f"batch")
     if run.reclaim:
         r = run.reclaim
-        out(f"host death: {r['host']} SIGKILLed holding {len(r['held'])} shards; all re-sent after "
-            f"{r.get('resent_s', float('nan')):.1f} s ({r.get('resent_s', 0) * run.scale:.0f} s at real speed), "
-            f"done after {r.get('done_s', float('nan')):.1f} s")
+        if "resent_s" in r:
+            out(f"host death: {r['host']} SIGKILLed holding {len(r['held'])} shards ({r['queue_at_kill']} queued); "
+                f"all re-sent after {r['resent_s']:.1f} s ({r['resent_s'] * run.scale:.0f} s at real speed)"
+                + (f", done after {r['done_s']:.1f} s" if "done_s" in r else ""))
+        else:
+            out(f"host death: {r['host']} SIGKILLed holding {len(r['held'])} shards with {r['queue_at_kill']} "
+                f"queued: {len(r['resent'])} re-sent in the {r['watched_s']:.0f} s watched "
+                f"({r['watched_s'] * run.scale:.0f} s at real speed; every slot of every worker was full)")
     v = run.verify
     out(f"accounting: {v['records']:,} records, {v['unique']:,} unique samples, {v['duplicated']} duplicated, "
         f"{v['expected']:,} expected, {v['markers']:,} markers; statuses {v['statuses']}")
@@ -860,6 +873,13 @@ def main() -> None:
     ap.add_argument("--s3-scale", type=float, default=0.0, help="also run the fleet on s3:// (moto) at this fraction")
     ap.add_argument("--no-backlog", action="store_true", help="skip the producer-alone backlog pass")
     ap.add_argument("--no-kill", action="store_true", help="do not SIGKILL a host at the run's tail")
+    ap.add_argument("--fractions", default="0.1,0.5,1", help="checkpoints, fractions of the run's shards done")
+    ap.add_argument("--backlog-fractions", default="0.1,0.5,1", help="the producer-alone runs, fractions of the job")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="stop the local fleet this many seconds after the producer's start (last checkpoint there)")
+    ap.add_argument("--kill-at", type=float, default=None,
+                    help="SIGKILL a host this many seconds after the producer's start (default: at the run's tail, "
+                         "once the queue is empty)")
     ap.add_argument("--work", type=Path, default=None, help="work folder (kept; prompts reused) [default: a temp dir]")
     ap.add_argument("--json", type=Path, default=None, help="write every measurement here")
     args = ap.parse_args()
@@ -879,14 +899,16 @@ def main() -> None:
         backlog_rows = None
         if not args.no_backlog:
             print("backlog (producer alone, no --max-pending):")
-            backlog_rows = backlog(work, files, model, redis, samples)
+            backlog_rows = backlog(work, files, model, redis, samples,
+                                   fractions=tuple(float(x) for x in args.backlog_fractions.split(",")))
             results["backlog"] = backlog_rows
         storage = work / "storage"
         shutil.rmtree(storage, ignore_errors=True)
         print("fleet on local storage:")
         run = run_fleet(work, files, str(storage), model, redis, samples=samples, workers=args.workers,
                         hosts=args.hosts, scale=args.time_scale, rate=args.rate, max_pending=args.max_pending,
-                        kill_host=not args.no_kill, seqs=args.seqs)
+                        kill_host=not args.no_kill, seqs=args.seqs, deadline=args.deadline, kill_at=args.kill_at,
+                        fractions=tuple(float(x) for x in args.fractions.split(",")))
         results["local"] = to_json(run)
         report(run, backlog_rows)
         projection = project(run, backlog_rows)
