@@ -95,21 +95,30 @@ def decode_held(tag: str, raw: bytes) -> Held | None:
         return None
 
 
-def take_turn(broker_url: str, seconds: float) -> bool:
-    """Whether this caller takes the fleet's one dead-holder check for the next `seconds` (`SET NX PX` in Redis);
-    True where the broker is not Redis (nothing to share a turn on) and when Redis cannot be asked (a check that
-    fails on its own is logged by the check)."""
+def take_turn(broker_url: str, seconds: float, holder: str) -> bool:
+    """Whether `holder` has the fleet's one dead-holder check for the next `seconds`: it takes the turn when
+    nobody holds it (`SET NX PX` in Redis) and keeps it while it asks again in time (so one checker's cache of
+    decoded messages stays warm instead of every checker fetching every held message once). True where the
+    broker is not Redis (nothing to share a turn on) and when Redis cannot be asked (the check then fails and
+    logs on its own)."""
     if not broker_url.startswith(REDIS_SCHEMES):
         return True
+    ms = max(1, int(seconds * 1000))
     try:
         client = redis_client(broker_url)
         try:
-            return bool(client.set(TURN_KEY, "1", nx=True, px=max(1, int(seconds * 1000))))
+            if client.set(TURN_KEY, holder, nx=True, px=ms):
+                return True
+            # the holder renews its own turn; a compare-and-set, so a lapsed turn someone else took stays theirs
+            return bool(client.eval(_RENEW, 1, TURN_KEY, holder, ms))
         finally:
             client.close()
     except Exception as exc:
         log.warning("could not take the dead-holder check's turn: %s", mask_text(str(exc)))
         return True
+
+
+_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end"
 
 
 def died_holding(records: list[dict], now: float, stale_after: float | None) -> dict | None:

@@ -44,7 +44,8 @@ def test_small_fleet_accounts_for_every_sample_and_its_storage_counts(tmp_path):
     try:
         run = h.run_fleet(tmp_path, files, str(tmp_path / "storage"), model, redis, samples=samples, workers=2,
                           hosts=2, scale=5, rate=11_500, max_pending=40, kill_host=True, seqs=64, idle_window=2,
-                          shard_size=SHARD_SIZE, max_tokens=MAX_TOKENS, timeout=300, log=lines.append)
+                          shard_size=SHARD_SIZE, max_tokens=MAX_TOKENS, timeout=300, log=lines.append,
+                          fractions=(0.5, 1.0))
     finally:
         redis.stop()
     h.report(run, None, out=lines.append)

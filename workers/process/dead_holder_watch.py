@@ -12,8 +12,8 @@ its markers and attempts on storage, so a check costs O(shards held) storage ope
 O(workers), and every worker with a free slot checking on its own made the tail cost O(workers^2) storage
 operations a period (at 1,000 GPUs: 10,000 shards held, a few operations each, times every worker with a free
 slot, once a minute: docs/performance.md has the measured figures). So a worker first takes the period's turn in Redis
-(`SET NX` with the period as expiry, app/dead_holders.take_turn); one check per period per broker, whichever
-worker took it, re-sends all that dead processes hold. The claim per re-send (app/dead_holders.py) still keeps
+(`SET NX` with the period as expiry, app/dead_holders.take_turn), and keeps it while it asks again in time; one
+check per period per broker re-sends all that dead processes hold. The claim per re-send (app/dead_holders.py) still keeps
 two checks from re-sending one shard twice.
 
 Every `CHECK_LEASES` lease lengths (with up to a heartbeat of jitter) a worker with a free slot asks for the turn;
@@ -25,7 +25,9 @@ visibility timeout.
 from __future__ import annotations
 
 import logging
+import os
 import random
+import socket
 import threading
 
 from app.dead_holders import DeadHolderCheck, take_turn
@@ -41,11 +43,14 @@ def start(app, storage: str | None, can_take, stale_after: float) -> threading.T
     slot."""
     check = DeadHolderCheck(app.conf.broker_url, stale_after, app=app,
                             storage_for=(lambda _url: storage) if storage else None)
+    me = f"{socket.gethostname()}:{os.getpid()}"
 
     def loop() -> None:
         stop = threading.Event()
         while not stop.wait(CHECK_LEASES * lease_seconds() + random.uniform(0, heartbeat_seconds())):
-            if can_take() and take_turn(app.conf.broker_url, CHECK_LEASES * lease_seconds()):
+            # the turn outlasts the period by a heartbeat (the loop's jitter), so its holder renews it in time
+            if can_take() and take_turn(app.conf.broker_url, CHECK_LEASES * lease_seconds() + heartbeat_seconds(),
+                                        me):
                 check.run()
 
     thread = threading.Thread(target=loop, name="regen-dead-holders", daemon=True)
