@@ -44,7 +44,9 @@ class CountingApp:
         with self.lock:
             self.counts[kind] += 1
             self.counts["bytes_in"] += size
-        out = self.app(environ, start_response)
+        return self._counted(self.app(environ, start_response))
+
+    def _counted(self, out):
         sent = 0
         for chunk in out:
             sent += len(chunk)
