@@ -12,6 +12,7 @@ from app.cli.options import (
     broker_option,
     encode_threads_option,
     engine_host_option,
+    stand_in_engine_option,
     storage_option,
     task_slots_option,
     vllm_arg_option,
@@ -69,11 +70,11 @@ log = logging.getLogger("regen.worker")
                       "the data (dtype, quantization, ...) only through the run's manifest [env REGEN_VLLM_ARGS, "
                       "space-separated].")
 @click.option("--log-dir", default=None, help="Write each child's log to DIR/NAME.log.")
-@click.option("--stand-in-engine", "stand_in", default=None, envvar="REGEN_STAND_IN_ENGINE", metavar="SPEC",
-              help="Benchmarks and tests only, never data: instead of vLLM, an engine that stands in for a GPU "
-                   "(token ids at a set rate, thinking-mode lengths), e.g. rate=11500,scale=20,devices=8: that "
-                   "many worker processes, each the real worker around one (workers/engine/stand_in.py) "
-                   "[env REGEN_STAND_IN_ENGINE].")
+@stand_in_engine_option(
+    help="Benchmarks and tests only, never data: instead of vLLM, an engine that stands in for a GPU "
+         "(token ids at a set rate, thinking-mode lengths), e.g. rate=11500,scale=20,devices=8: that "
+         "many worker processes, each the real worker around one (workers/engine/stand_in.py) "
+         "[env REGEN_STAND_IN_ENGINE].")
 def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_attempts, max_crashes, max_num_seqs,
            max_model_len, gpu_memory_utilization, kv_cache_gib, tensor_parallel_size, task_slots, encode_threads,
            engine_host, vllm_arg, log_dir, stand_in):
