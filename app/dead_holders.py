@@ -33,6 +33,7 @@ message left Redis altogether are `app/ops/fleet.lost_from_broker`'s, re-sent by
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
 import logging
 import time
@@ -160,6 +161,7 @@ class DeadHolderCheck:
         self.storage_for = storage_for or (lambda url: url)
         self._decoded: dict[str, Held | None] = {}
         self._first_seen: dict[str, float] = {}  # tag -> when this checker first saw it held (monotonic)
+        self._connection = None  # kombu's, for the restores of one check
 
     def held(self, client) -> list[Held]:
         tags = [t.decode() if isinstance(t, bytes) else t for t in client.hkeys(UNACKED)]
@@ -182,6 +184,7 @@ class DeadHolderCheck:
                 return self._run(client)
             finally:
                 client.close()
+                self._close()
         except Exception as exc:
             log.warning("check for shards held by dead workers failed: %s", mask_text(str(exc)))
             return []
@@ -224,11 +227,20 @@ class DeadHolderCheck:
         return resent
 
     def restore(self, tag: str) -> None:
-        """Move the message back to the head of its queue: kombu's own restore transaction."""
+        """Move the message back to the head of its queue: kombu's own restore transaction, on one connection
+        for the whole check (a connection per message made a check that re-sends a dead host's 36 shards take
+        ~25 s on a loaded 2-core box: docs/performance.md)."""
         from app.celery_app import create_app
         from app.settings import current
 
         if self.app is None:
             self.app = create_app(current().broker_for(self.broker_url))
-        with self.app.connection_for_write() as conn:
-            conn.default_channel.qos.restore_by_tag(tag, leftmost=False)
+        if self._connection is None:
+            self._connection = self.app.connection_for_write()
+        self._connection.default_channel.qos.restore_by_tag(tag, leftmost=False)
+
+    def _close(self) -> None:
+        if self._connection is not None:
+            with contextlib.suppress(Exception):
+                self._connection.close()
+            self._connection = None
