@@ -33,6 +33,7 @@ message left Redis altogether are `app/ops/fleet.lost_from_broker`'s, re-sent by
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime as dt
 import logging
 import time
@@ -53,6 +54,7 @@ UNSTARTED_LEASES = 2.0  # how long a fetched message may show no attempt before 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 CLAIM_PREFIX = "regen.resent"
 CLAIM_TTL_S = 7 * 86400  # a claim outlives any shard; a run's shard dies with a new attempt id next time
+TURN_KEY = "regen.dead-holders.turn"  # whose the current period's check is (workers/process/dead_holder_watch.py)
 _STAGES = {GENERATE_TASK: GENERATE, CAPTURE_TASK: CAPTURE}
 
 
@@ -92,6 +94,32 @@ def decode_held(tag: str, raw: bytes) -> Held | None:
                     dt.datetime.fromisoformat(eta).timestamp() if eta else None)
     except Exception:  # not a shard message regen can read: the visibility timeout stays its only way back
         return None
+
+
+def take_turn(broker_url: str, seconds: float, holder: str) -> bool:
+    """Whether `holder` has the fleet's one dead-holder check for the next `seconds`: it takes the turn when
+    nobody holds it (`SET NX PX` in Redis) and keeps it while it asks again in time (so one checker's cache of
+    decoded messages stays warm instead of every checker fetching every held message once). True where the
+    broker is not Redis (nothing to share a turn on) and when Redis cannot be asked (the check then fails and
+    logs on its own)."""
+    if not broker_url.startswith(REDIS_SCHEMES):
+        return True
+    ms = max(1, int(seconds * 1000))
+    try:
+        client = redis_client(broker_url)
+        try:
+            if client.set(TURN_KEY, holder, nx=True, px=ms):
+                return True
+            # the holder renews its own turn; a compare-and-set, so a lapsed turn someone else took stays theirs
+            return bool(client.eval(_RENEW, 1, TURN_KEY, holder, ms))
+        finally:
+            client.close()
+    except Exception as exc:
+        log.warning("could not take the dead-holder check's turn: %s", mask_text(str(exc)))
+        return True
+
+
+_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) else return 0 end"
 
 
 def died_holding(records: list[dict], now: float, stale_after: float | None) -> dict | None:
@@ -134,6 +162,7 @@ class DeadHolderCheck:
         self._decoded: dict[str, Held | None] = {}
         self._first_seen: dict[str, float] = {}  # tag -> when this checker first saw it held (monotonic)
         self._swept: set[str] = set()  # held copies of finished shards whose folders this checker swept
+        self._connection = None  # kombu's, for the restores of one check
 
     def held(self, client) -> list[Held]:
         tags = [t.decode() if isinstance(t, bytes) else t for t in client.hkeys(UNACKED)]
@@ -156,6 +185,7 @@ class DeadHolderCheck:
                 return self._run(client)
             finally:
                 client.close()
+                self._close()
         except Exception as exc:
             log.warning("check for shards held by dead workers failed: %s", mask_text(str(exc)))
             return []
@@ -214,11 +244,20 @@ class DeadHolderCheck:
                         store.run_id)
 
     def restore(self, tag: str) -> None:
-        """Move the message back to the head of its queue: kombu's own restore transaction."""
+        """Move the message back to the head of its queue: kombu's own restore transaction, on one connection
+        for the whole check (a connection per message made a check that re-sends a dead host's 36 shards take
+        ~25 s on a loaded 2-core box: docs/performance.md)."""
         from app.celery_app import create_app
         from app.settings import current
 
         if self.app is None:
             self.app = create_app(current().broker_for(self.broker_url))
-        with self.app.connection_for_write() as conn:
-            conn.default_channel.qos.restore_by_tag(tag, leftmost=False)
+        if self._connection is None:
+            self._connection = self.app.connection_for_write()
+        self._connection.default_channel.qos.restore_by_tag(tag, leftmost=False)
+
+    def _close(self) -> None:
+        if self._connection is not None:
+            with contextlib.suppress(Exception):
+                self._connection.close()
+            self._connection = None

@@ -113,6 +113,7 @@ class Settings:
     # REGEN_FAULT_INJECTION_FOR_TESTS: tests only, a JSON file of {run id: fault} whose runs' captures a worker
     # corrupts on purpose (workers/engine/capture_faults_for_tests.py); None everywhere else
     fault_injection_for_tests: str | None = None
+    storage_counts: str | None = None  # REGEN_STORAGE_COUNTS=DIR: count storage operations (app/storage_counts.py)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -138,6 +139,7 @@ class Settings:
             worker_config=_worker_config(env.get("REGEN_WORKER_CONFIG") or None),
             bench_tasks=_switch(env, "REGEN_BENCH_TASKS"),
             fault_injection_for_tests=env.get("REGEN_FAULT_INJECTION_FOR_TESTS") or None,
+            storage_counts=env.get("REGEN_STORAGE_COUNTS") or None,
         )
 
     def broker_for(self, url: str | None = None, visibility_timeout: int | None = None) -> BrokerSettings:

@@ -42,6 +42,7 @@ from app.errors import ConfigError, InvalidId
 from app.ids import validate_id
 from app.packages import REQUIREMENTS
 from app.settings import current, mask_url
+from app.storage_counts import count
 
 
 class Storage:
@@ -74,23 +75,29 @@ class Storage:
 
     # -- reads ------------------------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
+        count("exists", rel)
         return self.fs.exists(self.path(rel))
 
     def read_bytes(self, rel: str) -> bytes:
         with self.fs.open(self.path(rel), "rb") as fh:
-            return fh.read()
+            data = fh.read()
+        count("read", rel, len(data))
+        return data
 
     def read_json(self, rel: str):
         return orjson.loads(self.read_bytes(rel))
 
     def open(self, rel: str, mode: str = "rb"):
+        count("open", rel)
         return self.fs.open(self.path(rel), mode)
 
     def size(self, rel: str) -> int:
+        count("stat", rel)
         return self.fs.size(self.path(rel))
 
     def listdir(self, rel: str) -> list[str]:
         """Names (not paths) directly under `rel`; empty when the folder does not exist."""
+        count("list", rel)
         try:
             entries = self.fs.ls(self.path(rel), detail=False)
         except FileNotFoundError:
@@ -106,6 +113,7 @@ class Storage:
     def atomic_writer(self, rel: str) -> Iterator:
         """Yield a binary file; on clean exit it appears under `rel` at once, on error nothing appears."""
         full = self.path(rel)
+        count("mkdir", rel)
         self.fs.makedirs(full.rpartition("/")[0], exist_ok=True)
         if not self.is_local:
             # Object stores: the object appears only when the upload is committed (one PUT, or the multipart
@@ -120,22 +128,37 @@ class Storage:
                 with contextlib.suppress(Exception):
                     fh.closed = True  # nothing left to flush; closing would try to upload the discarded buffer
                 raise
+            nbytes = fh.tell()
             fh.close()
             fh.commit()
+            count("write", rel, nbytes)
             return
         tmp = self._tmp_name(full)
         try:
             with open(tmp, "wb") as fh:
                 yield fh
                 fh.flush()
+                count("write", rel, fh.tell())
                 os.fsync(fh.fileno())
+                count("fsync", rel)
             os.replace(tmp, full)
+            count("rename", rel)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+                count("delete", rel)
             raise
 
     def write_bytes(self, rel: str, data: bytes) -> None:
+        """`data` under `rel`, atomically. On object stores one PUT (`pipe_file`): already atomic, where
+        `atomic_writer`'s uncommitted upload is a multipart upload of three requests (initiate, part, complete)
+        even for an attempt record's few hundred bytes, which tripled the requests of every marker, record and
+        heartbeat (bench/bench_fleet_scale.py's S3 pass, docs/performance.md)."""
+        if not self.is_local:
+            full = self.path(rel)
+            count("write", rel, len(data))
+            self.fs.pipe_file(full, data)
+            return
         with self.atomic_writer(rel) as fh:
             fh.write(data)
 
@@ -152,8 +175,10 @@ class Storage:
         Filesystems without conditional writes fall back, inside fsspec, to exists-then-write.
         """
         full = self.path(rel)
+        count("mkdir", rel)
         self.fs.makedirs(full.rpartition("/")[0], exist_ok=True)
         if not self.is_local:
+            count("put_if_absent", rel, len(data))
             try:
                 self.fs.pipe_file(full, data, mode="create")
             except FileExistsError:
@@ -163,16 +188,21 @@ class Storage:
         with open(tmp, "wb") as fh:
             fh.write(data)
             fh.flush()
+            count("write", rel, len(data))
             os.fsync(fh.fileno())
+            count("fsync", rel)
         try:
+            count("link", rel)
             os.link(tmp, full)
             return True
         except FileExistsError:
             return False
         finally:
             os.unlink(tmp)
+            count("delete", rel)
 
     def delete(self, rel: str, recursive: bool = False) -> None:
+        count("delete", rel)
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.path(rel), recursive=recursive)
 
@@ -181,6 +211,7 @@ class Storage:
         object stores (an unfinished upload never becomes an object) and when the folder does not exist."""
         if not self.is_local:
             return []
+        count("list", rel)
         out = []
         for path in glob.glob(os.path.join(glob.escape(self.path(rel)), ".*.tmp-*")):
             with contextlib.suppress(FileNotFoundError):
@@ -192,6 +223,7 @@ class Storage:
         name = rel.rsplit("/", 1)[-1]
         if not (name.startswith(".") and ".tmp-" in name):
             raise ValueError(f"{rel!r} is not a temporary file")
+        count("delete", rel)
         try:
             os.unlink(self.path(rel))
         except FileNotFoundError:

@@ -45,6 +45,7 @@ from app.records import loss_mask
 from app.states_codec import promised_bound
 from app.storage import RunStore, Storage
 from producer.accounting import Accounting, write_produce_state
+from workers.engine.stand_in import thinking_output
 from workers.shard.generate import encode_into, shard_summary
 from workers.shard.shard_output import hidden_file_stream, publish_shard
 
@@ -135,14 +136,12 @@ def _text(rng: np.random.Generator, n_tokens: int) -> str:
 
 
 def lengths(rng: np.random.Generator) -> tuple[int, int, str]:
-    """(prompt tokens, output tokens, kind): kind is `stop`, `stub` or `cap` (cut at max_tokens)."""
+    """(prompt tokens, output tokens, kind): kind is `stop`, `stub` or `cap` (cut at max_tokens). The output's
+    shape is the stand-in engine's (workers/engine/stand_in.thinking_output), so the fleet harness
+    (bench/bench_fleet_scale.py) generates what this run lays down."""
     n_prompt = int(np.clip(rng.lognormal(np.log(120), 0.9), 12, 3000))
-    if rng.random() < 0.02:
-        return n_prompt, int(rng.integers(4, 40)), "stub"
-    n_out = int(rng.lognormal(np.log(2300), 0.75))
-    if n_out >= MAX_TOKENS:
-        return n_prompt, MAX_TOKENS, "cap"
-    return n_prompt, max(16, n_out), "stop"
+    n_out, kind = thinking_output(rng, MAX_TOKENS)
+    return n_prompt, n_out, kind
 
 
 def record(run_id: str, shard: str, k: int, i: int, rng: np.random.Generator, quality: QualitySettings) -> dict:

@@ -80,9 +80,9 @@ def _freeze_heap(**_):
 
 def _start_watchers(celery: Celery, **_):
     """The engine watchdog (workers/process/engine_watch.py), the sweep of this host's dead attempts' temporaries
-    (workers/process/inflight.py; in a thread: storage may be slow to answer), the idle worker's re-send of shards held by
-    dead processes (workers/process/dead_holder_watch.py), and a warning when this host's clock is off the fleet's shared
-    one by more than a lease (app/liveness.py)."""
+    (workers/process/inflight.py; in a thread: storage may be slow to answer), the re-send of shards held by
+    dead processes while this worker has a free task slot (workers/process/dead_holder_watch.py), and a warning
+    when this host's clock is off the fleet's shared one by more than a lease (app/liveness.py)."""
     import threading
 
     from app.liveness import clock_skew_warning
@@ -90,7 +90,7 @@ def _start_watchers(celery: Celery, **_):
     from workers.process.context import WorkerContext
     from workers.process.engine_watch import watch_engine
     from workers.process.inflight import sweep_dead_attempts
-    from workers.shard.delivery import holds_no_shard, visibility_timeout
+    from workers.shard.delivery import shards_held, visibility_timeout
 
     skew = clock_skew_warning()
     if skew:
@@ -99,8 +99,9 @@ def _start_watchers(celery: Celery, **_):
     threading.Thread(target=sweep_dead_attempts, args=(visibility_timeout(celery),), name="regen-sweep",
                      daemon=True).start()
     ctx = WorkerContext.current
-    dead_holder_watch.start(celery, ctx.config.storage if ctx is not None else None, holds_no_shard,
-                            visibility_timeout(celery))
+    slots = ctx.config.task_slots if ctx is not None else 1
+    dead_holder_watch.start(celery, ctx.config.storage if ctx is not None else None,
+                            lambda: shards_held() < slots, visibility_timeout(celery))
 
 
 def _close_engine(**_):

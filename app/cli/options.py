@@ -52,6 +52,12 @@ def engine_host_option(*, help: str):
     return click.option("--engine-host/--no-engine-host", envvar="REGEN_ENGINE_HOST", default=None, help=help)
 
 
+def stand_in_engine_option(*, help: str):
+    """`--stand-in-engine SPEC` [env REGEN_STAND_IN_ENGINE]; benchmarks and tests only (workers/engine/stand_in.py)."""
+    return click.option("--stand-in-engine", "stand_in", default=None, envvar="REGEN_STAND_IN_ENGINE", metavar="SPEC",
+                        help=help)
+
+
 def vllm_arg_option(name: str, *, help: str):
     """`--vllm-arg KEY=VALUE`, repeatable [env REGEN_VLLM_ARGS, space-separated]; `name` is the parameter's."""
     return click.option("--vllm-arg", name, multiple=True, metavar="KEY=VALUE", envvar="REGEN_VLLM_ARGS", help=help)

@@ -12,6 +12,7 @@ from app.cli.options import (
     broker_option,
     encode_threads_option,
     engine_host_option,
+    stand_in_engine_option,
     storage_option,
     task_slots_option,
     vllm_arg_option,
@@ -70,9 +71,14 @@ log = logging.getLogger("regen.worker")
                       "the data (dtype, quantization, ...) only through the run's manifest [env REGEN_VLLM_ARGS, "
                       "space-separated].")
 @click.option("--log-dir", default=None, help="Write each child's log to DIR/NAME.log.")
+@stand_in_engine_option(
+    help="Benchmarks and tests only, never data: instead of vLLM, an engine that stands in for a GPU "
+         "(token ids at a set rate, thinking-mode lengths), e.g. rate=11500,scale=20,devices=8: that "
+         "many worker processes, each the real worker around one (workers/engine/stand_in.py) "
+         "[env REGEN_STAND_IN_ENGINE].")
 def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_attempts, max_crashes, max_num_seqs,
            max_model_len, gpu_memory_utilization, kv_cache_gib, tensor_parallel_size, task_slots, encode_threads,
-           engine_host, vllm_arg, log_dir):
+           engine_host, vllm_arg, log_dir, stand_in):
     """Start one Celery worker process per GPU (or one on the CPU) and supervise them."""
     from app.layers import parse_layers
     from app.model_info import read_model_info
@@ -104,7 +110,8 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
     configs = worker_configs(cpu=cpu, gpus=gpus, model=os.path.abspath(model), layers=layer_ids, storage=storage,
                              name=name, max_attempts=max_attempts, engine_overrides=overrides,
                              max_crashes=max_crashes, tensor_parallel_size=tensor_parallel_size,
-                             shard_size=shard_size, task_slots=task_slots, encode_threads=encode_threads)
+                             shard_size=shard_size, task_slots=task_slots, encode_threads=encode_threads,
+                             stand_in=stand_in)
     if run_id:
         refuse_unrunnable(configs, storage, run_id)
         sampling = run_sampling(storage, run_id)

@@ -109,3 +109,18 @@ def test_a_broker_without_an_unacked_hash_is_not_asked(caplog):
     """The embedded filesystem broker of a one-machine `regen run`: no check, and no warning every 15 s."""
     assert DeadHolderCheck("filesystem:///tmp/nowhere", stale_after=14400).run() == []
     assert "failed" not in caplog.text
+
+
+def test_one_check_a_period_for_the_fleet_and_its_holder_keeps_the_turn(redis7):
+    """The dead-holder watch's turn (workers/process/dead_holder_watch.py): one taker a period in the whole fleet;
+    the worker that holds it keeps it (its cache of decoded messages stays warm), another takes it once it lapses."""
+    from app.dead_holders import TURN_KEY, take_turn
+
+    assert take_turn(OPS_BROKER, 0.6, holder="gpu0@hostA")
+    assert not take_turn(OPS_BROKER, 0.6, holder="gpu1@hostB")  # hostA's period runs
+    assert take_turn(OPS_BROKER, 0.6, holder="gpu0@hostA")  # renewed by its holder
+    assert 0 < redis7.pttl(TURN_KEY) <= 600
+    time.sleep(0.8)  # hostA stopped asking (no free slot, or dead): the turn lapses
+    assert take_turn(OPS_BROKER, 0.6, holder="gpu1@hostB")
+    assert not take_turn(OPS_BROKER, 0.6, holder="gpu0@hostA")
+    assert take_turn("filesystem:///tmp/x", 0.6, holder="anyone")  # no Redis to share a turn on: every check runs

@@ -39,8 +39,9 @@ def test_each_variable_reaches_its_field():
         "REGEN_UNACKED_RESTORE_INTERVAL": "5", "REGEN_STORAGE_OPTIONS": '{"anon": true}', "REGEN_HEARTBEAT_S": "0.1",
         "REGEN_STATE_DIR": "/x/state", "REGEN_SCRATCH": "/x/scratch", "REGEN_SIDE_THREADS": " IDLE ",
         "REGEN_MISSING_RUN_RETRIES": "-3", "REGEN_LOG_LEVEL": "DEBUG", "REGEN_QUEUES": "regen,regen.capture",
-        "REGEN_WORKER_CONFIG": '{"model": "m"}', "REGEN_BENCH_TASKS": "1"})
+        "REGEN_WORKER_CONFIG": '{"model": "m"}', "REGEN_BENCH_TASKS": "1", "REGEN_STORAGE_COUNTS": "/x/counts"})
     assert s.broker == BrokerSettings("redis://:pw@h:1/2", 60, 5)
+    assert s.storage_counts == "/x/counts" and Settings.from_env({}).storage_counts is None
     assert s.storage_options == {"anon": True}
     assert s.heartbeat_s == 0.5 and s.missing_run_retries == 0  # clamped, as the lease and retry loops need
     assert (s.state_dir, s.scratch, s.side_threads, s.log_level) == ("/x/state", "/x/scratch", "idle", "DEBUG")

@@ -9,6 +9,6 @@ inflight.py           the in-flight ledger: the shards this process runs now, th
 message_guard.py      the transport guard: a message that cannot be decoded is set aside instead of fatal
 heap.py               the start-up heap frozen out of garbage collection
 engine_watch.py       the watchdog that stops a worker whose engine died while idle
-dead_holder_watch.py  the idle worker's re-send of shards that dead processes held
+dead_holder_watch.py  the re-send of shards that dead processes held, one check a period for the fleet
 bench_task.py         the fleet bench's in-worker baseline task
 """

@@ -49,6 +49,8 @@ class WorkerConfig:
     # The sampling the engine self-test generates with (workers/engine/self_test.py): the run's, when the worker
     # was started with --run; None: the default thinking-mode sampling.
     self_test_sampling: dict | None = None
+    # Benchmarks and tests only: an engine standing in for a GPU (workers/engine/stand_in.py), its spec text.
+    stand_in: str | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> WorkerConfig:
@@ -144,7 +146,12 @@ class WorkerContext:
         options.scratch_dir = os.path.join(scratch_root(need), f"regen-capture-{os.getpid()}")
         _remove_stale_scratch(os.path.dirname(options.scratch_dir))
         self.engine: Engine
-        if options.host_process:
+        if config.stand_in:  # benchmarks and tests only: the real worker around an engine standing in for a GPU
+            from workers.engine.stand_in import StandInEngine
+
+            self.engine = StandInEngine(options, config.stand_in)
+            log.warning("engine: %s, standing in for a GPU (benchmarks and tests only)", self.engine.spec.text())
+        elif options.host_process:
             from workers.engine.process import PROCESS_NAME, EngineProcess
 
             engine_process = EngineProcess(options)
@@ -208,7 +215,8 @@ class WorkerContext:
 
         # `speculative`: the run setting ("mtp:2") this engine generated with, None without; `speculative_config`:
         # the engine's own (a capture engine's is vLLM's extract_hidden_states), both as the engine reports them.
-        return {"vllm": software_versions()["vllm"], "vllm_args": list(self.config.engine.get("vllm_args") or []),
+        return {"vllm": None if self.config.stand_in else software_versions()["vllm"],
+                **({"stand_in": self.config.stand_in} if self.config.stand_in else {}), "vllm_args": list(self.config.engine.get("vllm_args") or []),
                 "speculative": describe_engine_config(self.speculative_config),
                 "speculative_config": self.speculative_config,
                 "mode": self.engine_mode, "mode_key": self.engine_mode_key,

@@ -15,12 +15,14 @@ log = logging.getLogger("regen.worker")
 def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: list[int] | None, storage: str | None,
                    name: str | None, max_attempts: int, engine_overrides: dict, max_crashes: int = 10,
                    tensor_parallel_size: int | None = None, shard_size: int = DEFAULT_SHARD_SIZE,
-                   task_slots: int | None = None, encode_threads: int | None = None):
+                   task_slots: int | None = None, encode_threads: int | None = None, stand_in: str | None = None):
     """One (WorkerConfig, CUDA_VISIBLE_DEVICES) per child process.
 
     `tensor_parallel_size` None: the smallest size that fits the model's weights (devices.choose_tensor_parallel).
     `task_slots` None: from the engine's max_num_seqs and the shard size (devices.task_slots_for).
     `encode_threads` None: from the device and the host's cores per worker (devices.encode_threads_for).
+    `stand_in` (benchmarks and tests only): a stand-in engine's spec (workers/engine/stand_in.py); its
+    `devices` worker processes each hold one engine standing in for a GPU, and no GPU is looked for.
     """
     from workers.process.context import WorkerConfig
     from workers.process.devices import (
@@ -32,7 +34,12 @@ def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: li
     )
 
     host = socket.gethostname()
-    if cpu:
+    if stand_in:
+        from workers.engine.stand_in import StandInSpec
+
+        spec = StandInSpec.parse(stand_in)
+        devices, tp = [(str(k), None, "stand-in") for k in range(spec.devices)], 1
+    elif cpu:
         devices, tp = [("cpu", None, "cpu")], 1
     else:
         found = detect_gpus()
@@ -69,8 +76,10 @@ def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: li
         engine = preset_for(device_class, engine_overrides)
         if device_class != "cpu":
             engine["tensor_parallel_size"] = tp
-        prefix = name or ("cpu" if visible is None else f"gpu{label}")
-        configs.append((WorkerConfig(model=model, device="cpu" if visible is None else "cuda",
+        prefix = (f"{name or 'stand-in'}{label}" if stand_in
+                  else name or ("cpu" if visible is None else f"gpu{label}"))
+        configs.append((WorkerConfig(model=model, device="cuda" if visible is not None else
+                                     "stand-in" if stand_in else "cpu", stand_in=stand_in,
                                      device_class=device_class, capture_layers=layers, storage=storage,
                                      hostname=f"{prefix}@{host}", max_attempts=max_attempts, engine=engine,
                                      task_slots=task_slots or task_slots_for(engine["max_num_seqs"], shard_size, device_class),

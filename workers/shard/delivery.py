@@ -86,8 +86,14 @@ _dying = threading.Lock()
 
 
 def holds_no_shard() -> bool:
-    """Whether this process runs no shard now (workers/process/dead_holder_watch.py checks only then)."""
+    """Whether this process runs no shard now."""
     return not _claims.held()
+
+
+def shards_held() -> int:
+    """How many shards this process runs now (workers/process/dead_holder_watch.py checks while it has a free
+    task slot)."""
+    return _claims.held()
 
 
 def exit_for_restart(task: Task, kwargs: dict, reason: str) -> None:
