@@ -235,13 +235,20 @@ def host_addresses() -> list[str]:
     return [a for a in out if ":" not in a and not a.startswith("127.")]
 
 
-def wait_workers_ready(names: list[str], timeout: float = 600) -> float:
-    """Until every named worker container has logged Celery's `ready.` (its engine is built before it consumes)."""
-    started = time.monotonic()
+def ready_marks() -> dict[str, int]:
+    """How often each CPU worker has logged Celery's `ready.` (its log on storage, appended across restarts)."""
+    out = {}
+    for n in ("cpu0", "cpu1"):
+        log = STORAGE / "logs" / f"{n}.log"
+        out[n] = log.read_text(errors="replace").count(" ready.") if log.exists() else 0
+    return out
 
-    def ready():
-        return all("ready." in dc("logs", n, quiet=True, check=False).stdout for n in names)
-    wait_for("workers ready", ready, timeout, every=3)
+
+def wait_workers_ready(before: dict[str, int], timeout: float = 600) -> float:
+    """Until every CPU worker has logged `ready.` once more than in `before` (its engine is built before it
+    consumes: from then on it takes shards)."""
+    started = time.monotonic()
+    wait_for("workers ready", lambda: all(v > before[k] for k, v in ready_marks().items()), timeout, every=1)
     return time.monotonic() - started
 
 
@@ -255,12 +262,13 @@ def scenario(args) -> None:
 
     # 1. produce through the producer service, two CPU workers finish it, verify in a container
     t = time.monotonic()
+    marks = ready_marks()
     dc("up", "-d")
     producer_exit("check-a")
     total = shard_total("check-a")
     step(f"1. `docker compose --profile cpu up -d`: producer-cpu produced check-a: {args.samples_a} samples in "
          f"{total} shards (up to the producer's exit {time.monotonic() - t:.0f}s)")
-    ready = wait_workers_ready(["worker-cpu0", "worker-cpu1"])
+    ready = wait_workers_ready(marks)
     step(f"   worker-cpu0 and worker-cpu1 ready (engines built) {ready:.0f}s later")
     took = wait_done("check-a", args.timeout)
     st = status("check-a")
@@ -316,10 +324,11 @@ def scenario(args) -> None:
         fail(f"Flower answers on a non-loopback address: {outside}")
 
     # 3. docker kill of one worker mid-shard
+    marks = ready_marks()
     dc("up", "-d")  # new run: the workers are re-created for check-b
     producer_exit("check-b")
     step("3. `docker compose up -d` for check-b: producer-cpu finds it produced and enqueues nothing; "
-         f"{wait_workers_ready(['worker-cpu0', 'worker-cpu1']):.0f}s until both workers are ready")
+         f"{wait_workers_ready(marks):.0f}s until both workers are ready")
     held = wait_for("worker-cpu1 mid-shard", lambda: done_count("check-b") >= 2 and running_attempts("check-b", "cpu1@"),
                     args.timeout, every=0.2)
     victim = container("worker-cpu1")
@@ -355,10 +364,11 @@ def scenario(args) -> None:
 
     # 5. down then up: resume from storage; a finished run stays finished
     ENV.set(REGEN_CPU_RUN="check-c", REGEN_CPU_INPUTS=write_inputs("check-c", args.samples_c))
+    marks = ready_marks()
     dc("up", "-d")
     producer_exit("check-c")
     total_c = shard_total("check-c")
-    wait_workers_ready(["worker-cpu0", "worker-cpu1"])
+    wait_workers_ready(marks)
     wait_for("check-c partly done", lambda: done_count("check-c") >= max(1, total_c // 4), args.timeout, every=0.5)
     t = time.monotonic()
     dc("down")
@@ -377,10 +387,11 @@ def scenario(args) -> None:
     attempts = sum(1 for _ in (STORAGE / "check-c" / "attempts").rglob("*.json"))
     markers = {p.name: p.stat().st_mtime_ns for p in (STORAGE / "check-c" / "done").glob("*.json")}
     dc("down")
+    marks = ready_marks()
     dc("up", "-d")
     producer_exit("check-c")
     log = dc("logs", "producer-cpu", quiet=True).stdout
-    wait_workers_ready(["worker-cpu0", "worker-cpu1"])
+    wait_workers_ready(marks)
     time.sleep(10)
     attempts_after = sum(1 for _ in (STORAGE / "check-c" / "attempts").rglob("*.json"))
     markers_after = {p.name: p.stat().st_mtime_ns for p in (STORAGE / "check-c" / "done").glob("*.json")}

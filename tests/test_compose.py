@@ -10,6 +10,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -269,3 +270,14 @@ def test_env_example_names_every_required_variable():
     defined = set(re.findall(r"^#?\s*([A-Z_]+)=", example, re.M))
     assert required <= defined, required - defined
     assert not re.search(r"^(REDIS_PASSWORD|FLOWER_PASSWORD)=\S", example, re.M)
+
+
+@pytest.mark.parametrize("argv", [["worker", "--gpus", "0", "--run", "", "--model", "/models/target"],
+                                  ["produce", "/inputs/*.jsonl", "--run", "", "--model", "/models/target"]])
+def test_an_unset_regen_run_stops_the_gpu_services_in_one_line(argv, tmp_path):
+    """REGEN_RUN is not a required variable (compose would then refuse the cpu profile too): the services say it."""
+    env = {**os.environ, "REGEN_STORAGE": str(tmp_path), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "app.cli", *argv], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "regen: error: --run is empty: give the run id (with compose, set REGEN_RUN in .env)"
