@@ -201,6 +201,10 @@ CPU_WORKER = """
     profiles: ["cpu"]
     command: ["regen", "worker", "--cpu", "--run", "${{REGEN_CPU_RUN:-cpu-demo}}", "--name", "cpu{n}",
               "--log-dir", "/data/runs/logs"]
+    environment:
+      <<: *cpu-env
+      # shards each worker holds at once (the engine would take 22 of the tiny model's): a small run is shared
+      REGEN_TASK_SLOTS: ${{REGEN_CPU_TASK_SLOTS:-2}}
     hostname: cpuhost{n}
     # room for vLLM's shared memory and the capture's scratch files without the host's IPC namespace
     shm_size: 1gb

@@ -8,13 +8,16 @@ and checks, printing each step with its figures:
 
 1. a run produced through `producer-cpu` and finished by two `worker-cpuN` containers; `regen verify` (in a
    container) passes; every input line is in exactly one record (lost 0, duplicated 0);
-2. Flower answers on its published port only with its login, and its API lists the run's queue with the backlog;
-   the metrics endpoint exports the same queue length; every published port is bound to 127.0.0.1;
+2. a second run produced while the workers are frozen (`docker compose pause`): Flower answers on its published
+   port only with its login, and its API lists the run's queue with the backlog; the metrics endpoint exports
+   the same queue length; every published port is bound to 127.0.0.1 and nothing answers on other addresses;
 3. `docker kill` of one worker mid-shard: the run completes (time from the kill), nothing lost or duplicated,
    `regen status` shows the killed worker dead;
 4. `docker compose restart redis` mid-run (AOF on): the queue is still there after the restart, the run completes;
-5. `docker compose down` mid-run, then `up`: the run resumes from storage and completes; `down` and `up` again on
-   the finished run: nothing is enqueued or re-run, and it still verifies.
+5. `docker compose down` in the middle of a third run, then `up`: the run resumes from storage and completes,
+   and the two finished runs stay finished (no attempt added, no marker rewritten, nothing queued).
+The workers serve every run with their model and layers, so they start twice in all (each start builds a vLLM
+engine, the slow part on a loaded machine).
 At the end the project is removed with its volumes (`down -v`); `--keep` leaves it up for a look.
 """
 
@@ -244,12 +247,32 @@ def ready_marks() -> dict[str, int]:
     return out
 
 
-def wait_workers_ready(before: dict[str, int], timeout: float = 600) -> float:
+def wait_workers_ready(before: dict[str, int], timeout: float) -> float:
     """Until every CPU worker has logged `ready.` once more than in `before` (its engine is built before it
     consumes: from then on it takes shards)."""
     started = time.monotonic()
     wait_for("workers ready", lambda: all(v > before[k] for k, v in ready_marks().items()), timeout, every=1)
     return time.monotonic() - started
+
+
+def produce(run: str, path: str, args) -> None:
+    """`regen produce` in the producer-cpu service's container with its settings (the .env keeps naming the first
+    run: the workers, started with `--run check-a`, serve every run with its model and layers, unrestarted)."""
+    dc("run", "--rm", "-T", "producer-cpu", "regen", "produce", path, "--run", run, "--model", "/opt/regen/tiny-qwen3",
+       "--layers", "vllm:1,2,4", "--max-tokens", str(args.max_tokens), "--shard-size", str(args.shard_size),
+       "--top-k", "0")
+
+
+def snapshot(run: str) -> tuple[int, dict[str, int]]:
+    """(attempt files, completion markers with their mtimes): what a re-run of a finished run would change."""
+    attempts = sum(1 for _ in (STORAGE / run / "attempts").rglob("*.json"))
+    return attempts, {p.name: p.stat().st_mtime_ns for p in (STORAGE / run / "done").glob("*.json")}
+
+
+def check_run(run: str, n: int) -> None:
+    step("   " + verify(run))
+    counts = accounted(run, n)
+    step(f"   input lines {n}: records {counts['records']}, lost {counts['lost']}, duplicated {counts['duplicated']}")
 
 
 def scenario(args) -> None:
@@ -266,33 +289,29 @@ def scenario(args) -> None:
     dc("up", "-d")
     producer_exit("check-a")
     total = shard_total("check-a")
-    step(f"1. `docker compose --profile cpu up -d`: producer-cpu produced check-a: {args.samples_a} samples in "
-         f"{total} shards (up to the producer's exit {time.monotonic() - t:.0f}s)")
-    ready = wait_workers_ready(marks)
+    step(f"1. `docker compose --profile cpu up -d`: producer-cpu produced check-a, {args.samples_a} samples in "
+         f"{total} shards ({time.monotonic() - t:.0f}s to the producer's exit)")
+    ready = wait_workers_ready(marks, args.timeout)
     step(f"   worker-cpu0 and worker-cpu1 ready (engines built) {ready:.0f}s later")
     took = wait_done("check-a", args.timeout)
     st = status("check-a")
     per_worker = {w["name"]: w["shards_done"] for w in st["workers"]}
     step(f"   check-a complete {took:.0f}s after the workers were ready: {st['samples']['done']} samples, "
          f"{st['shards']['done']}/{total} shards, by worker {per_worker}")
-    if len([n for n, k in per_worker.items() if k]) < 2:
+    if len([k for k in per_worker.values() if k]) < 2:
         fail(f"expected both workers to finish shards of check-a: {per_worker}")
-    step("   " + verify("check-a"))
-    counts = accounted("check-a", args.samples_a)
-    step(f"   input lines {args.samples_a}: records {counts['records']}, lost {counts['lost']}, "
-         f"duplicated {counts['duplicated']}")
+    check_run("check-a", args.samples_a)
 
-    # 2. a backlog: Flower (login, queue list) and the metrics endpoint
-    dc("stop", "worker-cpu0", "worker-cpu1")
-    ENV.set(REGEN_CPU_RUN="check-b", REGEN_CPU_INPUTS=write_inputs("check-b", args.samples_b))
-    dc("run", "--rm", "-T", "producer-cpu")
+    # 2. a backlog (workers frozen): Flower (login, queue list), the metrics endpoint, the published ports
+    dc("pause", "worker-cpu0", "worker-cpu1")
+    produce("check-b", write_inputs("check-b", args.samples_b), args)
     total_b = shard_total("check-b")
     backlog = llen("regen")
-    step(f"2. workers stopped; producer-cpu produced check-b: {args.samples_b} samples in {total_b} shards; "
-         f"queue `regen` in Redis: {backlog}")
+    step(f"2. workers paused (`docker compose pause`); producer-cpu produced check-b: {args.samples_b} samples in "
+         f"{total_b} shards; queue `regen` in Redis: {backlog}")
     fp, mp = ENV["FLOWER_PORT"], ENV["METRICS_PORT"]
     base = f"http://127.0.0.1:{fp}"
-    wait_for("Flower answers", lambda: http(base + "/healthcheck")[0] in (200, 401), 120)
+    wait_for("Flower answers", lambda: http(base + "/api/queues/length")[0] in (200, 401), 300, every=2)
     code_anon, _ = http(base + "/api/queues/length")
     code_bad, _ = http(base + "/api/queues/length", ("regen", "wrong-password"))
     code, body = http(base + "/api/queues/length", (ENV["FLOWER_USER"], ENV["FLOWER_PASSWORD"]))
@@ -312,30 +331,26 @@ def scenario(args) -> None:
         shot = subprocess.run([sys.executable, str(REPO / "scripts" / "flower_screenshot.py"), "--url",
                                base + "/broker", "--out", args.screenshot], cwd=REPO, capture_output=True, text=True,
                               env={**os.environ, "FLOWER_BASIC_AUTH": f"{ENV['FLOWER_USER']}:{ENV['FLOWER_PASSWORD']}"})
-        step(f"   Flower's Broker page: {(shot.stdout or shot.stderr).strip().splitlines()[-1:]}")
+        step(f"   Flower's Broker page: {' '.join((shot.stdout or shot.stderr).strip().splitlines()[-1:])}")
     ports = dc("ps", "--format", "{{.Service}} {{.Ports}}", quiet=True).stdout.split("\n")
     published = sorted({p.strip() for line in ports for p in line.split(" ", 1)[-1].split(",") if "->" in p})
     if not published or any(not p.startswith("127.0.0.1:") for p in published):
         fail(f"published ports not all on 127.0.0.1: {published}")
     outside = {a: http(f"http://{a}:{fp}/")[0] for a in host_addresses()}
-    step(f"   published ports: {', '.join(published)}; Flower from the host's other addresses: "
-         f"{ {a: ('refused' if c == 0 else c) for a, c in outside.items()} or 'none'}")
+    shown = {a: ("refused" if c == 0 else c) for a, c in outside.items()} or "none"
+    step(f"   published ports: {', '.join(published)}; Flower on the host's other addresses: {shown}")
     if any(c != 0 for c in outside.values()):
         fail(f"Flower answers on a non-loopback address: {outside}")
 
     # 3. docker kill of one worker mid-shard
-    marks = ready_marks()
-    dc("up", "-d")  # new run: the workers are re-created for check-b
-    producer_exit("check-b")
-    step("3. `docker compose up -d` for check-b: producer-cpu finds it produced and enqueues nothing; "
-         f"{wait_workers_ready(marks):.0f}s until both workers are ready")
-    held = wait_for("worker-cpu1 mid-shard", lambda: done_count("check-b") >= 2 and running_attempts("check-b", "cpu1@"),
-                    args.timeout, every=0.2)
-    victim = container("worker-cpu1")
-    subprocess.run(["docker", "kill", victim], check=True, capture_output=True)
+    dc("unpause", "worker-cpu0", "worker-cpu1")
+    held = wait_for("worker-cpu1 mid-shard",
+                    lambda: done_count("check-b") >= 2 and running_attempts("check-b", "cpu1@"), args.timeout, every=0.2)
+    subprocess.run(["docker", "kill", container("worker-cpu1")], check=True, capture_output=True)
     t_kill = time.monotonic()
     done_at_kill = done_count("check-b")
-    step(f"   `docker kill` worker-cpu1 while it held {held} ({done_at_kill}/{total_b} shards done)")
+    step(f"3. workers unpaused; `docker kill` of worker-cpu1 while it held {', '.join(held)} "
+         f"({done_at_kill}/{total_b} shards done)")
 
     # 4. docker compose restart redis mid-run
     half = max(done_at_kill + 1, total_b // 2)
@@ -343,75 +358,63 @@ def scenario(args) -> None:
     before = llen("regen")
     t = time.monotonic()
     dc("restart", "redis")
-    wait_for("redis healthy", lambda: "healthy" in dc("ps", "--format", "{{.Status}}", "redis", quiet=True).stdout, 120)
+    wait_for("redis healthy", lambda: "healthy" in dc("ps", "--format", "{{.Status}}", "redis", quiet=True).stdout,
+             120)
     after = llen("regen")
     step(f"4. `docker compose restart redis` at {done_count('check-b')}/{total_b} shards done: queue `regen` "
          f"{before} before, {after} after ({time.monotonic() - t:.0f}s to healthy)")
     if before and not after and done_count("check-b") < total_b:
         fail("the queue did not survive the Redis restart")
     wait_done("check-b", args.timeout)
-    step(f"   check-b complete {time.monotonic() - t_kill:.0f}s after the kill, on worker-cpu0 alone")
+    step(f"   check-b complete {time.monotonic() - t_kill:.0f}s after the kill (worker-cpu0 alone since)")
     st = wait_for("regen status shows worker-cpu1 dead",
                   lambda: (lambda s: s if any(w["name"].startswith("cpu1@") and w["state"] == "dead"
-                                             for w in s["workers"]) else None)(status("check-b")), 120, every=3)
+                                             for w in s["workers"]) else None)(status("check-b")), 300, every=3)
     states = {w["name"]: w["state"] for w in st["workers"]}
     step(f"   regen status check-b: shards {st['shards']['done']}/{total_b} done, dead-lettered "
          f"{len(st['dead'])}, workers {states}")
-    step("   " + verify("check-b"))
-    counts = accounted("check-b", args.samples_b)
-    step(f"   input lines {args.samples_b}: records {counts['records']}, lost {counts['lost']}, "
-         f"duplicated {counts['duplicated']}")
+    check_run("check-b", args.samples_b)
 
-    # 5. down then up: resume from storage; a finished run stays finished
-    ENV.set(REGEN_CPU_RUN="check-c", REGEN_CPU_INPUTS=write_inputs("check-c", args.samples_c))
-    marks = ready_marks()
-    dc("up", "-d")
-    producer_exit("check-c")
+    # 5. down mid-run, then up: the run resumes from storage; the finished runs stay finished
+    produce("check-c", write_inputs("check-c", args.samples_c), args)
     total_c = shard_total("check-c")
-    wait_workers_ready(marks)
     wait_for("check-c partly done", lambda: done_count("check-c") >= max(1, total_c // 4), args.timeout, every=0.5)
+    finished = {run: snapshot(run) for run in ("check-a", "check-b")}
     t = time.monotonic()
     dc("down")
     at_down = done_count("check-c")
-    step(f"5. check-c: {args.samples_c} samples in {total_c} shards; `docker compose down` at {at_down}/{total_c} "
-         f"done ({time.monotonic() - t:.0f}s, workers stop warm); containers gone, storage and the Redis volume kept")
-    dc("up", "-d")
-    producer_exit("check-c")
-    wait_done("check-c", args.timeout)
-    step(f"   `docker compose --profile cpu up -d` again: check-c complete {time.monotonic() - t:.0f}s after the down, "
-         f"{total_c - at_down} shards done after it")
-    step("   " + verify("check-c"))
-    counts = accounted("check-c", args.samples_c)
-    step(f"   input lines {args.samples_c}: records {counts['records']}, lost {counts['lost']}, "
-         f"duplicated {counts['duplicated']}")
-    attempts = sum(1 for _ in (STORAGE / "check-c" / "attempts").rglob("*.json"))
-    markers = {p.name: p.stat().st_mtime_ns for p in (STORAGE / "check-c" / "done").glob("*.json")}
-    dc("down")
+    step(f"5. check-c: {args.samples_c} samples in {total_c} shards on worker-cpu0; `docker compose down` at "
+         f"{at_down}/{total_c} done ({time.monotonic() - t:.0f}s: the worker stops warm); every container gone, "
+         f"the storage folder and the Redis volume kept")
     marks = ready_marks()
     dc("up", "-d")
-    producer_exit("check-c")
-    log = dc("logs", "producer-cpu", quiet=True).stdout
-    wait_workers_ready(marks)
-    time.sleep(10)
-    attempts_after = sum(1 for _ in (STORAGE / "check-c" / "attempts").rglob("*.json"))
-    markers_after = {p.name: p.stat().st_mtime_ns for p in (STORAGE / "check-c" / "done").glob("*.json")}
+    producer_exit("check-a")
+    said = "already produced" in dc("logs", "producer-cpu", quiet=True).stdout
+    wait_done("check-c", args.timeout)
+    step(f"   `docker compose --profile cpu up -d`: producer-cpu says check-a is already produced ({said}); check-c "
+         f"complete {time.monotonic() - t:.0f}s after the down, {total_c - at_down} shards done since")
+    check_run("check-c", args.samples_c)
+    wait_workers_ready(marks, args.timeout)
+    time.sleep(5)
+    again = {run: snapshot(run) for run in ("check-a", "check-b")}
     queue = llen("regen")
-    said = "already produced" if "already produced" in log else "??"
-    step(f"   finished run, `down` and `up` again: producer-cpu says {said!r}, queue `regen` {queue}, attempts "
-         f"{attempts} -> {attempts_after}, completion markers unchanged: {markers == markers_after}")
-    if said == "??" or queue or attempts_after != attempts or markers != markers_after:
-        fail("the finished run did not stay finished")
-    step("   " + verify("check-c"))
+    for run in ("check-a", "check-b"):
+        step(f"   finished {run} after the down and up: attempts {finished[run][0]} -> {again[run][0]}, "
+             f"completion markers unchanged: {finished[run][1] == again[run][1]}")
+    step(f"   queue `regen` {queue}; both workers up again (worker-cpu1 too, which `docker kill` had stopped)")
+    if not said or queue or finished != again:
+        fail("a finished run did not stay finished")
+    check_run("check-a", args.samples_a)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples-a", type=int, default=48, help="prompts of the first run")
-    parser.add_argument("--samples-b", type=int, default=160, help="prompts of the run with the kill and restart")
-    parser.add_argument("--samples-c", type=int, default=96, help="prompts of the run taken down and up")
+    parser.add_argument("--samples-b", type=int, default=96, help="prompts of the run with the kill and restart")
+    parser.add_argument("--samples-c", type=int, default=64, help="prompts of the run taken down and up")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--shard-size", type=int, default=4)
-    parser.add_argument("--timeout", type=float, default=900, help="seconds any one wait may take")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds any one wait may take")
     parser.add_argument("--screenshot", default=None, help="also shoot Flower's Broker page to this PNG")
     parser.add_argument("--report", default=None, help="also write the steps to this file")
     parser.add_argument("--keep", action="store_true", help="leave the project up at the end")
