@@ -208,8 +208,9 @@ CPU_WORKER = """
     hostname: cpuhost{n}
     # room for vLLM's shared memory and the capture's scratch files without the host's IPC namespace
     shm_size: 1gb
-    # a tiny-model shard takes seconds; warm shutdown finishes it and acks
-    stop_grace_period: 60s
+    # Warm shutdown finishes the running shard and acks: a tiny-model shard takes seconds on an idle machine and
+    # up to ~2.5 min on a loaded two-core one (the compose check measured both); 60 s there killed shards mid-way.
+    stop_grace_period: 10m
     stop_signal: SIGTERM
     depends_on:
       redis:
