@@ -1,6 +1,12 @@
 """Regenerate docs/img/flower-broker.png: Flower's Broker page over a real backlog, shot by headless Chromium.
 
     python scripts/flower_screenshot.py [--out docs/img/flower-broker.png] [--chromium chromium]
+    FLOWER_BASIC_AUTH=user:password python scripts/flower_screenshot.py --url http://127.0.0.1:5555/broker \
+        --out docs/img/flower-broker-compose.png
+
+With `--url`, it shoots a Flower that already runs (compose's: scripts/compose_check.py does this) instead of
+starting one: the login comes from FLOWER_BASIC_AUTH, never argv, and reaches Flower through a proxy on
+127.0.0.1 that adds the Authorization header, so Chromium's command line holds no password.
 
 What it does, all with real parts: a private `redis-server` on a free port (nothing persisted), a config-only
 model folder (the producer reads no weights), `produce` of three runs as `regen produce` would (one to the
@@ -81,12 +87,69 @@ def make_backlog(work: Path, broker: str) -> dict[str, int]:
     return {q: client.llen(q) for q in ("regen", "regen.capture", "team-b.regen")}
 
 
+def shoot(chromium: str, url: str, out: Path, size: str, profile: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    f"--user-data-dir={profile}", f"--window-size={size}", f"--screenshot={out}", url],
+                   check=True, capture_output=True, timeout=120)
+    print(f"wrote {out} ({out.stat().st_size} bytes)")
+
+
+def shoot_running(args) -> int:
+    """Shoot `args.url` of a running Flower through a local proxy that adds the login from FLOWER_BASIC_AUTH."""
+    import base64
+    import threading
+    import urllib.error
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import urlsplit
+
+    target = urlsplit(args.url)
+    origin = f"{target.scheme}://{target.netloc}"
+    login = os.environ.get("FLOWER_BASIC_AUTH", "")
+    header = "Basic " + base64.b64encode(login.encode()).decode() if login else None
+
+    class Proxy(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            req = urllib.request.Request(origin + self.path)
+            if header:
+                req.add_header("Authorization", header)
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    code, body, ctype = r.status, r.read(), r.headers.get("Content-Type", "text/html")
+            except urllib.error.HTTPError as e:
+                code, body, ctype = e.code, e.read(), e.headers.get("Content-Type", "text/plain")
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    work = Path(tempfile.mkdtemp(prefix="regen-flower-shot-"))
+    try:
+        local = f"http://127.0.0.1:{server.server_port}{target.path or '/'}"
+        wait_http(local)
+        shoot(args.chromium, local, Path(args.out).resolve(), args.size, work / "chromium")
+        return 0
+    finally:
+        server.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(REPO / "docs" / "img" / "flower-broker.png"))
     parser.add_argument("--chromium", default=shutil.which("chromium") or "chromium")
     parser.add_argument("--size", default="1100,420", help="window width,height in pixels")
+    parser.add_argument("--url", default=None,
+                        help="shoot this page of a running Flower (login from FLOWER_BASIC_AUTH) instead of one started here")
     args = parser.parse_args()
+    if args.url:
+        return shoot_running(args)
 
     work = Path(tempfile.mkdtemp(prefix="regen-flower-shot-"))
     procs = []
@@ -109,12 +172,7 @@ def main() -> int:
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         url = f"http://127.0.0.1:{flower_port}/broker"
         wait_http(url)
-        out = Path(args.out).resolve()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([args.chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                        f"--user-data-dir={work / 'chromium'}", f"--window-size={args.size}",
-                        f"--screenshot={out}", url], check=True, capture_output=True, timeout=120)
-        print(f"wrote {out} ({out.stat().st_size} bytes)")
+        shoot(args.chromium, url, Path(args.out).resolve(), args.size, work / "chromium")
         return 0
     finally:
         for proc in reversed(procs):

@@ -145,6 +145,8 @@ def produce_command(ctx: click.Context, inputs, run_id, resume_run, pilot_files,
     from app.pilot import load_pilot_file
 
     pilots = [load_pilot_file(path) for path in pilot_files]  # a bad file fails here, before anything is sent
+    if run_id is not None and not run_id.strip():  # compose passes ${REGEN_RUN:-}: unset in .env
+        raise ConfigError("--run is empty: give the run id (with compose, set REGEN_RUN in .env)")
     opts = ProduceOptions(inputs=list(inputs), run_id=run_id, resume=bool(resume_run), **options)
     result = _run(opts)
     if pilots and result.status != "dry_run":

@@ -89,6 +89,8 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
     layer_ids = None
     derived_len = None
     shard_size = DEFAULT_SHARD_SIZE
+    if run_id is not None and not run_id.strip():  # compose passes ${REGEN_RUN:-}: unset in .env
+        raise ConfigError("--run is empty: give the run id (with compose, set REGEN_RUN in .env)")
     if run_id:
         if not storage:
             raise ConfigError("--run needs --storage (or REGEN_STORAGE)")
