@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import random
 
+from app.data.engine_modes import shard_mode
 from app.data.run_reader import RunReader
 from app.data.verify_checks import Problem
 from app.states_bound import promise
@@ -71,10 +72,17 @@ def reference_check(reader: RunReader, pool: list[tuple[str, str]], n: int, prob
     per_layer = {v: {"layer": v, "worst_error": 0.0, "shard": None, "sample": None, "token": None} for v in layers}
     worst = {"error": 0.0, "layer": None, "token": None, "shard": None, "sample": None}
     failed = 0
+    per_mode: dict[str, dict] = {}  # by the engine mode that made the states: an sm_120 host beside an sm_100 one
     try:
         for shard, sid in chosen:
-            tokens, states = reader.states(reader.shard(shard), {"sample_id": sid})
+            info = reader.shard(shard)
+            tokens, states = reader.states(info, {"sample_id": sid})
             result = compare(ref.capture(tokens.tolist()), states, layers, bound=bound, token_ids=tokens)
+            mode = per_mode.setdefault(shard_mode(info.marker, info.captured)[0],
+                                       {"checked": 0, "failed": 0, "worst_error": 0.0})
+            mode["checked"] += 1
+            mode["failed"] += not result.ok
+            mode["worst_error"] = max(mode["worst_error"], result.error)
             for figure in result.per_layer:
                 row = per_layer[figure.layer]
                 if figure.worst_error >= row["worst_error"]:
@@ -89,7 +97,7 @@ def reference_check(reader: RunReader, pool: list[tuple[str, str]], n: int, prob
         ref.close()
         reader.close()
     out = {"checked": len(chosen), "failed": failed, "device": device, "tolerance": bound,
-           "worst": worst, "per_layer": list(per_layer.values())}
+           "worst": worst, "per_layer": list(per_layer.values()), "per_engine_mode": per_mode}
     return {**out, "states_dtype": lossy.dtype, "excess": worst["error"] / bound} if lossy.lossy else out
 
 
@@ -99,6 +107,10 @@ def reference_line(reference: dict) -> str:
         return "0 samples"
     worst = reference["worst"]
     layers = ", ".join(f"{row['layer']} {row['worst_error']:.2g}" for row in reference["per_layer"])
+    modes = reference.get("per_engine_mode") or {}
+    by_mode = ("; per engine mode: " + ", ".join(f"{m} {c['checked']} samples, {c['failed']} failed, worst "
+                                                 f"{c['worst_error']:.2g}" for m, c in modes.items())
+               if len(modes) > 1 else "")
     return (f"{reference['checked']} samples on {reference['device']}, {reference['failed']} failed; worst error "
             f"{worst['error']:.2g} of the row at layer {worst['layer']} token {worst['token']} (bound "
-            f"{reference['tolerance']:.3g}); worst per layer: {layers}")
+            f"{reference['tolerance']:.3g}); worst per layer: {layers}{by_mode}")

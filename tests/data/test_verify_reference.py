@@ -132,6 +132,35 @@ def test_states_shifted_by_one_token_fail(tmp_path, massive_model, reference):
     assert "rows nearer a neighbouring token's reference than their own" in detail
 
 
+def test_reference_errors_are_counted_per_engine_mode(tmp_path, massive_model, reference):
+    """Two hosts' engine modes in one run (an sm_100 host made shard 0, an sm_120 host shards 1 and 2): the reference
+    check says which mode's states failed, so a GPU path that writes wrong states is named by its mode."""
+    truth = true_run(tmp_path, massive_model, reference)
+    sm100 = "sm_100 vLLM 0.33.0 V2 async chunked(8192) graphs tp1"
+    sm120 = "sm_120 vLLM 0.33.0 V2 async chunked(8192) graphs tp1"
+    for shard, mode in (("shard-000000", sm100), (SHARD, sm120), ("shard-000002", sm120)):
+        path = tmp_path / "synth" / "done" / f"{shard}.json"
+        marker = json.loads(path.read_text())
+        marker["engine_mode"] = mode
+        path.write_text(json.dumps(marker))
+
+    def shifted(sid, s, tokens):
+        return np.ascontiguousarray(reference.capture(tokens.tolist() + [33])[1:])
+    change, chosen = _one_sample(truth, shifted)
+    rewrite_states(tmp_path, "synth", SHARD, change)
+    _fails(tmp_path, chosen[0], "states shifted")
+    code, report = verify_reference(tmp_path)
+    modes = report["reference"]["per_engine_mode"]
+    assert set(modes) == {sm100, sm120}
+    assert sum(m["checked"] for m in modes.values()) == 11
+    assert (modes[sm100]["failed"], modes[sm120]["failed"]) == (0, 1)
+    assert modes[sm100]["worst_error"] == 0.0 < modes[sm120]["worst_error"]  # a shift: caught by the shift test
+    from app.data.verify_reference import reference_line
+
+    line = reference_line(report["reference"])
+    assert "; per engine mode: " in line and f"{sm100} 3 samples, 0 failed" in line and f"{sm120} 8 samples, 1 failed" in line
+
+
 def test_two_swapped_layers_fail(tmp_path, massive_model, reference):
     truth = true_run(tmp_path, massive_model, reference)
     change, chosen = _one_sample(truth, lambda sid, s: np.ascontiguousarray(s[:, [1, 0, 2]]))
