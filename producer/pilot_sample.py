@@ -15,8 +15,9 @@ import orjson
 
 from producer.estimate import Reservoir
 from producer.normalise import Rejected, normalise, parse_line
-from producer.readers import InputReader, ReadFailure, expand_inputs
+from producer.readers import InputReader, ReadFailure, expand_inputs, file_sha256
 from producer.sharding import Deduper
+from producer.take import Selection, match_rules, parse_take, select
 
 
 @dataclass
@@ -26,6 +27,7 @@ class InputSample:
     rejected: int
     duplicates: int
     lines: list[bytes]  # the sampled lines, as the input holds them
+    left_out: int = 0  # rows a `--take` did not draw: never parsed, as in the run
 
     def write_jsonl(self, path: str) -> None:
         with open(path, "wb") as fh:
@@ -33,16 +35,31 @@ class InputSample:
                 fh.write(line.rstrip(b"\r\n") + b"\n")
 
 
+def take_selections(items: list[str], paths: list[str], seed: int) -> dict[str, Selection]:
+    """The rows `--take GLOB=N|FRACTION` draws from each input it names, drawn as `regen produce` draws them
+    with run seed `seed` (producer/take.py), so the pilot samples the mix the run will generate."""
+    if not items:
+        return {}
+    matched = match_rules([parse_take(t) for t in items], paths)
+    return {path: select(path, file_sha256(path), rule, seed) for path, rule in matched.items()}
+
+
 def sample_inputs(inputs: list[str], size: int, seed: int, regenerate: str = "last",
-                  max_prompt_chars: int = 0) -> InputSample:
+                  max_prompt_chars: int = 0, take: list[str] | None = None) -> InputSample:
     """Read every input once; a uniform sample (Algorithm R, `seed`) of up to `size` of the lines that become
-    samples, and the counts."""
+    samples, and the counts. `take`: the run's `--take` rules; rows they leave out are never sampled."""
     reservoir = Reservoir(size, seed=seed)
     dedupe = Deduper()
-    read = rejected = 0
-    for path in expand_inputs(inputs):
-        for line, payload in InputReader(path):
+    read = rejected = left_out = 0
+    paths = expand_inputs(inputs)
+    chosen = take_selections(take or [], paths, seed)
+    for path in paths:
+        keep = chosen[path].keep if path in chosen else None
+        for ordinal, (line, payload) in enumerate(InputReader(path)):
             read += 1
+            if keep is not None and not keep[ordinal]:
+                left_out += 1
+                continue
             try:
                 if isinstance(payload, ReadFailure):
                     raise Rejected(payload.reason, payload.detail)
@@ -54,4 +71,4 @@ def sample_inputs(inputs: list[str], size: int, seed: int, regenerate: str = "la
             if dedupe.first_time(sample["id"]):
                 reservoir.offer(payload if type(payload) is bytes else orjson.dumps(payload))
     return InputSample(read=read, samples=reservoir.seen, rejected=rejected, duplicates=dedupe.duplicates,
-                       lines=list(reservoir.items))
+                       lines=list(reservoir.items), left_out=left_out)

@@ -297,6 +297,9 @@ def _load_pilots(paths: list[str]) -> list[dict]:
                    "forecast is split by mode.")
 @click.option("--samples-per-prompt", type=click.IntRange(min=1), default=1, show_default=True,
               help="As the run will have it: the forecast counts the input's prompts x K samples.")
+@click.option("--take", "take", multiple=True, metavar="GLOB=N|FRACTION",
+              help="As the run will have it (see `regen produce`): the sample and the forecast draw from the rows "
+                   "the run's --take draws (seeded with --seed).")
 @click.option("--regenerate", type=click.Choice(["last", "all"]), default="last", show_default=True)
 @click.option("--temperature", type=float, default=None, help="Sampling, as the run will have it [default: the run's].")
 @click.option("--top-p", type=float, default=None)
@@ -319,7 +322,7 @@ def _load_pilots(paths: list[str]) -> list[dict]:
 @click.option("--keep-runs", is_flag=True, help="Keep the candidates' scratch runs (default: removed).")
 @click.option("--timeout", type=float, default=7200.0, show_default=True, help="Seconds each candidate may take.")
 def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, layers, max_tokens, thinking,
-          thinking_mix, samples_per_prompt, regenerate, shard_size, max_model_len, vllm_args, only, host_results,
+          thinking_mix, samples_per_prompt, take, regenerate, shard_size, max_model_len, vllm_args, only, host_results,
           forecast_only, keep_runs, timeout, reference_samples, **sampling):
     """Measure this host on a sample of INPUTS in each candidate setting, then forecast the whole job.
 
@@ -341,7 +344,8 @@ def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, la
     measured = measure_host(console, inputs=list(inputs), model=model, name=name, storage=storage, broker=broker,
                             cpu=cpu, gpus=gpus, sample_size=sample_size, seed=seed, layers=layers,
                             max_tokens=max_tokens, thinking=thinking, thinking_mix=thinking_mix,
-                            samples_per_prompt=samples_per_prompt, regenerate=regenerate, shard_size=shard_size,
+                            samples_per_prompt=samples_per_prompt, take=list(take), regenerate=regenerate,
+                            shard_size=shard_size,
                             max_model_len=max_model_len, vllm_args=list(vllm_args), only=only, keep_runs=keep_runs,
                             timeout=timeout, sampling={k: v for k, v in sampling.items() if v is not None},
                             reference_samples=reference_samples)
@@ -354,7 +358,8 @@ def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, la
 
 
 def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, layers,
-                 max_tokens, thinking, regenerate, thinking_mix=None, samples_per_prompt=1, shard_size, max_model_len,
+                 max_tokens, thinking, regenerate, thinking_mix=None, samples_per_prompt=1, take=(), shard_size,
+                 max_model_len,
                  vllm_args, only, keep_runs, timeout, sampling: dict, reference_samples: int = 2) -> tuple[dict, str]:
     """`sampling`: temperature, top_p, top_k, min_p, max_prompt_tokens, where given (the run's otherwise)."""
     from app.data.pilot_measure import measure_run
@@ -385,7 +390,8 @@ def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu,
     # the producer's own character cap on prompts, so the sample holds no line `regen produce` would reject
     char_cap = ProduceOptions(**({"max_prompt_tokens": sampling["max_prompt_tokens"]}
                                  if "max_prompt_tokens" in sampling else {})).prompt_char_cap
-    sample = sample_inputs(files, sample_size, seed, regenerate=regenerate, max_prompt_chars=char_cap)
+    sample = sample_inputs(files, sample_size, seed, regenerate=regenerate, max_prompt_chars=char_cap,
+                           take=list(take))
     if not sample.lines:
         raise ConfigError(f"{', '.join(inputs)}: no line becomes a sample ({sample.rejected:,} rejected, "
                           f"{sample.duplicates:,} duplicates): nothing to measure")
@@ -448,7 +454,8 @@ def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu,
         "device": devices,
         "model": info.to_manifest(),
         "inputs": {"files": [os.path.abspath(f) for f in files], "read": sample.read, "samples": sample.samples,
-                   "rejected": sample.rejected, "duplicates": sample.duplicates},
+                   "rejected": sample.rejected, "duplicates": sample.duplicates,
+                   **({"left_out": sample.left_out, "take": list(take)} if take else {})},
         "sample": {"size": len(sample.lines), "seed": seed},
         "settings": {"layers": layers, "max_tokens": max_tokens, "shard_size": shard_size, "thinking": thinking,
                      **({"thinking_mix": thinking_mix} if thinking_mix is not None else {}),

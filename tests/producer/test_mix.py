@@ -171,6 +171,25 @@ def test_take_draws_the_same_rows_for_the_same_seed_and_accounts_for_the_rest(pr
     assert manifest["counts"]["left_out"] == 18
 
 
+def test_the_pilots_sample_draws_from_the_rows_the_runs_take_draws(producer_redis, options, tmp_path):
+    """`regen pilot --take` samples the mix the run will generate: only rows the run's `--take` (same seed) draws,
+    and the count it forecasts from is the run's enqueued count."""
+    from producer.pilot_sample import sample_inputs
+
+    a = write_jsonl(tmp_path / "tools.jsonl", [sharegpt_row(i, "tool") for i in range(12)])
+    b = write_jsonl(tmp_path / "sharegpt.jsonl", [sharegpt_row(i, "chat") for i in range(20)])
+    take = ["tools.jsonl=5", "sharegpt.jsonl=0.5"]
+    result = produce(options([a, b], run_id="take-pilot", take=take, seed=7))
+    sent = sorted(s["messages"][0]["content"] for _, s in sent_samples(producer_redis))
+    sample = sample_inputs([str(a), str(b)], 1000, seed=7, take=take)
+    assert (sample.read, sample.left_out) == (32, 17)
+    assert sample.samples == result.accounting.enqueued == 15
+    assert sorted(json.loads(line)["conversations"][0]["value"] for line in sample.lines) == sent
+    assert sample_inputs([str(a), str(b)], 1000, seed=8, take=take).lines != sample.lines  # another draw
+    whole = sample_inputs([str(a), str(b)], 1000, seed=7)
+    assert (whole.samples, whole.left_out) == (32, 0)
+
+
 def test_take_that_matches_no_input_or_twice_is_refused(producer_redis, options, tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", [sharegpt_row(0)])
     with pytest.raises(ConfigError, match="matches none of the inputs"):
