@@ -113,6 +113,8 @@ def verify_cmd(run_id: str, storage: str, reference: int, reference_device: str,
 def _print_verify(report, strict: bool) -> None:
     from rich.table import Table
 
+    from app.data.engine_modes import modes_table
+
     out = _console()
     if report.headline():
         out.print(f"[red]verify: {report.headline()}[/red]")
@@ -133,12 +135,7 @@ def _print_verify(report, strict: bool) -> None:
         summary.add_row("  not read", s["not_read"])
     out.print(summary)
     if report.modes and report.modes.modes:
-        modes = Table(title="per engine mode")
-        for col in report.modes.header():
-            modes.add_column(col, justify="left" if col == "engine mode" else "right")
-        for row in report.modes.rows():
-            modes.add_row(*row)
-        out.print(modes)
+        out.print(modes_table(report.modes, "per engine mode"))
     if report.problems:
         table = Table(title=f"{len(report.problems)} problems")
         for col in ("severity", "kind", "shard", "sample", "detail"):

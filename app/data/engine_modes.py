@@ -98,3 +98,15 @@ class ModeCounts:
         """One line per mode, for plain-text output."""
         return [f"  {r[0]}: " + ", ".join(f"{h} {v}" for h, v in zip(self.header()[1:], r[1:], strict=True))
                 for r in self.rows()]
+
+
+def modes_table(counts: ModeCounts, title: str):
+    """`counts` as the rich table `regen stats` and `regen verify` print."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in counts.header():
+        table.add_column(col, justify="left" if col == "engine mode" else "right")
+    for row in counts.rows():
+        table.add_row(*row)
+    return table

@@ -20,7 +20,7 @@ import io
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from app.data.engine_modes import ModeCounts, shard_mode
+from app.data.engine_modes import ModeCounts, modes_table, shard_mode
 from app.data.fanout import WHOLE, Part, open_reader, ordered_map, worker_reader
 from app.data.run_reader import RunReader
 from app.modes import record_mode, run_modes
@@ -304,12 +304,8 @@ def print_terminal(st: RunStats, console) -> None:
     for row in _source_rows(st, flags):
         per.add_row(*row)
     console.print(per)
-    modes = Table(title="per engine mode (the engine that captured the states; the capture check's re-captures)")
-    for col in st.engine_modes.header():
-        modes.add_column(col, justify="left" if col == "engine mode" else "right")
-    for row in st.engine_modes.rows():
-        modes.add_row(*row)
-    console.print(modes)
+    console.print(modes_table(st.engine_modes, "per engine mode (the engine that captured the states; the capture "
+                                               "check's re-captures)"))
     if st.states_errors is not None:
         errors = Table(title=f"stored states: {st.states_dtype}, relative error per token (bound {st.states_bound})")
         for col in ("layer (vLLM id)", "max", "RMS"):
