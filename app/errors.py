@@ -17,7 +17,7 @@ without a traceback. Every error regen raises on purpose is one of them:
 CorruptHiddenFile and NonFiniteStates are also `ValueError`s, as their callers have always caught them.
 
 `classify(exc)` is the one place a failure's class decides what the worker does (workers/shard/delivery.py and
-workers/shard/task_guards.settle_failure act on its answer, nothing else looks at the class). Two kinds of
+workers/shard/retry_policy.py act on its answer, nothing else looks at the class). Two kinds of
 failure are not regen's on purpose, and are classed here too:
 - an `OSError` or `TimeoutError` (a storage hiccup, a full disk, a broker that went away) is transient, like a
   `RetryableError`: retried with backoff; a shard's attempt count on storage (`--max-attempts`) still
