@@ -15,8 +15,10 @@ the layers in the same slots. Three tests, each of which catches what the others
    Two captures made by different kernels round independently (2u), and the difference compounds along the
    residual stream: a GPU's fused kernels (residual add in fp32, flash attention) round differently from
    transformers' at every decoder layer, a random walk of about sqrt(depth) roundings; at 64 layers
-   sqrt(64) x 2u = 16u = 2^-4. Measured: vLLM against transformers on these CPUs agree to 3e-5 (also with a
-   channel at 400), 2,000x under the bound; the room is for GPU kernels, which this machine cannot measure.
+   sqrt(64) x 2u = 16u = 2^-4. Measured: vLLM against transformers on these CPUs agree to 2-3e-5 of the
+   row on a tiny model with a channel at 400 (which dominates the norm), and to ~1.2% on the tests' tiny random
+   model without one (rows of norm ~0.5, at most 0.004 per value: two or three bf16 roundings), 5x under the
+   bound; the room is for GPU kernels, which this machine cannot measure.
 
 2. **Shift test: each row nearer its own counterpart than its neighbours.** Real Qwen models carry a channel
    that is large in every token (a "massive activation", hundreds where the rest are ~1). It dominates every

@@ -262,5 +262,9 @@ def test_verify_real_run_with_reference(cpu_worker, e2e_storage, tiny_qwen3, tmp
     code, report = run_verify(e2e_storage, "verify-e2e", "--reference", "2")
     assert code == 0, report["problems"]
     ref = report["reference"]
-    assert ref["checked"] == 2 and ref["failed"] == 0 and ref["worst"]["error"] < ref["tolerance"] / 100
+    # vLLM's prefill and decode steps against one transformers forward, on the tiny random model whose rows have
+    # no massive channel (norm ~11): ~1.2% of the row measured here (the absolute figure the old 0.05-per-value
+    # check passed); on a model with a channel at 400 the same rounding is ~2e-5 of the row (tests/workers/
+    # test_selfcheck.py). Half the bound leaves the run's batch composition room.
+    assert ref["checked"] == 2 and ref["failed"] == 0 and 0 < ref["worst"]["error"] < ref["tolerance"] / 2
     assert report["accounting"]["identity_holds"] and report["accounting"]["written_ok"] == 4
