@@ -32,9 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from app.ids import seed_for  # noqa: E402
 from workers.engine.options import EngineOptions  # noqa: E402
-from workers.engine.recapture import Pending, recheck  # noqa: E402
+from workers.engine.recapture import CheckPolicy, EngineChecks, Pending, recheck  # noqa: E402  # noqa: E402
 from workers.engine.request import GenRequest, GenResult  # noqa: E402
-from workers.shard.capture_check import CheckPolicy, EngineChecks  # noqa: E402
 from workers.shard.generate import render_prompt  # noqa: E402
 
 LAYERS = (1, 2, 3, 4)

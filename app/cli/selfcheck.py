@@ -2,7 +2,7 @@
 
 For a new GPU host, a new vLLM version or a new driver: builds a tiny dense model (a channel at 400 in every
 token, as real Qwen models carry massive activations) and a tiny hybrid (Gated DeltaNet + full attention)
-offline, captures a fixed set of requests in each engine mode the device runs (workers/selfcheck.py: lengths 1
+offline, captures a fixed set of requests in each engine mode the device runs (workers/engine/selfcheck.py: lengths 1
 to ~2,500 tokens, a shared prefix, a duplicate, a KV cache small enough to preempt, `top_k` where the platform
 can), and judges every capture against transformers on the same device, row by row (app/data/selfcheck_judge.py).
 One line per mode and model; exit 0 only when every mode passed.
@@ -50,7 +50,7 @@ def _build_models(folder: Path, which: list[str]) -> dict[str, str]:
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where the engines and the transformers reference run (auto: a GPU if torch sees one).")
 @click.option("--modes", default=None, metavar="NAME,...",
-              help="Engine modes to prove (default: every mode of the device; see workers/selfcheck.py).")
+              help="Engine modes to prove (default: every mode of the device; see workers/engine/selfcheck.py).")
 @click.option("--models", default="dense,hybrid", show_default=True, metavar="dense,hybrid")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Keep the models, captures and engine logs here (default: a temporary folder, removed).")
@@ -63,7 +63,7 @@ def selfcheck(device: str, modes: str | None, models: str, workdir: str | None, 
 
     require("vllm", "regen selfcheck")
     require("torch", "regen selfcheck")
-    from workers.selfcheck import MODES, mode
+    from workers.engine.selfcheck import MODES, mode
 
     device = _device(device)
     chosen = [mode(n.strip()) for n in modes.split(",")] if modes else [m for m in MODES if m.device == device]
@@ -99,7 +99,7 @@ def _run(folder: Path, model_paths: dict[str, str], chosen, device: str, timeout
             for m in chosen:
                 out = folder / f"{m.name}-{name}.npz"
                 log = folder / f"{m.name}-{name}.log"
-                cmd = [sys.executable, "-m", "workers.selfcheck", path, ",".join(map(str, layers)), m.name, str(out)]
+                cmd = [sys.executable, "-m", "workers.engine.selfcheck", path, ",".join(map(str, layers)), m.name, str(out)]
                 env = child_env(m.env)
                 notes = [f"top_k skipped: {m.skip_top_k_reason}"] if not m.top_k else []
                 start = time.monotonic()

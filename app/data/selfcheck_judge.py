@@ -1,4 +1,4 @@
-"""The judging side of `regen selfcheck`: one mode's captures (workers/selfcheck.py's file) held to five checks.
+"""The judging side of `regen selfcheck`: one mode's captures (workers/engine/selfcheck.py's file) held to five checks.
 
 - `ids`: each capture's token ids are the request's prompt + output ids but the last (inline) and the same ids
   for the staged pass: the engine's bookkeeping matches what it was given and made;

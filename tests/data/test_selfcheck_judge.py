@@ -1,4 +1,4 @@
-"""The selfcheck's judge on captures written as workers/selfcheck.py writes them, without an engine: transformers'
+"""The selfcheck's judge on captures written as workers/engine/selfcheck.py writes them, without an engine: transformers'
 own states pass; a shifted capture, zero rows, wrong ids, a staged capture of other rows and a duplicate whose
 states differ each fail with the check named."""
 

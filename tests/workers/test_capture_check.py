@@ -16,7 +16,7 @@ from app.manifest import CaptureCheckSettings, settings_diff
 from app.states_compare import compare
 from workers.engine.capture_faults_for_tests import FAULTS, CaptureFaultsForTests, apply_fault
 from workers.engine.engine_mode import mode_key
-from workers.shard.capture_check import CheckPolicy, EngineChecks
+from workers.engine.recapture import CheckPolicy, EngineChecks
 
 MASSIVE = 400.0  # a channel this large in every token, as trained Qwen models carry in their residual stream
 

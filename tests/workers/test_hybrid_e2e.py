@@ -114,10 +114,13 @@ def test_the_operators_vllm_setting_reaches_the_engine_and_its_attempt_records(h
     store = RunStore(Storage(str(hybrid_storage)), "hybrid-inline")
     for shard in sorted(store.done_shards()):
         for attempt in attempt_errors(store, shard):
-            assert attempt["engine"] == {"vllm": __import__("vllm").__version__, "vllm_args": [OPERATOR_ARG],
-                                         "speculative": None,  # a capture engine's own config is the capture's
-                                         "speculative_config": {"method": "extract_hidden_states",
-                                                                "num_speculative_tokens": 1}}
+            engine = dict(attempt["engine"])
+            mode, key = engine.pop("mode"), engine.pop("mode_key")  # the built engine's mode (issue 35's record)
+            assert engine == {"vllm": __import__("vllm").__version__, "vllm_args": [OPERATOR_ARG],
+                              "speculative": None,  # a capture engine's own config is the capture's
+                              "speculative_config": {"method": "extract_hidden_states",
+                                                     "num_speculative_tokens": 1}}
+            assert mode["max_num_batched_tokens"] == 6144 and key.startswith("cpu vLLM ")  # the operator's value
 
 
 def test_layer_ids_typed_out_of_order_are_stored_under_true_labels(hybrid_worker, hybrid_storage, tiny_hybrid,

@@ -1,5 +1,5 @@
 """`regen selfcheck` in its CPU form: the tiny dense model (a channel at 400) and the tiny hybrid, each captured by
-the CPU engine regen runs (workers/selfcheck.py) and judged against transformers: both pass, one line each, and
+the CPU engine regen runs (workers/engine/selfcheck.py) and judged against transformers: both pass, one line each, and
 the verdict says why `top_k` was skipped. The GPU modes need a GPU host (docs/capture.md says what to run)."""
 
 from __future__ import annotations

@@ -9,9 +9,11 @@ batch: equal requests must give equal states.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from workers.engine.request import GenRequest, GenResult
 
@@ -95,3 +97,51 @@ def _judge(item: Pending, again: GenResult | None, twice: GenResult | None, laye
 
 def _finite(x: float) -> float | None:
     return float(x) if np.isfinite(x) else None
+
+
+# The check's policy and one engine's counts: the engine's own, so a worker process holds them beside it.
+DEFAULT_EVERY = 100
+DEFAULT_FIRST = 4
+
+
+@dataclass(frozen=True)
+class CheckPolicy:
+    """Which samples are re-captured: one in `every` by sample id (0: none by id), and each engine's first `first`."""
+
+    every: int = DEFAULT_EVERY
+    first: int = DEFAULT_FIRST
+
+    @classmethod
+    def of(cls, settings: dict) -> CheckPolicy:
+        """The run's policy from its manifest settings (runs made before the setting existed get the default)."""
+        raw = settings.get("capture_check") or {}
+        return cls(int(raw.get("every", DEFAULT_EVERY)), int(raw.get("first", DEFAULT_FIRST)))
+
+    def by_id(self, sample_id: str) -> bool:
+        return self.every > 0 and xxhash.xxh64_intdigest(sample_id.encode()) % self.every == 0
+
+
+class EngineChecks:
+    """What one engine has checked so far (one per worker process, whose engine it is): its first samples are
+    always checked; the counts say how much of the engine's time the checks took."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.firsts = 0
+        self.checked = 0
+        self.failed = 0
+        self.seconds = 0.0
+
+    def wants(self, sample_id: str, policy: CheckPolicy) -> tuple[bool, bool]:
+        """(check this sample, it is one of the engine's first)."""
+        with self._lock:
+            if self.firsts < policy.first:
+                self.firsts += 1
+                return True, True
+        return policy.by_id(sample_id), False
+
+    def count(self, outcomes: list[CheckOutcome], seconds: float) -> None:
+        with self._lock:
+            self.checked += len(outcomes)
+            self.failed += sum(not o.ok for o in outcomes)
+            self.seconds += seconds

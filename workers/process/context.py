@@ -175,13 +175,13 @@ class WorkerContext:
         self.manifests: dict[str, dict] = {}
         self.closed = False
         from workers.engine.engine_mode import mode_key, read_mode
-        from workers.shard.capture_check import EngineChecks
+        from workers.engine.recapture import EngineChecks
 
         # Read from the built engine, not from the options: what attempt records and the checks' messages name.
         self.engine_mode = read_mode(self.engine)
         self.engine_mode_key = mode_key(self.engine_mode)
         log.info("engine mode: %s (%s)", self.engine_mode_key, self.engine_mode)
-        self.capture_checks = EngineChecks()  # the capture check's counts (workers/shard/capture_check.py)
+        self.capture_checks = EngineChecks()  # the capture check's counts (workers/engine/recapture.py)
         from workers.engine.capture_faults_for_tests import process_injector
 
         self.faults_for_tests = process_injector()  # None but in the tests; it says so in the log at once

@@ -33,60 +33,16 @@ pauses it (workers/shard/task_guards.pause_on_capture_check), naming the worker 
 
 from __future__ import annotations
 
-import threading
 import time
-from dataclasses import dataclass
 
-import xxhash
+from workers.engine.recapture import (
+    CheckOutcome,
+    Pending,
+    recheck,
+)
 
-from workers.engine.recapture import CheckOutcome, Pending, recheck
-
-DEFAULT_EVERY = 100
-DEFAULT_FIRST = 4
 FLAG = "capture_inconsistent"
 
-
-@dataclass(frozen=True)
-class CheckPolicy:
-    """Which samples are re-captured: one in `every` by sample id (0: none by id), and each engine's first `first`."""
-
-    every: int = DEFAULT_EVERY
-    first: int = DEFAULT_FIRST
-
-    @classmethod
-    def of(cls, settings: dict) -> CheckPolicy:
-        """The run's policy from its manifest settings (runs made before the setting existed get the default)."""
-        raw = settings.get("capture_check") or {}
-        return cls(int(raw.get("every", DEFAULT_EVERY)), int(raw.get("first", DEFAULT_FIRST)))
-
-    def by_id(self, sample_id: str) -> bool:
-        return self.every > 0 and xxhash.xxh64_intdigest(sample_id.encode()) % self.every == 0
-
-
-class EngineChecks:
-    """What one engine has checked so far (one per worker process, whose engine it is): its first samples are
-    always checked; the counts say how much of the engine's time the checks took."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.firsts = 0
-        self.checked = 0
-        self.failed = 0
-        self.seconds = 0.0
-
-    def wants(self, sample_id: str, policy: CheckPolicy) -> tuple[bool, bool]:
-        """(check this sample, it is one of the engine's first)."""
-        with self._lock:
-            if self.firsts < policy.first:
-                self.firsts += 1
-                return True, True
-        return policy.by_id(sample_id), False
-
-    def count(self, outcomes: list[CheckOutcome], seconds: float) -> None:
-        with self._lock:
-            self.checked += len(outcomes)
-            self.failed += sum(not o.ok for o in outcomes)
-            self.seconds += seconds
 
 
 def run_checks(ctx, items: list[Pending], layers: list[int]) -> list[CheckOutcome]:

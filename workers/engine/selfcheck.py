@@ -2,7 +2,7 @@
 
 Why a process per mode: what a mode changes (the model runner, `VLLM_USE_V2_MODEL_RUNNER`) is read by vLLM from
 the environment when it builds its config, and one process holds one vLLM engine well; so `regen selfcheck`
-(app/cli/selfcheck.py) starts `python -m workers.selfcheck MODEL LAYERS MODE OUT` per mode and model, and judges
+(app/cli/selfcheck.py) starts `python -m workers.engine.selfcheck MODEL LAYERS MODE OUT` per mode and model, and judges
 what it wrote (app/data/selfcheck_judge.py) against transformers.
 
 The engine is the worker's own (workers/engine/in_process.InProcessEngine, built from `llm_kwargs`), so the
