@@ -14,7 +14,7 @@ from app.jsonl_zst import loads_jsonl_zst
 from app.manifest import compression_level
 from app.storage import RunStore
 from workers.engine.capture_faults_for_tests import process_injector
-from workers.engine.recapture import CheckOutcome, Pending
+from workers.engine.recapture import CheckOutcome, CheckPolicy, Pending
 from workers.engine.request import GenRequest
 from workers.shard import capture_check
 from workers.shard.generate import encode_into, states_dtype
@@ -45,7 +45,7 @@ def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_i
     futures = {}
     problems: dict[str, list[str]] = {}
     index = {}
-    policy = capture_check.CheckPolicy.of(manifest["settings"])
+    policy = CheckPolicy.of(manifest["settings"])
     to_check: list[Pending] = []
     faults = process_injector()  # None but in the tests
     # As in generate: each sample's states go into the attempt's file as soon as they are checked and encoded.

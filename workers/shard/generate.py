@@ -29,7 +29,7 @@ from app.quality import (
 )
 from app.records import conversation_id, loss_mask, rejected_record
 from workers.engine.capture_faults_for_tests import process_injector
-from workers.engine.recapture import Pending
+from workers.engine.recapture import CheckPolicy, Pending
 from workers.engine.request import GenRequest, GenResult
 from workers.shard import capture_check
 
@@ -87,7 +87,7 @@ class ShardGeneration:
         self.spans: list[tuple[float, float]] = []
         self.gen_seconds = 0.0
         # The capture check (workers/shard/capture_check.py): the samples to re-capture once the shard is generated.
-        self.check_policy = capture_check.CheckPolicy.of(settings)
+        self.check_policy = CheckPolicy.of(settings)
         self.to_check: list[Pending] = []
         self.faults = process_injector() if self.capture_inline else None  # None but in the tests
 
