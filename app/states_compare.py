@@ -10,15 +10,15 @@ the layers in the same slots. Three tests, each of which catches what the others
    `max_rel_error`, app/states_bound.py, so the two add). It must stay under `bound`. A zero row (err 1), a
    non-finite one (err inf), a row of another layer or of wild values fail here.
 
-   The bound, REL_BOUND = 2^-4 = 0.0625, derived for bf16: bf16 keeps 8 significant bits, so rounding a value
-   to it moves it by at most one unit roundoff u = 2^-8 = 0.0039 of itself, and a row by at most u of its norm.
-   Two captures made by different kernels round independently (2u), and the difference compounds along the
-   residual stream: a GPU's fused kernels (residual add in fp32, flash attention) round differently from
-   transformers' at every decoder layer, a random walk of about sqrt(depth) roundings; at 64 layers
-   sqrt(64) x 2u = 16u = 2^-4. Measured: vLLM against transformers on these CPUs agree to 2-3e-5 of the
-   row on a tiny model with a channel at 400 (which dominates the norm), and to ~1.2% on the tests' tiny random
-   model without one (rows of norm ~0.5, at most 0.004 per value: two or three bf16 roundings), 5x under the
-   bound; the room is for GPU kernels, which this machine cannot measure.
+   The bound, REL_BOUND = 2^-3 = 0.125, is measured: transformers on an H200 against transformers on the CPU,
+   both bf16, on a random Qwen3 at the real target's size (64 layers x 5120, the same weights on both devices,
+   with and without a massive-activation channel; bench/calibrate_gpu_noise.py). The worst row error grows with
+   depth as a random walk of roundings does, about 0.01 x sqrt(layer): 0.008 at layer 1, 0.035 at 16, 0.05 at
+   32, 0.075-0.082 at 61-64; each device against float32 gives 0.087 at 64, and one device's padded batch
+   against each sequence alone 0.076 (the worker's own re-capture). bf16's unit roundoff u = 2^-8, so the
+   bound is 32u: 1.45x the worst figure measured (the earlier 2^-4, derived as two roundings x sqrt(64), failed
+   right states at layers 48-64 on the GPU). On these CPUs vLLM and transformers agree to 2-3e-5 of the row on
+   a tiny model with a channel at 400 and to ~1.2% on the tests' tiny random model (rows of norm ~0.5).
 
 2. **Shift test: each row nearer its own counterpart than its neighbours.** Real Qwen models carry a channel
    that is large in every token (a "massive activation", hundreds where the rest are ~1). It dominates every
@@ -66,7 +66,7 @@ import numpy as np
 from app.hidden_file import bf16_to_float32
 
 UNIT_ROUNDOFF_BF16 = 2.0 ** -8
-REL_BOUND = 16 * UNIT_ROUNDOFF_BF16  # 2^-4: two roundings x sqrt(64 decoder layers); see the module docstring
+REL_BOUND = 32 * UNIT_ROUNDOFF_BF16  # 2^-3: 1.45x the worst GPU-vs-CPU row error measured at 64 x 5120 (docstring)
 SEPARATION = 0.5  # a row's distance to its counterpart, as a share of the layer's typical token-to-token step
 FORGIVE = 4 * UNIT_ROUNDOFF_BF16  # per value, in the shift and layer tests' distances: 4 bf16 roundings of it
 NEIGHBOUR_SHARE = 0.25  # a neighbour judges a row's shift only when its step is this share of the typical or more

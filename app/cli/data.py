@@ -50,7 +50,7 @@ def _console(stderr: bool = False):
 @_storage
 @click.option("--reference", type=click.IntRange(min=0), default=0, show_default=True,
               help="Recompute N samples' states with transformers and judge them row by row: each token's error "
-                   "relative to its row under 2^-4 (bf16), no row shifted, foreign or in another layer's slot.")
+                   "relative to its row under 2^-3 (measured GPU-vs-CPU bf16 noise), no row shifted, foreign or in another layer's slot.")
 @click.option("--device", "reference_device", default="cpu", show_default=True, metavar="cpu|cuda|cuda:N|auto",
               help="Where --reference runs the model (a target too big for the CPU on a GPU; auto: a GPU if any).")
 @click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True,

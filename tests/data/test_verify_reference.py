@@ -80,7 +80,7 @@ def test_right_states_pass_with_the_worst_figures_per_layer(tmp_path, massive_mo
 
     line = reference_line(ref)
     assert line.startswith("11 samples on cpu, 0 failed; worst error 0 of the row at layer ")
-    assert line.endswith("(bound 0.0625); worst per layer: 1 0, 2 0, 4 0")
+    assert line.endswith(f"(bound {REL_BOUND:.3g}); worst per layer: 1 0, 2 0, 4 0")
     human = CliRunner().invoke(main, ["verify", "synth", "--storage", str(tmp_path), "--reference", "2"])
     assert human.exit_code == 0 and "worst per" in human.output and "samples on cpu" in human.output
 
