@@ -277,8 +277,12 @@ def commands(pilots: list[dict], plan: dict, pilot_paths: list[str], storage: st
         produce.append(f"--samples-per-prompt {s['samples_per_prompt']}")
     if s.get("regenerate", "last") != "last":
         produce.append(f"--regenerate {s['regenerate']}")
-    for key, value in (s.get("sampling") or {}).items():  # as measured: temperature, top_p, ..., max_prompt_tokens
+    for key, value in (s.get("sampling") or {}).items():  # as measured: temperature, ..., sample_temperatures
         produce.append(f"--{key.replace('_', '-')} {value}")
+    inputs, seed = pilots[0]["inputs"], int((pilots[0].get("sample") or {}).get("seed", 0))
+    produce += [f"--take '{rule}'" for rule in inputs.get("take") or []]  # the mix the pilot drew from
+    if seed or inputs.get("take") or int(s.get("samples_per_prompt") or 1) > 1 or s.get("thinking_mix") is not None:
+        produce.append(f"--seed {seed}")  # the seed the pilot's runs drew modes, samples and --take rows with
     if plan.get("speculative"):
         produce.append(f"--speculative {plan['speculative']}")
     produce += [f"--pilot {path}" for path in pilot_paths]

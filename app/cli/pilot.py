@@ -307,6 +307,8 @@ def _load_pilots(paths: list[str]) -> list[dict]:
 @click.option("--min-p", type=float, default=None)
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None,
               help="As the run will have it [default: regen produce's].")
+@click.option("--sample-temperatures", default=None, metavar="T1,T2,...",
+              help="As the run will have it (see `regen produce`): the samples of a prompt cycle through them.")
 @click.option("--shard-size", type=click.IntRange(min=1), default=DEFAULT_SHARD_SIZE, show_default=True)
 @click.option("--max-model-len", type=int, default=None)
 @vllm_arg_option("vllm_args", help="A vLLM engine argument for every candidate's run; repeatable.")
@@ -361,7 +363,8 @@ def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu,
                  max_tokens, thinking, regenerate, thinking_mix=None, samples_per_prompt=1, take=(), shard_size,
                  max_model_len,
                  vllm_args, only, keep_runs, timeout, sampling: dict, reference_samples: int = 2) -> tuple[dict, str]:
-    """`sampling`: temperature, top_p, top_k, min_p, max_prompt_tokens, where given (the run's otherwise)."""
+    """`sampling`: temperature, top_p, top_k, min_p, max_prompt_tokens, sample_temperatures, where given (the
+    run's otherwise)."""
     from app.data.pilot_measure import measure_run
     from app.ids import validate_id
     from app.ledger import pause_state
@@ -456,7 +459,7 @@ def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu,
         "inputs": {"files": [os.path.abspath(f) for f in files], "read": sample.read, "samples": sample.samples,
                    "rejected": sample.rejected, "duplicates": sample.duplicates,
                    **({"left_out": sample.left_out, "take": list(take)} if take else {})},
-        "sample": {"size": len(sample.lines), "seed": seed},
+        "sample": {"size": len(sample.lines), "seed": seed},  # also the runs' seed (and their --take's)
         "settings": {"layers": layers, "max_tokens": max_tokens, "shard_size": shard_size, "thinking": thinking,
                      **({"thinking_mix": thinking_mix} if thinking_mix is not None else {}),
                      **({"samples_per_prompt": samples_per_prompt} if samples_per_prompt > 1 else {}),

@@ -373,3 +373,19 @@ def test_a_mixed_runs_forecast_is_split_by_mode_from_each_modes_measurements():
     assert thinking["disk_bytes"]["bf16"] == pytest.approx(plan["disk_bytes"]["bf16"] * 5 / 8)  # context tokens
     produce = commands([pilot], plan, ["/p.json"])["produce"]
     assert "--thinking-mix 0.4" in produce and "--samples-per-prompt 2" in produce
+
+
+def test_the_recommended_produce_line_repeats_the_mix_the_pilot_measured():
+    """The forecast is of the rows --take draws with the pilot's seed, in its temperatures: the line that starts
+    the run must draw the same rows with the same seed (docs/pilot.md)."""
+    pilot = _pilot("a", [_measured("a", "inline", 2.0)])
+    pilot["inputs"]["take"] = ["tool*.jsonl=1.0", "sharegpt*.jsonl=0.5"]
+    pilot["sample"] = {"size": 300, "seed": 7}
+    pilot["settings"] = {**pilot["settings"], "samples_per_prompt": 2,
+                         "sampling": {"sample_temperatures": "0.6,0.9"}}
+    produce = commands([pilot], forecast([pilot]), ["/p.json"])["produce"]
+    for part in ("--take 'tool*.jsonl=1.0'", "--take 'sharegpt*.jsonl=0.5'", "--seed 7",
+                 "--samples-per-prompt 2", "--sample-temperatures 0.6,0.9"):
+        assert part in produce, (part, produce)
+    plain = _pilot("b", [_measured("b", "inline", 2.0)])  # no mix, seed 0: nothing to repeat
+    assert "--seed" not in commands([plain], forecast([plain]), ["/p.json"])["produce"]

