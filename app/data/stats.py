@@ -52,6 +52,7 @@ class RunStats:
     total: Group = field(default_factory=Group)
     sources: dict[str, Group] = field(default_factory=lambda: defaultdict(Group))
     modes: dict[str, Group] = field(default_factory=lambda: defaultdict(Group))  # thinking / non_thinking
+    source_modes: dict[tuple[str, str], Group] = field(default_factory=lambda: defaultdict(Group))  # (source, mode)
     run_modes: tuple[str, ...] = ("thinking",)  # the modes the run's samples can be in (app/modes.run_modes)
     mode_of: list[str] = field(default_factory=list)  # each sample's mode, beside prompt / reasoning / answer
     prompt: list[int] = field(default_factory=list)
@@ -167,7 +168,7 @@ def add_shard(st: RunStats, shard: ShardRead) -> None:
         st.reasoning.append(max(0, n_out - n_ans))
         st.mask_sum.append(mask_sum)
         stub = is_stub(flags)
-        for g in (st.total, st.sources[src], st.modes[mode]):
+        for g in (st.total, st.sources[src], st.modes[mode], st.source_modes[(src, mode)]):
             g.ok += 1
             g.stubs += stub
             g.flags.update(flags)
@@ -232,9 +233,50 @@ def _summary_rows(st: RunStats) -> list[tuple[str, str]]:
             ("generated tokens", str(t.output_tokens))]
 
 
+def _group_row(name: str, g: Group, flags: list[str]) -> list[str]:
+    return [name, str(g.ok), _pct(g.stubs, g.ok), *(_pct(g.flags[f], g.ok) for f in flags),
+            f"{g.output_tokens / g.ok:.0f}" if g.ok else "-"]
+
+
 def _source_rows(st: RunStats, flags: list[str]) -> list[list[str]]:
-    return [[src, str(g.ok), _pct(g.stubs, g.ok), *(_pct(g.flags[f], g.ok) for f in flags),
-             f"{g.output_tokens / g.ok:.0f}" if g.ok else "-"] for src, g in sorted(st.sources.items())]
+    """A row per input source; in a mixed run each source's row is followed by a row per mode it has samples in
+    (a source's stub rate means nothing across modes: non-thinking answers are short by design)."""
+    rows = []
+    for src, g in sorted(st.sources.items()):
+        rows.append(_group_row(src, g, flags))
+        if st.mixed:
+            rows += [_group_row(f"  {src}, {mode.replace('_', '-')}", st.source_modes[(src, mode)], flags)
+                     for mode in st.run_modes if st.source_modes.get((src, mode), Group()).ok]
+    return rows
+
+
+def _flag_header(st: RunStats) -> list[str]:
+    return ["what", "samples", "rate", *(f"rate, {m.replace('_', '-')}" for m in st.run_modes if st.mixed)]
+
+
+def _flag_rows(st: RunStats, flags: list[str]) -> list[list]:
+    """The run-wide flags, finish reasons and rejects; a mixed run adds each mode's rate of the flag or reason."""
+    def per_mode(count) -> list[str]:
+        return [_pct(count(st.modes[m]), st.modes[m].ok) for m in st.run_modes] if st.mixed else []
+
+    rows = [[f"flag {f}", st.total.flags[f], _pct(st.total.flags[f], st.total.ok),
+             *per_mode(lambda g, f=f: g.flags[f])] for f in flags]
+    rows += [[f"finish {r}", n, _pct(n, st.total.ok), *per_mode(lambda g, r=r: g.finish[r])]
+             for r, n in st.total.finish.most_common()]
+    blank = [""] * (len(st.run_modes) if st.mixed else 0)
+    rows += [[f"rejected {r}", n, "", *blank] for r, n in st.rejected.most_common()]
+    return rows
+
+
+def _finish_mode_rows(st: RunStats) -> tuple[list[str], list[list[str]]]:
+    """Finish reasons per mode: (header, rows)."""
+    reasons = sorted({str(r) for g in st.modes.values() for r in g.finish})
+    rows = []
+    for mode in st.run_modes:
+        g = st.modes[mode]
+        counts = {str(k): v for k, v in g.finish.items()}
+        rows.append([mode.replace("_", "-"), *(_pct(counts.get(r, 0), g.ok) for r in reasons)])
+    return ["mode", *(f"finish {r}" for r in reasons)], rows
 
 
 def _states_rows(st: RunStats) -> list[list[str]]:
@@ -276,27 +318,19 @@ def print_terminal(st: RunStats, console) -> None:
             per_mode.add_row(*row)
         console.print(per_mode)
         finish = Table(title="finish reasons per mode")
-        finish.add_column("mode")
-        reasons = sorted({str(r) for g in st.modes.values() for r in g.finish})
-        for r in reasons:
-            finish.add_column(f"finish {r}", justify="right")
-        for mode in st.run_modes:
-            g = st.modes[mode]
-            counts = {str(k): v for k, v in g.finish.items()}
-            finish.add_row(mode.replace("_", "-"), *(_pct(counts.get(r, 0), g.ok) for r in reasons))
+        header, rows = _finish_mode_rows(st)
+        for col in header:
+            finish.add_column(col, justify="left" if col == "mode" else "right")
+        for row in rows:
+            finish.add_row(*row)
         console.print(finish)
     else:
         console.print(f"[bold red]{stub_line(st)}[/bold red]" if st.stub_alarm else f"[green]{stub_line(st)}[/green]")
     t = Table(title="flags and finish reasons")
-    t.add_column("what")
-    t.add_column("samples", justify="right")
-    t.add_column("rate", justify="right")
-    for f in flags:
-        t.add_row(f"flag {f}", str(st.total.flags[f]), _pct(st.total.flags[f], st.total.ok))
-    for r, n in st.total.finish.most_common():
-        t.add_row(f"finish {r}", str(n), _pct(n, st.total.ok))
-    for r, n in st.rejected.most_common():
-        t.add_row(f"rejected {r}", str(n), "")
+    for col in _flag_header(st):
+        t.add_column(col, justify="left" if col == "what" else "right")
+    for row in _flag_rows(st, flags):
+        t.add_row(*map(str, row))
     console.print(t)
     per = Table(title="per input source")
     for col in ("source", "ok", "stub-or-empty", *flags, "mean output tokens"):
@@ -424,14 +458,12 @@ def render_html(st: RunStats, images: dict[str, bytes]) -> str:
         f'<p class="stub" style="color:{color};font-weight:bold">{html.escape(stub_line(st))}</p>',
         _table(["", ""], [list(r) for r in _summary_rows(st)]),
         "<h2>flags and finish reasons</h2>",
-        _table(["what", "samples", "rate"],
-               [[f"flag {f}", st.total.flags[f], _pct(st.total.flags[f], st.total.ok)] for f in flags]
-               + [[f"finish {r}", n, _pct(n, st.total.ok)] for r, n in st.total.finish.most_common()]
-               + [[f"rejected {r}", n, ""] for r, n in st.rejected.most_common()]),
+        _table(_flag_header(st), _flag_rows(st, flags)),
         *(["<h2>per mode</h2>",
            *(f'<p class="stub-{m}" style="color:{"#cc3311" if st.mode_alarm(m) else "#228833"};font-weight:bold">'
              f"{html.escape(mode_stub_line(st, m))}</p>" for m in st.run_modes),
-           _table([*_MODE_COLUMNS, *flags, *_MODE_TAIL], _mode_rows(st, flags))] if st.mixed else []),
+           _table([*_MODE_COLUMNS, *flags, *_MODE_TAIL], _mode_rows(st, flags)),
+           "<h2>finish reasons per mode</h2>", _table(*_finish_mode_rows(st))] if st.mixed else []),
         "<h2>per input source</h2>",
         _table(["source", "ok", "stub-or-empty", *flags, "mean output tokens"], _source_rows(st, flags)),
         "<h2>per engine mode</h2>",

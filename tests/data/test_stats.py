@@ -64,3 +64,33 @@ def test_in_progress_run_reads_done_shards(tmp_path):
     built.storage.delete(built.store.done_path("shard-000002"))
     st = collect(RunReader(str(tmp_path / "s"), "synth"))
     assert st.shards_done == 2 and st.shards_total == 3 and st.total.ok == 8
+
+
+def test_a_mixed_runs_source_and_flag_tables_are_split_by_mode():
+    """A source's stub rate means nothing across modes (non-thinking answers are short by design): in a mixed run
+    each source row is followed by its modes' rows, the run-wide flags and finish reasons carry a rate per mode,
+    and the HTML report has the finish reasons per mode."""
+    from app.data.stats import RunStats, ShardRead, _flag_rows, _source_rows, add_shard, render_html
+
+    st = RunStats("mixed", 0.2, run_modes=("thinking", "non_thinking"))
+    ok = [("a.jsonl", 10, 50, 5, 50, ["stub_answer"], "stop", "thinking"),
+          ("a.jsonl", 10, 8, 8, 8, [], "stop", "non_thinking"),
+          ("a.jsonl", 10, 64, 0, 64, ["truncated"], "length", "non_thinking"),
+          ("b.jsonl", 10, 40, 10, 40, [], "stop", "thinking")]
+    add_shard(st, ShardRead(None, [], ok, ["prompt_too_long"]))
+    flags = sorted(st.total.flags)
+    rows = _source_rows(st, flags)
+    assert [r[:3] for r in rows] == [["a.jsonl", "3", "33.3%"], ["  a.jsonl, thinking", "1", "100.0%"],
+                                     ["  a.jsonl, non-thinking", "2", "0.0%"], ["b.jsonl", "1", "0.0%"],
+                                     ["  b.jsonl, thinking", "1", "0.0%"]]
+    by_what = {r[0]: r[1:] for r in _flag_rows(st, flags)}
+    assert by_what["flag truncated"] == [1, "25.0%", "0.0%", "50.0%"]
+    assert by_what["finish stop"] == [3, "75.0%", "100.0%", "50.0%"]
+    assert by_what["rejected prompt_too_long"] == [1, "", "", ""]
+    page = render_html(st, {})
+    assert "<h2>finish reasons per mode</h2>" in page and "<th>rate, non-thinking</th>" in page
+    assert "<td>  a.jsonl, non-thinking</td><td>2</td>" in page
+    single = RunStats("plain", 0.2)
+    add_shard(single, ShardRead(None, [], [("a.jsonl", 10, 50, 5, 50, [], "stop", "thinking")], []))
+    assert _source_rows(single, []) == [["a.jsonl", "1", "0.0%", "50"]]  # one mode: the tables as before
+    assert _flag_rows(single, []) == [["finish stop", 1, "100.0%"]]
