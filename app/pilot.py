@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE
 from app.speculative import has_mtp_head
 
 PILOT_VERSION = 1
@@ -294,7 +295,7 @@ def commands(pilots: list[dict], plan: dict, pilot_paths: list[str], storage: st
         if host.get("max_num_seqs"):
             line.append(f"--max-num-seqs {host['max_num_seqs']}")
         if plan["capture"] == "staged":  # as measured: each worker runs both passes
-            line.append("--queues regen,regen.capture")
+            line.append(f"--queues {DEFAULT_QUEUE},{DEFAULT_CAPTURE_QUEUE}")
         workers[host["host"]] = " ".join(line)
     return {"produce": " ".join(produce), "workers": workers}
 

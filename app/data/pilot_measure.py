@@ -34,6 +34,11 @@ CODEC_DTYPES = ("bf16", "fp8-e4m3")  # the lossless default and the lossy opt-in
 BF16_BYTES = 2
 
 
+def _attempt(reader, key: str, attempt: str) -> dict:
+    """The attempt record that made a stage's marker (its `started` is on the shared clock, as the marker's end)."""
+    return reader.storage.read_json(reader.store.attempt_path(key, attempt))
+
+
 def _epoch(value) -> float | None:
     if value is None:
         return None
@@ -69,7 +74,9 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
             failure = check_failure(info.shard_id, m, info.captured)
             if failure:
                 failures.append(f"{info.shard_id} {failure[0]}: {failure[1]}")
-            start = _epoch(m.get("task_started") or m.get("engine_started"))
+            # both ends on the fleet's shared clock: the attempt's start and the marker's finish (the marker's
+            # task_started is the host's own clock, and may be off by the host's drift)
+            start = _epoch(_attempt(reader, info.shard_id, m["attempt"])["started"])
             end = _epoch(m["finished"])
             starts.append(start)
             ends.append(end)
@@ -78,8 +85,7 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
                 totals[key] += int(m.get(key, 0))
             totals["rejected"] += sum((m.get("rejected") or {}).values())
             if info.captured is not None:
-                attempt = reader.storage.read_json(reader.store.attempt_path(
-                    ledger.stage_key(info.shard_id, ledger.CAPTURE), info.captured["attempt"]))
+                attempt = _attempt(reader, ledger.stage_key(info.shard_id, ledger.CAPTURE), info.captured["attempt"])
                 captured_end = _epoch(info.captured["finished"])
                 capture_s += captured_end - _epoch(attempt["started"])
                 ends.append(captured_end)

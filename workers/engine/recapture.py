@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from app.manifest import CaptureCheckSettings
 from workers.engine.request import GenRequest, GenResult
 
 PREFILL_ONLY = {"temperature": 1.0, "max_tokens": 1, "seed": 0}
@@ -99,9 +100,10 @@ def _finite(x: float) -> float | None:
     return float(x) if np.isfinite(x) else None
 
 
-# The check's policy and one engine's counts: the engine's own, so a worker process holds them beside it.
-DEFAULT_EVERY = 100
-DEFAULT_FIRST = 4
+# The check's policy and one engine's counts: the engine's own, so a worker process holds them beside it. The
+# defaults are the run setting's (app.manifest.CaptureCheckSettings), defined there once.
+DEFAULT_EVERY = CaptureCheckSettings.every
+DEFAULT_FIRST = CaptureCheckSettings.first
 
 
 @dataclass(frozen=True)

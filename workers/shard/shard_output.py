@@ -21,6 +21,7 @@ import orjson
 from app.hidden_file import EncodedSample, HiddenFileWriter
 from app.jsonl_zst import dumps_jsonl_zst
 from app.ledger import sweep_temporaries, timestamp
+from app.manifest import COMPRESSION_LEVEL
 from app.storage import RunStore
 
 
@@ -95,7 +96,7 @@ def publish_shard(
     records: list[dict],
     hidden_samples: list[EncodedSample] | WrittenHidden | None,
     summary: dict,
-    level: int = 3,
+    level: int = COMPRESSION_LEVEL,
     stale_after: float | None = None,
 ) -> bool:
     """Write outputs, then the completion marker last. True if this attempt's outputs are the shard's.
