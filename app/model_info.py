@@ -7,10 +7,14 @@ was produced for refuses the shard instead of silently mixing data.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
+import struct
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from app.architecture import Architecture, read_architecture, text_config
 from app.errors import ConfigError
@@ -85,3 +89,37 @@ def read_model_info(path: str) -> ModelInfo:
         )
     except KeyError as exc:
         raise ConfigError(f"{cfg_path}: missing {exc.args[0]}") from exc
+
+
+_ZERO_MASK = {"BF16": (np.uint16, 0x7FFF), "F16": (np.uint16, 0x7FFF), "F32": (np.uint32, 0x7FFFFFFF)}
+
+
+def zero_embedding_ids(path: str) -> list[int]:
+    """Token ids whose input embedding row is all zeros in the checkpoint at `path` (its safetensors files).
+
+    Why the capture checks need them: a real forward pass gives a token an all-zero state only if its embedding
+    is zero, and then it does, up to the first layer that mixes in other tokens unconditionally. A padding row
+    (`nn.Embedding(padding_idx=...)` starts it at zero and no gradient moves it) is such a token: on a hybrid
+    Qwen3.5 its rows stay zero through every linear-attention layer (their output is gated by a projection of the
+    zero input). So a zero row is a capture fault except at these tokens. Read from the safetensors header and a
+    memory map of the embedding tensor (no torch): rows are compared with +/-0 in blocks. [] when there is no
+    `*embed_tokens.weight` tensor in a dtype read here (BF16, F16, F32)."""
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with open(file, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        names = [n for n in header if n.endswith("embed_tokens.weight") and not n.startswith("mtp")]
+        if not names:
+            continue
+        meta = header[min(names, key=len)]
+        if meta["dtype"] not in _ZERO_MASK or len(meta["shape"]) != 2:
+            return []
+        dtype, mask = _ZERO_MASK[meta["dtype"]]
+        rows = np.memmap(file, dtype=dtype, mode="r", offset=8 + size + meta["data_offsets"][0],
+                         shape=tuple(meta["shape"]))
+        out: list[int] = []
+        for start in range(0, rows.shape[0], 4096):
+            block = np.bitwise_and(rows[start:start + 4096], dtype(mask))
+            out += (np.flatnonzero(~block.any(axis=1)) + start).tolist()
+        return out
+    return []

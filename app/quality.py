@@ -14,8 +14,9 @@ Flags:
 - `repetition_loop`  the output ends in an n-gram repeated many times
 - `states_zero` / `states_nonfinite`  an all-zero row (one token's state in one layer: a whole layer zero is the
   extreme of it) or a NaN/Inf anywhere (every row of every layer is checked: on a hybrid the linear-attention
-  layers and the full-attention ones alike). A real forward pass never gives a token an all-zero state (its
-  embedding runs through the residual stream), so one such row is a capture fault.
+  layers and the full-attention ones alike). A real forward pass gives a token an all-zero state only where its
+  input embedding is zero (a padding row: the run's `model.zero_embedding_ids`), so any other such row is a
+  capture fault.
 - `states_repeated`  in some layer most tokens' rows equal the previous (different) token's: a buffer not written
   per token
 - `states_stale`     a row of this sample equals, bit for bit, a row an earlier sample (or this one) had as the
@@ -97,13 +98,13 @@ def repetition_loop(ids: list[int], min_repeats: int, max_period: int = 64, min_
     return False
 
 
-def states_problem(states_u16: np.ndarray) -> str | None:
+def states_problem(states_u16: np.ndarray, zero_ok: np.ndarray | None = None) -> str | None:
     """'states_nonfinite' if any row holds a NaN/Inf, 'states_zero' if any row of any layer is all zeros (an empty
     array too), else None (bf16 bits). One pass in cache-sized blocks (app/states_compare.row_problems): at a real
     model's size ([3000, 5, 5120]) the cost of the per-layer check it replaced (bench/bench_row_checks.py)."""
     if states_u16.size == 0:
         return "states_zero"
-    problem = row_problems(states_u16.reshape(states_u16.shape[0], states_u16.shape[1], -1))
+    problem = row_problems(states_u16.reshape(states_u16.shape[0], states_u16.shape[1], -1), zero_ok)
     return problem.kind if problem else None
 
 
@@ -235,12 +236,13 @@ def implausible_states(token_ids: np.ndarray, states_u16: np.ndarray, stale: Sta
                                                      else None)
 
 
-def layer_detail(states_u16: np.ndarray, layers: list[int], kinds: list[str] | None = None) -> str:
+def layer_detail(states_u16: np.ndarray, layers: list[int], kinds: list[str] | None = None,
+                 zero_ok: np.ndarray | None = None) -> str:
     """Which captured layers have all-zero or non-finite rows (how many, the first token), named with their
     kind on a hybrid: for messages."""
     out = []
     for k, layer in enumerate(layers):
-        problem = row_problems(states_u16[:, k:k + 1].reshape(states_u16.shape[0], 1, -1))
+        problem = row_problems(states_u16[:, k:k + 1].reshape(states_u16.shape[0], 1, -1), zero_ok)
         if problem:
             kind = f" ({kinds[k]})" if kinds and k < len(kinds) else ""
             if problem.kind == "states_zero" and problem.rows == problem.tokens:

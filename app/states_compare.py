@@ -278,11 +278,20 @@ class RowProblem:
         return f"layer {name}: {self.rows} of {self.tokens} rows {what}{whole}, first at token {self.token}"
 
 
+def zero_rows_allowed(token_ids, zero_embedding_ids) -> np.ndarray | None:
+    """`row_problems`' `zero_ok` for a sample's ids: True at the tokens whose embedding is zero (None: none)."""
+    if not zero_embedding_ids or token_ids is None:
+        return None
+    return np.isin(np.asarray(token_ids), np.asarray(list(zero_embedding_ids)))
+
+
 _ROWS_BLOCK_ELEMENTS = 1 << 16  # 128 KiB of uint16 per block: stays in L2
 
 
-def row_problems(states: np.ndarray) -> RowProblem | None:
+def row_problems(states: np.ndarray, zero_ok: np.ndarray | None = None) -> RowProblem | None:
     """The first zero or non-finite row inside any layer of `[T, L, H]` states (bf16 bits or floats), else None.
+    `zero_ok`: a boolean per token, True where an all-zero row is the token's state (its input embedding is zero,
+    app/model_info.zero_embedding_ids; `zero_rows_allowed` builds it from the ids).
 
     Non-finite rows are reported before zero ones. On bf16 bits it is one pass in cache-sized blocks: shifting
     left by one drops the sign, so a row's maximum is its largest magnitude x 2; 0 means an all-(+/-)zero row,
@@ -303,6 +312,8 @@ def row_problems(states: np.ndarray) -> RowProblem | None:
         values = np.asarray(states)
         nonfinite = ~np.isfinite(values).all(axis=2)
         zero = ~(values != 0).any(axis=2)
+    if zero_ok is not None:
+        zero &= ~np.asarray(zero_ok, dtype=bool)[:n_tokens, None]
     for kind, bad in (("states_nonfinite", nonfinite), ("states_zero", zero)):
         if bad.any():
             slot = int(np.flatnonzero(bad.any(axis=0))[0])

@@ -25,7 +25,7 @@ from app.manifest import (
     StatesStorage,
     setting,
 )
-from app.model_info import read_model_info
+from app.model_info import read_model_info, zero_embedding_ids
 from app.settings import DEFAULT_SHARD_SIZE
 from app.speculative import check_speculative, ignored_with_capture, parse_speculative
 from app.states_codec import STATES_DTYPES, promised_bound, resolve
@@ -192,7 +192,7 @@ def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
         match_rules(rules, inputs)
         take = [r.to_manifest() for r in rules]
     return RunSettings(
-        model=info.to_manifest(),
+        model=model_settings(info, opts.model),
         sampling=sampling,
         thinking=thinking,
         capture_mode=opts.capture,
@@ -289,3 +289,14 @@ def verify_inputs(stored_inputs: list[dict]) -> list[str]:
             raise InputError(f"{path}: input changed since the run was produced (sha256 differs); refusing to resume")
         paths.append(path)
     return paths
+
+
+def model_settings(info, path: str) -> dict:
+    """The manifest's `model`: the model's shape and fingerprint, and, where the checkpoint has token ids whose
+    embedding row is zero (a padding row), those ids (`zero_embedding_ids`): their all-zero rows are states, not
+    capture faults (app/model_info.zero_embedding_ids). Left out when there are none, as older runs have it."""
+    out = info.to_manifest()
+    zero = zero_embedding_ids(path)
+    if zero:
+        out["zero_embedding_ids"] = zero
+    return out

@@ -11,6 +11,7 @@ import numpy as np
 from app.data.run_reader import RunReader
 from app.hidden_file import CorruptHiddenFile, HiddenFileReader
 from app.states_bound import promise, sample_problem
+from app.states_compare import zero_rows_allowed
 
 
 @dataclass
@@ -88,10 +89,11 @@ def check_states(res: ShardResult, rec: dict, hreader: HiddenFileReader, pos: in
     if hidden_size and states.shape[2] != hidden_size:
         res.add("states_shape", f"hidden size {states.shape[2]} != model's {hidden_size}", sid)
         good = False
-    problem = states_problem(states)
+    zero_ok = zero_rows_allowed(tokens, (reader.settings.get("model") or {}).get("zero_embedding_ids"))
+    problem = states_problem(states, zero_ok)
     if problem:  # per layer, with its kind on a hybrid (linear / full attention)
         kinds = (reader.settings.get("layers") or {}).get("kinds")
-        res.add(problem, layer_detail(states, list(entry["layers"]), kinds) or STATE_PROBLEMS[problem], sid)
+        res.add(problem, layer_detail(states, list(entry["layers"]), kinds, zero_ok) or STATE_PROBLEMS[problem], sid)
         good = False
     else:
         res.stale_rows = res.stale_rows or StaleRows()

@@ -251,3 +251,23 @@ def test_a_rounding_flip_in_the_massive_channel_is_not_a_shift():
     shifted = compare(ref_bits, bits(np.roll(ref, -1, axis=0)), LAYERS)
     assert not shifted.ok and "states shifted" in shifted.problem
     assert shifted.per_layer[0].worst_error < REL_BOUND  # invisible to the error alone
+
+
+def test_a_zero_row_is_a_state_only_at_a_token_whose_embedding_is_zero():
+    """A padding row of the embedding is zero, and on a hybrid its rows stay zero through the linear-attention
+    layers: those rows are the token's states; a zero row anywhere else is a capture fault."""
+    from app.states_compare import zero_rows_allowed
+
+    rng = np.random.default_rng(12)
+    states = bits(residual_stream(rng, n_tokens=6, hidden=64))
+    ids = np.array([5, 9, 573, 7, 573, 8])
+    states[2, :2] = 0  # the padding token's rows at the first two (linear-attention) layers
+    states[4, :2] = 0
+    allowed = zero_rows_allowed(ids, [573])
+    assert allowed.tolist() == [False, False, True, False, True, False]
+    assert row_problems(states, allowed) is None
+    assert row_problems(states).kind == "states_zero"  # without the model's fact: flagged
+    states[3, 1] = 0  # another token's zero row is still a fault
+    problem = row_problems(states, allowed)
+    assert problem.kind == "states_zero" and (problem.slot, problem.token, problem.rows) == (1, 3, 1)
+    assert zero_rows_allowed(ids, []) is None and zero_rows_allowed(None, [573]) is None

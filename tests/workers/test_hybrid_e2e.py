@@ -31,7 +31,14 @@ from tests.support.faults import (
 )
 from tests.support.polling import wait_for
 from tests.support.redis_db import HYBRID_BROKER, redis_or_fail, redis_url
-from tests.support.runs import produce, prompts_file, run_states, wait_run_done, wait_run_done_after_kills
+from tests.support.runs import (
+    produce,
+    prompts_file,
+    run_records,
+    run_states,
+    wait_run_done,
+    wait_run_done_after_kills,
+)
 from tests.support.workers import (
     HYBRID_KINDS,
     HYBRID_LAYERS,
@@ -154,6 +161,38 @@ def test_layer_ids_typed_out_of_order_are_stored_under_true_labels(hybrid_worker
                 checked += 1
     assert checked == 3
     code, report_ = verify_json(hybrid_storage, "hybrid-unsorted")
+    assert code == 0, report_["problems"]
+
+
+def test_the_padding_tokens_zero_rows_are_its_states_not_a_capture_fault(hybrid_worker, hybrid_storage, tiny_hybrid,
+                                                                            tmp_path):
+    """The padding token's embedding row is zero, and on a hybrid its rows stay zero through the linear-attention
+    layers (transformers gives the same): the manifest lists the token, the worker stores those rows as they are
+    (no flag, no re-capture), plain verify passes them, and they equal transformers'. (Found in CI: the random
+    model sampled the padding token mid-answer, and the every-row check took its rows for a capture fault.)"""
+    from transformers import AutoTokenizer
+
+    pad = AutoTokenizer.from_pretrained(str(tiny_hybrid)).pad_token_id
+    inputs = tmp_path / "prompts.jsonl"
+    inputs.write_text("".join(json.dumps({"question": f"Repeat <|endoftext|> and then {i}."}) + "\n"
+                              for i in range(3)))
+    produce(hybrid_storage, "hybrid-padding", [inputs], tiny_hybrid, "--layers", HYBRID_LAYERS, "--max-tokens", "8",
+            broker=HYBRID_BROKER)
+    wait_run_done(hybrid_storage, "hybrid-padding")
+    manifest = json.loads((hybrid_storage / "hybrid-padding" / "run.json").read_text())
+    assert manifest["settings"]["model"]["zero_embedding_ids"] == [pad]
+    states = run_states(hybrid_storage, "hybrid-padding")
+    assert len(states) == 3
+    for token_ids, rows in states.values():
+        at_pad = np.flatnonzero(token_ids == pad)
+        assert len(at_pad) >= 1
+        values = bf16_to_float32(rows)
+        assert (np.abs(values[at_pad, :2]).max(axis=-1) == 0).all()  # zero at the linear-attention layers
+        assert (np.abs(values[at_pad, 2]).max(axis=-1) > 0).all()  # the full-attention layer mixes others in
+    for rec in run_records(hybrid_storage, "hybrid-padding"):
+        assert rec["status"] == "ok" and "states_zero" not in rec["flags"] and "capture_repaired" not in rec
+    assert_states_match_transformers(tiny_hybrid, states, n=3)
+    code, report_ = verify_json(hybrid_storage, "hybrid-padding")
     assert code == 0, report_["problems"]
 
 

@@ -17,7 +17,7 @@ from workers.engine.capture_faults_for_tests import process_injector
 from workers.engine.recapture import CheckOutcome, CheckPolicy, Pending
 from workers.engine.request import GenRequest
 from workers.shard import capture_check
-from workers.shard.generate import encode_into, repair_states, states_dtype
+from workers.shard.generate import encode_into, repair_states, states_dtype, zero_embedding_ids
 from workers.shard.shard_output import hidden_file_stream, publish_marker
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_i
     repaired: dict[str, dict] = {}
     index = {}
     policy = CheckPolicy.of(manifest["settings"])
+    zero_ids = zero_embedding_ids(manifest["settings"])
     to_check: list[Pending] = []
     faults = process_injector()  # None but in the tests
     # As in generate: each sample's states go into the attempt's file as soon as they are checked and encoded.
@@ -64,7 +65,7 @@ def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_i
                 to_check.append(Pending(i, rec["sample_id"], expected, states, duplicate=first))
             futures[i] = ctx.encode_pool.submit(encode_into, stream, rec["sample_id"], expected,
                                                 res.captured_token_ids, states, layers, level, True,
-                                                stored=stored, hold_repairable=True)
+                                                stored=stored, zero_ids=zero_ids, hold_repairable=True)
 
         ctx.engine.run(requests, on_done)
         outcomes = capture_check.run_checks(ctx, to_check, layers)
@@ -75,7 +76,8 @@ def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_i
                 held[i] = (records[i]["sample_id"], records[i]["input_ids"][:-1], issues)
             else:
                 placed[i] = (issues, position)
-        for i, (issues, position, _, note) in repair_states(ctx, stream, held, layers, level, stored).items():
+        for i, (issues, position, _, note) in repair_states(ctx, stream, held, layers, level, stored,
+                                                            zero_ids).items():
             placed[i] = (issues, position)
             repaired[records[i]["sample_id"]] = note
         for i, (issues, position) in sorted(placed.items()):

