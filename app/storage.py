@@ -87,6 +87,25 @@ class Storage:
     def read_json(self, rel: str):
         return orjson.loads(self.read_bytes(rel))
 
+    def read_many(self, rels: list[str]) -> dict[str, bytes]:
+        """{rel: bytes} of the files among `rels` that exist, in one batched call (fsspec's `cat` of a list, which
+        object stores fetch concurrently); a file missing or gone is left out."""
+        if not rels:
+            return {}
+        fulls = [self.path(rel) for rel in rels]
+        by_full = dict(zip(fulls, rels, strict=True))
+        data = self.fs.cat(fulls, on_error="omit")
+        out = {}
+        for full, raw in data.items():
+            # the backend names each result by its own form of the path (with or without the protocol)
+            rel = by_full.get(full) or by_full.get(fsspec.core.strip_protocol(full))
+            if rel is None:
+                raise RuntimeError(f"storage {self.url}: {full!r} read back under a name that was not asked for")
+            if isinstance(raw, bytes):
+                count("read", rel, len(raw))
+                out[rel] = raw
+        return out
+
     def open(self, rel: str, mode: str = "rb"):
         count("open", rel)
         return self.fs.open(self.path(rel), mode)
@@ -304,6 +323,33 @@ class RunStore:
     def _markers(self, folder: str) -> set[str]:
         """Names of the `*.json` markers in one folder of the run, from one listing (no per-shard round trips)."""
         return {n[: -len(".json")] for n in self.storage.listdir(self.rel(folder)) if n.endswith(".json")}
+
+    def read_documents(self, rels: list[str]) -> dict[str, dict]:
+        """{rel: parsed JSON} of the run's small documents among `rels`, in one batched read; a file missing, or
+        caught half-written on a store without atomic rename, is left out (the next read sees it)."""
+        out = {}
+        for rel, raw in self.storage.read_many(rels).items():
+            with contextlib.suppress(orjson.JSONDecodeError):
+                out[rel] = orjson.loads(raw)
+        return out
+
+    def marker_paths(self, folder: str) -> dict[str, str]:
+        """{name: path} of the `*.json` markers in one of the run's flat folders (`done`, `captured`, `dead`),
+        from one listing."""
+        return {name: self.rel(folder, f"{name}.json") for name in self._markers(folder)}
+
+    def attempt_keys(self) -> list[str]:
+        """The stage keys with an attempts folder, from one listing of `attempts/` (not of every folder in it)."""
+        keys = []
+        for name in self.storage.listdir(self.rel("attempts")):
+            with contextlib.suppress(InvalidId):
+                keys.append(validate_id(name, "shard id"))
+        return keys
+
+    def attempt_paths(self, key: str) -> list[str]:
+        """Paths of one key's attempt records (temporaries `.name.tmp-*` left out), from one listing."""
+        folder = self.attempts_dir(key)
+        return [f"{folder}/{n}" for n in self.storage.listdir(folder) if n.endswith(".json") and not n.startswith(".")]
 
     def done_shards(self) -> set[str]:
         """All shards with a completion marker."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 
 from click.testing import CliRunner
@@ -175,3 +176,39 @@ def test_a_dead_host_holds_no_shard_shows_dead_and_its_shards_are_named(tmp_path
     table = CliRunner().invoke(main, ["status", "r1", "--storage", str(tmp_path), "--broker", BROKER,
                                       "--inspect-timeout", "0"], terminal_width=200)
     assert "held by a dead worker: shard-000007 (cpu@hostA on host hostA" in table.output, table.output
+
+
+def test_a_warm_rescan_lists_only_the_open_keys_attempts_and_sees_what_changed(tmp_path, monkeypatch):
+    """A --watch or a scrape must not list every attempt folder of the run on each pass (O(run) listings a scrape,
+    ~1.4M at a thousand GPUs): after the first scan, settled keys' attempts come from the scanner's memory."""
+    from app.ops.status import RunScanner, summarise
+    from app.storage_counts import read_all
+    from tests.support.status_run import publish_synthetic
+
+    built = build_status_run(str(tmp_path))
+    store, counts = built["store"], tmp_path / "counts"
+    monkeypatch.setenv("REGEN_STORAGE_COUNTS", str(counts))
+    scanner = RunScanner(store)
+    first = scanner.scan()
+    cold = read_all(str(counts))
+    open_keys = {k for k in first.attempts if k not in first.done and k not in first.dead}
+    assert open_keys == {FAILED, RUNNING}
+    assert cold["list:attempts"] == 1 + len(first.attempts)  # attempts/ and every key's folder, once
+
+    second = scanner.scan()
+    warm = read_all(str(counts)) - cold
+    assert warm["list:attempts"] == 1 + len(open_keys)  # attempts/ and the two open keys' folders
+    assert warm["read:done"] == 0 and warm["read:dead"] == 0
+    assert second.attempts == first.attempts and second.done == first.done and second.dead == first.dead
+
+    # the running shard finishes: the next warm scan sees its marker and then keeps its attempts
+    publish_synthetic(store, RUNNING, "gpu1@hostA", 2, 0, 5, 20, 1.0, attempt="a9")
+    third = scanner.scan()
+    fresh = RunScanner(store).scan()
+    assert third.done.keys() == fresh.done.keys() and RUNNING in third.done
+    assert third.attempts == fresh.attempts and len(third.attempts[RUNNING]) == 2
+    before = read_all(str(counts))
+    scanner.scan()
+    assert (read_all(str(counts)) - before)["list:attempts"] == 1 + 1  # only the failed key is still open
+    now = dt.datetime.now(dt.UTC).timestamp()
+    assert summarise(scanner.scan(), now) == summarise(RunScanner(store).scan(), now)
