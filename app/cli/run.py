@@ -26,87 +26,19 @@ from app.cli.options import (
     vllm_arg_option,
 )
 from app.embedded_broker import broker_for_run
-from app.ledger import pause_state, split_key
-from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, BrokerSettings, mask_url
+from app.ledger import pause_state
+from app.ops.run_watch import LostShardWatch, dead_shard_ids, progress_counts
+from app.run_totals import RunTotals
+from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, mask_url
 from app.storage import RunStore, Storage
 
 
-def dead_shard_ids(store: RunStore) -> set[str]:
-    """Shards with a dead letter in any stage: a staged shard dead in both stages is one dead shard."""
-    return {split_key(key)[0] for key in store.dead_shards()}
-
-
-def _progress_counts(store: RunStore, staged: bool) -> tuple[int, int]:
-    done = store.done_shards()
-    if staged:
-        done = done & store.captured_shards()
-    return len(done), len(dead_shard_ids(store) - done)
-
-
-LOST_CHECK_S = 15.0  # how often `regen run` asks whether the broker lost a shard's message
-
-
-class LostShardWatch:
-    """Re-sends the run's shards whose messages the broker lost (app/ops/fleet.lost_from_broker): a worker killed
-    between kombu's pop of a message and its unacked record leaves a shard nothing will deliver, and the run
-    would wait forever. It re-sends only what two checks LOST_CHECK_S apart both found lost (a message is
-    between the pop and the record for microseconds), through `regen reconcile`'s own path.
-
-    Each check also moves back the messages of shards whose every attempt died holding them (a local worker
-    SIGKILLed: its unacked messages would wait for the visibility timeout; app/dead_holders.py), listed in
-    `resent_dead`."""
-
-    def __init__(self, store: RunStore, broker_url: str, resend):
-        from app.dead_holders import DeadHolderCheck
-        from app.ops.status import RunScanner
-
-        self.store, self.broker_url, self.resend = store, broker_url, resend
-        self.scanner = RunScanner(store)
-        self.seen: int | None = None
-        self.next_check = time.monotonic() + LOST_CHECK_S
-        self.dead_holders = DeadHolderCheck(broker_url, BrokerSettings.from_env(broker_url).visibility_timeout)
-        self.resent_dead: list[dict] = []
-
-    def lost(self) -> int | None:
-        from app.clock import shared_now
-        from app.ops import fleet
-        from app.ops.status import summarise
-
-        stale_after = BrokerSettings.from_env(self.broker_url).visibility_timeout
-        status = summarise(self.scanner.scan(), shared_now(self.broker_url), stale_after)
-        queues = [q for q in (status.get("queue"), status.get("capture", {}).get("queue")) if q]
-        lengths, unacked, error = fleet.queue_lengths(self.broker_url, queues)
-        return None if error else fleet.lost_from_broker(status, lengths, unacked)
-
-    def poll(self) -> int:
-        """Check when due; returns how many shards it re-sent (0 most of the time)."""
-        self.resent_dead = []
-        if time.monotonic() < self.next_check:
-            return 0
-        self.next_check = time.monotonic() + LOST_CHECK_S
-        self.resent_dead = [r for r in self.dead_holders.run() if r["run"] == self.store.run_id]
-        lost = self.lost()
-        confirmed = bool(lost and self.seen)
-        self.seen = None if confirmed else lost
-        if not confirmed:
-            return 0
-        self.resend()
-        return lost
-
-
 def print_run_totals(store: RunStore, console: Console, seconds: float) -> dict:
+    """`regen run`'s closing table: the run's totals (app.run_totals.RunTotals) and its dead shards."""
+    t = RunTotals.of(filter(None, (store.done_marker(shard) for shard in sorted(store.done_shards()))))
     # samples: the producer's (conversations); records: training samples (a multi-turn run has one per turn)
-    totals = {"shards": 0, "samples": 0, "records": 0, "ok": 0, "rejected": 0, "generated_tokens": 0, "stubs": 0}
-    flags: dict[str, int] = {}
-    for shard in sorted(store.done_shards()):
-        m = store.done_marker(shard)
-        totals["shards"] += 1
-        for k in ("samples", "ok", "generated_tokens", "stubs"):
-            totals[k] += m.get(k, 0)
-        totals["records"] += m.get("records", m.get("samples", 0))
-        totals["rejected"] += sum(m.get("rejected", {}).values())
-        for f, n in m.get("flags", {}).items():
-            flags[f] = flags.get(f, 0) + n
+    totals = {"shards": t.shards, "samples": t.samples, "records": t.records, "ok": t.ok, "rejected": t.rejected,
+              "generated_tokens": t.generated_tokens, "stubs": t.stubs}
     table = Table(title=f"run {store.run_id}")
     table.add_column("what")
     table.add_column("value", justify="right")
@@ -114,10 +46,10 @@ def print_run_totals(store: RunStore, console: Console, seconds: float) -> dict:
         table.add_row(k.replace("_", " "), f"{v:,}")
     table.add_row("dead-lettered shards", str(len(dead_shard_ids(store))))
     table.add_row("generated tokens/s (wall, with start-up)", f"{totals['generated_tokens'] / max(seconds, 1e-9):,.0f}")
-    for f, n in sorted(flags.items()):
+    for f, n in sorted(t.flags.items()):
         table.add_row(f"flag {f}", f"{n} ({n / max(totals['ok'], 1):.0%})")
     console.print(table)
-    return {**totals, "flags": flags}
+    return {**totals, "flags": dict(t.flags)}
 
 
 @click.command("run")
@@ -238,7 +170,7 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
                           TimeElapsedColumn(), console=console) as bar:
                 task = bar.add_task(f"run {result.run_id}", total=shards)
                 while True:
-                    done, dead = _progress_counts(store, staged)
+                    done, dead = progress_counts(store, staged)
                     bar.update(task, completed=done + dead)
                     if done + dead >= shards:
                         break

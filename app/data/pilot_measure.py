@@ -28,6 +28,7 @@ from app.data.engine_modes import ModeCounts, check_failure, shard_mode
 from app.hidden_file import encode_sample
 from app.modes import record_mode, run_modes
 from app.quality import is_stub
+from app.run_totals import RunTotals
 from app.storage import Storage
 
 CODEC_DTYPES = ("bf16", "fp8-e4m3")  # the lossless default and the lossy opt-in
@@ -61,7 +62,7 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
         layers = len(reader.layers or [])
         hidden_size = int(reader.settings["model"]["hidden_size"])
         starts, ends, generate_s, capture_s = [], [], 0.0, 0.0
-        totals = {"samples": 0, "records": 0, "ok": 0, "rejected": 0, "prompt_tokens": 0, "generated_tokens": 0}
+        totals = RunTotals()
         lengths, at_cap, stubs, context_tokens, stored_bytes = [], 0, 0, 0, 0
         codec = {"samples": 0, "tokens": 0, "bytes": dict.fromkeys(CODEC_DTYPES, 0)}
         modes = {mode: {"samples": 0, "generated_tokens": 0, "context_tokens": 0, "lengths": [], "at_cap": 0,
@@ -81,9 +82,7 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
             starts.append(start)
             ends.append(end)
             generate_s += end - start
-            for key in ("samples", "records", "ok", "prompt_tokens", "generated_tokens"):
-                totals[key] += int(m.get(key, 0))
-            totals["rejected"] += sum((m.get("rejected") or {}).values())
+            totals.add(m)
             if info.captured is not None:
                 attempt = _attempt(reader, ledger.stage_key(info.shard_id, ledger.CAPTURE), info.captured["attempt"])
                 captured_end = _epoch(info.captured["finished"])
@@ -123,7 +122,8 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
     window = max(ends) - min(starts)
     ok = len(lengths)
     return {
-        **totals,
+        "samples": totals.samples, "records": totals.records, "ok": totals.ok, "rejected": totals.rejected,
+        "prompt_tokens": totals.prompt_tokens, "generated_tokens": totals.generated_tokens,
         "devices": devices,
         "dead_shards": dead,  # shards that failed for good: their samples are not in the figures
         "window_s": round(window, 4),

@@ -89,7 +89,7 @@ def overlay(status: dict, broker_url: str, lengths: dict[str, int], unacked: int
     its `last_seen` is now. `live` None
     means the workers were not asked; then `online` is None (unknown) for every worker.
     """
-    from app.ops.status import iso
+    from app.ops.status import blank_worker, iso
     from app.settings import mask_url
 
     status["broker"] = {"url": mask_url(broker_url), "queued": lengths, "unacked": unacked,
@@ -103,11 +103,7 @@ def overlay(status: dict, broker_url: str, lengths: dict[str, int], unacked: int
     for name, info in (live or {}).items():
         w = by_name.get(name)
         if w is None:
-            w = by_name[name] = {"name": name, "device": None, "shards_done": 0, "generated_tokens": 0,
-                                 "generation_seconds": 0.0, "tokens_per_s": None, "busy_fraction": None,
-                                 "first_attempt": None, "last_seen": None, "current_shard": None,
-                                 "current_since": None, "state": "idle", "last_heartbeat": None,
-                                 "heartbeat_age_s": None, "source": "broker"}
+            w = by_name[name] = blank_worker(name, "broker")
         mine = [t for t in info["tasks"] if t["run"] == status["run"]]
         # it answered, so it lives (a worker restarted under the name of one that died holding a shard, too)
         w.update(current_shard=mine[0]["shard"] if mine else None,

@@ -31,15 +31,9 @@ from app.errors import InvalidId
 from app.ids import validate_id
 from app.ledger import CAPTURE, GENERATE, pause_state, split_key, stage_key, stage_of
 from app.liveness import attempt_state
+from app.run_totals import RunTotals, parse_time
 from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_VISIBILITY_TIMEOUT, mask_text
 from app.storage import RunStore, Storage
-
-
-def parse_time(value: str | None) -> float | None:
-    """ISO-8601 (as the workers write it) -> POSIX seconds; None stays None."""
-    if not value:
-        return None
-    return dt.datetime.fromisoformat(value).timestamp()
 
 
 def iso(ts: float | None) -> str | None:
@@ -169,6 +163,15 @@ def _settled(scan: RunScan, key: str) -> bool:
     return key in scan.dead or (shard in scan.captured if stage == CAPTURE else shard in scan.done)
 
 
+def blank_worker(name: str, source: str) -> dict:
+    """One worker's row of a status before anything is known of it; `source` says who reported it (`storage`: its
+    markers and attempts; `broker`: it answered the broker's inspect without leaving anything on storage yet)."""
+    return {"name": name, "device": None, "shards_done": 0, "generated_tokens": 0, "generation_seconds": 0.0,
+            "tokens_per_s": None, "busy_fraction": None, "first_attempt": None, "last_seen": None,
+            "current_shard": None, "current_since": None, "state": "idle", "last_heartbeat": None,
+            "heartbeat_age_s": None, "source": source}
+
+
 def _workers(scan: RunScan, now: float, stale_after: float) -> dict[str, dict]:
     """Per worker, from markers and attempt files (the broker's view is laid over this by app/ops/fleet.py).
 
@@ -181,10 +184,7 @@ def _workers(scan: RunScan, now: float, stale_after: float) -> dict[str, dict]:
     workers: dict[str, dict] = {}
 
     def entry(name: str) -> dict:
-        return workers.setdefault(name, {"name": name, "device": None, "shards_done": 0, "generated_tokens": 0,
-                                         "generation_seconds": 0.0, "first_attempt": None, "last_seen": None,
-                                         "current_shard": None, "current_since": None, "state": "idle",
-                                         "last_heartbeat": None, "heartbeat_age_s": None, "source": "storage"})
+        return workers.setdefault(name, blank_worker(name, "storage"))
 
     for marker in scan.done.values():
         w = entry(marker.get("worker") or "unknown")
@@ -251,22 +251,8 @@ def summarise(scan: RunScan, now: float, stale_after: float = DEFAULT_VISIBILITY
     states = shard_states(scan, now, stale_after)
     by_state = _count(states)
     total = int(counts.get("shards") or 0) or None
-    markers = list(scan.done.values())
-    generated = sum(int(m.get("generated_tokens", 0)) for m in markers)
-    gen_seconds = round(sum(float(m.get("generation_seconds", 0.0)) for m in markers), 4)
-    ok = sum(int(m.get("ok", 0)) for m in markers)
-    stubs = sum(int(m.get("stubs", 0)) for m in markers)
-    flags: dict[str, int] = {}
-    rejected: dict[str, int] = {}
-    for m in markers:
-        for name, n in (m.get("flags") or {}).items():
-            flags[name] = flags.get(name, 0) + int(n)
-        for name, n in (m.get("rejected") or {}).items():
-            rejected[name] = rejected.get(name, 0) + int(n)
-    # Wall window: from the earliest generation start (finished - generation_seconds) to the last finish.
-    finished = [parse_time(m["finished"]) for m in markers if m.get("finished")]
-    starts = [parse_time(m["finished"]) - float(m.get("generation_seconds", 0.0)) for m in markers if m.get("finished")]
-    wall = (max(finished) - min(starts)) if finished else None
+    t = RunTotals.of(scan.done.values())
+    wall = t.wall_seconds
     workers = _workers(scan, now, stale_after)
     remaining = None if total is None else max(0, total - by_state["done"] - by_state["dead"])
     shard_rate = by_state["done"] / wall if wall else None
@@ -280,18 +266,17 @@ def summarise(scan: RunScan, now: float, stale_after: float = DEFAULT_VISIBILITY
                    "waiting": None if remaining is None else max(0, remaining - by_state["running"]
                                                                  - by_state["failed"] - by_state["stale"])},
         # samples: the prompts' K samples each (`--samples-per-prompt`); runs before it have one per prompt
-        "samples": {"total": counts.get("samples", counts.get("enqueued")), "done": sum(int(m.get("samples", 0)) for m in markers),
-                    "ok": ok, "stubs": stubs, "rejected": sum(rejected.values()), "rejected_by_reason": rejected,
-                    "flags": flags},
-        "tokens": {"prompt": sum(int(m.get("prompt_tokens", 0)) for m in markers), "generated": generated,
-                   "generation_seconds": gen_seconds},
+        "samples": {"total": counts.get("samples", counts.get("enqueued")), "done": t.samples, "ok": t.ok,
+                    "stubs": t.stubs, "rejected": t.rejected, "rejected_by_reason": dict(t.rejected_by_reason),
+                    "flags": dict(t.flags)},
+        "tokens": {"prompt": t.prompt_tokens, "generated": t.generated_tokens,
+                   "generation_seconds": round(t.generation_seconds, 4)},
         # Engine rate: each worker's tokens / its generation seconds, summed (the fleet's rate while all run).
         "rates": {"engine_tokens_per_s": round(sum(w["tokens_per_s"] or 0.0 for w in workers.values()), 3) or None,
-                  "wall_tokens_per_s": _rate(generated, wall), "wall_seconds": round(wall, 3) if wall else None,
-                  "first_finished": iso(min(finished)) if finished else None,
-                  "last_finished": iso(max(finished)) if finished else None},
+                  "wall_tokens_per_s": _rate(t.generated_tokens, wall), "wall_seconds": round(wall, 3) if wall else None,
+                  "first_finished": iso(t.first_finished), "last_finished": iso(t.last_finished)},
         "eta_seconds": round(remaining / shard_rate, 1) if remaining is not None and shard_rate else None,
-        "stub_rate": round(stubs / ok, 6) if ok else None,
+        "stub_rate": t.stub_rate,
         "paused": scan.pause,
         # shards whose every attempt died with its process (a killed worker, a dead host): re-sent by the fleet
         "held_by_dead": held_by_dead(scan, {**states, **(shard_states(scan, now, stale_after, capture=True)

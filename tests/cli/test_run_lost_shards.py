@@ -5,7 +5,7 @@ back at once the messages a killed local worker held (app/dead_holders.py)."""
 from __future__ import annotations
 
 from app import ledger
-from app.cli.run import LostShardWatch
+from app.ops.run_watch import LostShardWatch
 from app.storage import RunStore, Storage
 from tests.support.redis_db import OPS_BROKER
 from tests.support.status_run import STATUS_QUEUE, build_status_run
