@@ -346,6 +346,34 @@ class RunStore:
                 keys.append(validate_id(name, "shard id"))
         return keys
 
+    def attempt_tree(self) -> dict[str, list[str]]:
+        """{key: paths of its attempt records} for every key, from one recursive listing of `attempts/` (a walk
+        of the folders locally, paginated listings of the prefix on an object store): what a first scan needs."""
+        storage = self.storage
+        root = self.rel("attempts")
+        count("list", root)
+        try:
+            found = storage.fs.find(storage.path(root))
+        except FileNotFoundError:
+            return {}
+        strip = fsspec.core.strip_protocol
+        base = strip(storage.path(root)).rstrip("/") + "/"
+        tree: dict[str, list[str]] = {}
+        for full in sorted(found):
+            rest = strip(full)
+            if not rest.startswith(base):
+                continue
+            rest = rest[len(base):]
+            key, _, name = rest.partition("/")
+            if "/" in name or not name.endswith(".json") or name.startswith("."):
+                continue
+            try:
+                validate_id(key, "shard id")
+            except InvalidId:
+                continue
+            tree.setdefault(key, []).append(f"{root}/{key}/{name}")
+        return tree
+
     def attempt_paths(self, key: str) -> list[str]:
         """Paths of one key's attempt records (temporaries `.name.tmp-*` left out), from one listing."""
         folder = self.attempts_dir(key)

@@ -4,7 +4,8 @@ Why: status and metrics re-scan the run on every pass. If a pass lists every att
 every 15 s at a thousand GPUs' run (1.4M shards) is ~1.4M directory listings a scrape; the fleet harness
 (bench/bench_fleet_scale.py) saw the scrape's latency grow with the run. This lays down runs of the job's shard
 counts with the workers' own writers (an attempt record and a published shard with its completion marker per
-shard; a few shards open: attempts without a marker, as a fleet in flight holds them) and times, for each size:
+shard; a few shards open: attempts without a marker, as a fleet in flight holds them) and times, for each size
+(operation counting off; the operations are counted in a second pass):
 
 - `cold`: the first scan of a fresh scanner (a `regen status` process reads every marker and attempt once);
 - `warm`: the next scan of the same scanner (what each `--watch` pass and each scrape costs);
@@ -34,6 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from app.ids import shard_id  # noqa: E402
 from app.ledger import record_attempt  # noqa: E402
+from app.settings import scope as settings_scope  # noqa: E402
 from app.storage import RunStore, Storage  # noqa: E402
 from app.storage_counts import read_all  # noqa: E402
 from workers.shard.shard_output import publish_shard  # noqa: E402
@@ -74,22 +76,35 @@ def timed(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
+def _ops(c) -> int:
+    return sum(v for k, v in c.items() if ":" not in k and not k.startswith("bytes"))
+
+
 def measure(store: RunStore, counts: Path, repeat: int) -> dict:
+    """Times with operation counting off (it costs a line per operation), then the operations of one cold and
+    one warm scan with it on; each pass in a settings scope of its own, as a `regen` command runs."""
     from app.ops.status import RunScanner
 
     storage = store.storage
-    before = read_all(str(counts))
-    t0 = time.perf_counter()
-    scanner = RunScanner(store)
-    scanner.scan()
-    cold = time.perf_counter() - t0
-    mid = read_all(str(counts))
-    warm = timed(scanner.scan, repeat)
-    after = read_all(str(counts))
-    walk = timed(lambda: storage.fs.find(storage.path(store.rel("attempts"))), repeat)
-    return {"cold_s": cold, "warm_s": warm, "walk_s": walk,
-            "cold_ops": sum(v for k, v in (mid - before).items() if ":" not in k and not k.startswith("bytes")),
-            "warm_lists": (after - mid)["list"] / repeat, "warm_reads": (after - mid)["read"] / repeat}
+    os.environ.pop("REGEN_STORAGE_COUNTS", None)
+    with settings_scope():
+        t0 = time.perf_counter()
+        scanner = RunScanner(store)
+        scanner.scan()
+        cold = time.perf_counter() - t0
+        warm = timed(scanner.scan, repeat)
+        walk = timed(lambda: storage.fs.find(storage.path(store.rel("attempts"))), repeat)
+    os.environ["REGEN_STORAGE_COUNTS"] = str(counts)
+    with settings_scope():
+        before = read_all(str(counts))
+        scanner = RunScanner(store)
+        scanner.scan()
+        mid = read_all(str(counts))
+        scanner.scan()
+        after = read_all(str(counts))
+    os.environ.pop("REGEN_STORAGE_COUNTS", None)
+    return {"cold_s": cold, "warm_s": warm, "walk_s": walk, "cold_ops": _ops(mid - before),
+            "warm_lists": (after - mid)["list"], "warm_reads": (after - mid)["read"]}
 
 
 def growth(xs: list[int], ys: list[float]) -> float | None:
@@ -112,7 +127,6 @@ def main() -> None:
     sizes = [int(x) for x in args.shards.split(",")]
     base = Path(args.keep or tempfile.mkdtemp(prefix="status-scan-"))
     counts = base / "counts"
-    os.environ["REGEN_STORAGE_COUNTS"] = str(counts)
     rows = []
     for n in sizes:
         t0 = time.perf_counter()

@@ -73,8 +73,9 @@ class RunScanner:
     Done markers and dead letters never change once written, and the attempts of a key that has its marker or its
     letter no longer matter to its state: those are read once and kept. Each scan then costs one listing of each
     of the run's folders (`done/`, `captured/`, `dead/`, `attempts/`) plus a listing and a read of the attempts of
-    the keys still open, so a `--watch` or a Prometheus scrape is O(shards in flight), not a listing of every
-    attempt folder of the run (which at a thousand GPUs' run is ~1.4M listings a scrape)."""
+    the keys still open, so a `--watch` or a Prometheus scrape lists O(shards in flight) folders, not every
+    attempt folder of the run (which at a thousand GPUs' run is ~1.4M listings a scrape). The first scan walks
+    `attempts/` once instead (one recursive listing: paginated on an object store)."""
 
     def __init__(self, store: RunStore):
         self.store = store
@@ -102,12 +103,15 @@ class RunScanner:
         scan.dead = self._markers("dead")
         scan.captured = store.captured_shards()
         open_paths: dict[str, list[str]] = {}
-        for key in store.attempt_keys():
-            if _settled(scan, key) and key in self._settled_attempts:
-                if self._settled_attempts[key]:
-                    scan.attempts[key] = self._settled_attempts[key]
-            else:
-                open_paths[key] = store.attempt_paths(key)
+        if not self._settled_attempts:  # a first scan: one walk of attempts/ beats a listing per folder
+            open_paths = store.attempt_tree()
+        else:
+            for key in store.attempt_keys():
+                if _settled(scan, key) and key in self._settled_attempts:
+                    if self._settled_attempts[key]:
+                        scan.attempts[key] = self._settled_attempts[key]
+                else:
+                    open_paths[key] = store.attempt_paths(key)
         bodies = store.read_documents([p for paths in open_paths.values() for p in paths])
         for key, paths in open_paths.items():
             found = [bodies[p] for p in sorted(paths) if p in bodies]
