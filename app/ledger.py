@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from app.clock import shared_now
+from app.documents import DeadLetter, Pause
 from app.liveness import attempt_state, identity, lease_seconds, process_key
 
 if TYPE_CHECKING:
@@ -185,14 +186,14 @@ def attempt_errors(store: RunStore, key: str) -> list[dict]:
 # -- dead letters -------------------------------------------------------------------------------------------
 def dead_letter(store: RunStore, key: str, reason: str) -> None:
     """Dead-letter `key`: the reason and every attempt's record, so the letter alone says why."""
-    attempts = attempt_errors(store, key)
-    store.storage.write_json(store.dead_path(key), {"shard_id": key, "reason": reason, "attempts": attempts,
-                                                   "dead_lettered": timestamp()})
+    letter = DeadLetter(key, reason, attempt_errors(store, key), timestamp())
+    store.storage.write_json(store.dead_path(key), letter.to_dict())
 
 
-def read_dead_letter(store: RunStore, key: str) -> dict | None:
+def read_dead_letter(store: RunStore, key: str) -> DeadLetter | None:
+    path = store.dead_path(key)
     try:
-        return store.storage.read_json(store.dead_path(key))
+        return DeadLetter.parse(store.storage.read_bytes(path), path)
     except FileNotFoundError:
         return None
 
@@ -245,20 +246,20 @@ def missing_captures(store: RunStore) -> list[str]:
 
 
 # -- the pause ----------------------------------------------------------------------------------------------
-def pause_state(store: RunStore) -> dict | None:
+def pause_state(store: RunStore) -> Pause | None:
     """Why the run is paused (`reason` and the figures behind it); None when it runs."""
     try:
-        return store.storage.read_json(store.pause_path)
+        return Pause.parse(store.storage.read_bytes(store.pause_path), store.pause_path)
     except FileNotFoundError:
         return None
 
 
 def pause_run(store: RunStore, reason: str, **details) -> None:
     """Pause the run: workers drop its shards (acked, not requeued) until `clear_pause`."""
-    store.storage.write_json(store.pause_path, {"reason": reason, **details})
+    store.storage.write_json(store.pause_path, Pause(reason, details).to_dict())
 
 
-def clear_pause(store: RunStore) -> dict | None:
+def clear_pause(store: RunStore) -> Pause | None:
     """Lift the pause; return what it said (None when the run was not paused)."""
     pause = pause_state(store)
     if pause:

@@ -430,8 +430,8 @@ def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu,
         rc, peak = _run_candidate(candidate, [*base, "--run", candidate.name], scratch, devices, log_path)
         entry = {"candidate": candidate.to_json(), "seconds_with_start_up": round(time.monotonic() - started, 3)}
         paused = pause_state(RunStore(Storage(run_storage), candidate.name))
-        if paused and paused.get("check") == "capture":  # the capture check paused the candidate's run
-            entry["capture_failed"] = paused.get("reason")
+        if paused and paused.details.get("check") == "capture":  # the capture check paused the candidate's run
+            entry["capture_failed"] = paused.reason
         if rc != 0:
             entry["error"] = f"regen run exited {rc}: {_tail(log_path)}"
             console.print(f"candidate {candidate.name} failed: {entry['error']}", soft_wrap=True, markup=False)

@@ -197,7 +197,7 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
         elapsed = time.monotonic() - started
         print_run_totals(store, Console(), elapsed)
         if paused:
-            raise click.ClickException(f"run {result.run_id} paused: {paused.get('reason')} "
+            raise click.ClickException(f"run {result.run_id} paused: {paused.reason} "
                                        f"(inspect it, then `regen resume-run {result.run_id}`)")
 
 

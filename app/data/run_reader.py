@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from app import ledger
+from app.documents import DeadLetter
 from app.hidden_file import HiddenFileReader
 from app.ids import shard_id
 from app.jsonl_zst import iter_jsonl_zst
@@ -84,7 +85,7 @@ class RunReader:
                 self._dead_capture = ledger.dead(self.store, ledger.CAPTURE)
         return self._dead_capture
 
-    def dead_letter(self, shard: str) -> dict | None:
+    def dead_letter(self, shard: str) -> DeadLetter | None:
         """Why generation gave up on the shard (reason, every attempt); None when it was not dead-lettered."""
         return ledger.read_dead_letter(self.store, shard)
 

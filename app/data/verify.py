@@ -488,4 +488,4 @@ def _dead_reason(reader: RunReader, name: str) -> str:
         letter = reader.dead_letter(name)
     except orjson.JSONDecodeError:
         return "?"
-    return "?" if letter is None else str(letter.get("reason", "?"))[:200]
+    return "?" if letter is None else letter.reason[:200]

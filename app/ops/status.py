@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from app.dead_holders import died_holding
+from app.documents import DeadLetter, Pause
 from app.errors import InvalidId
 from app.ids import validate_id
 from app.ledger import CAPTURE, GENERATE, pause_state, split_key, stage_key, stage_of
@@ -60,10 +61,10 @@ class RunScan:
     run_id: str
     manifest: dict | None
     produce: dict | None
-    pause: dict | None
+    pause: Pause | None
     done: dict[str, dict] = field(default_factory=dict)  # shard -> completion marker
     captured: set[str] = field(default_factory=set)
-    dead: dict[str, dict] = field(default_factory=dict)  # key -> dead letter
+    dead: dict[str, DeadLetter] = field(default_factory=dict)  # key -> dead letter
     attempts: dict[str, list[dict]] = field(default_factory=dict)  # key -> attempt files
 
 
@@ -100,7 +101,7 @@ class RunScanner:
         scan = RunScan(store.run_id, self._read_json(store.manifest_path), self._read_json(store.produce_path),
                        pause_state(store))
         scan.done = self._markers("done")
-        scan.dead = self._markers("dead")
+        scan.dead = {key: DeadLetter.from_dict(body, store.dead_path(key)) for key, body in self._markers("dead").items()}
         scan.captured = store.captured_shards()
         open_paths: dict[str, list[str]] = {}
         if not self._settled_attempts:  # a first scan: one walk of attempts/ beats a listing per folder
@@ -281,13 +282,13 @@ def summarise(scan: RunScan, now: float, stale_after: float = DEFAULT_VISIBILITY
                   "first_finished": iso(t.first_finished), "last_finished": iso(t.last_finished)},
         "eta_seconds": round(remaining / shard_rate, 1) if remaining is not None and shard_rate else None,
         "stub_rate": t.stub_rate,
-        "paused": scan.pause,
+        "paused": scan.pause.to_dict() if scan.pause else None,
         # shards whose every attempt died with its process (a killed worker, a dead host): re-sent by the fleet
         "held_by_dead": held_by_dead(scan, {**states, **(shard_states(scan, now, stale_after, capture=True)
                                                        if settings.get("capture_mode") == "staged" else {})},
                                      now, stale_after),
         "failed": [_failure(k, scan.attempts[k]) for k, s in sorted(states.items()) if s == "failed"],
-        "dead": [{"shard": k, "reason": mask_text(str(v.get("reason")))} for k, v in sorted(scan.dead.items())
+        "dead": [{"shard": k, "reason": mask_text(v.reason)} for k, v in sorted(scan.dead.items())
                  if stage_of(k) == GENERATE],
         # How to bring them back after a fix (the letters and their attempts are archived, the shards re-sent).
         "retry_dead": f"regen retry-dead {scan.run_id}" if scan.dead else None,

@@ -116,7 +116,7 @@ def skip_dead(d: Delivery) -> str | None:
 def drop_when_paused(d: Delivery) -> None:
     pause = ledger.pause_state(d.store)
     if pause:
-        log.warning("%s paused (%s): dropping %s; resume-run re-sends it", d.run_id, pause.get("reason"), d.shard)
+        log.warning("%s paused (%s): dropping %s; resume-run re-sends it", d.run_id, pause.reason, d.shard)
         raise Reject("run paused", requeue=False)
 
 
