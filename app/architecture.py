@@ -3,7 +3,7 @@
 Qwen3.5/3.6 (and Qwen3-Next) are *hybrids*: most decoder layers are Gated DeltaNet linear attention and every
 fourth is full attention, named per layer in the language model's `layer_types`. Their released checkpoints are
 multimodal wrappers (`Qwen3_5ForConditionalGeneration`) whose language model's settings sit under `text_config`.
-Engine settings (workers/engine/settings.py), the quality gate and `regen verify` need to know both facts; this
+Engine settings (workers.engine.settings), the quality gate and `regen verify` need to know both facts; this
 module is the one place that reads them.
 """
 
@@ -29,7 +29,7 @@ class Architecture:
             self.layer_types is None and self.model_type in HYBRID_MODEL_TYPES)
 
     def layer_kind(self, vllm_id: int) -> str:
-        """The kind of decoder layer whose output vLLM id L is (layer L-1, app/layers.py)."""
+        """The kind of decoder layer whose output vLLM id L is (layer L-1, app.layers)."""
         if not self.layer_types or not 1 <= vllm_id <= len(self.layer_types):
             return FULL_ATTENTION
         return self.layer_types[vllm_id - 1]

@@ -2,7 +2,7 @@
 bytes (the last exponent bit and the mantissa).
 
 Why apart: the high bytes compress well and the low bytes are mostly mantissa noise, so the hidden file
-(app/hidden_file.py) compresses the planes separately, and the lossy `bf16-m*` codecs (app/states_codec.py) store
+(app.hidden_file) compresses the planes separately, and the lossy `bf16-m*` codecs (app.states_codec) store
 rounded values in the same two planes. One module both use, so neither imports the other for it.
 """
 

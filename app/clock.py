@@ -1,6 +1,6 @@
 """One clock for leases: the broker's Redis `TIME`, which every host of a fleet already reaches.
 
-Why a shared clock: a lease is a heartbeat written by one host and judged by another (app/liveness.py). Judged
+Why a shared clock: a lease is a heartbeat written by one host and judged by another (app.liveness). Judged
 on the reader's wall clock, a host whose clock runs minutes ahead counts every other host's live attempts as
 dead (crashes counted against healthy shards, live temporaries swept), and one running behind never lets a
 dead host's attempts die. So heartbeats are written, and their age measured, on one clock.

@@ -4,10 +4,10 @@ Why: a worker fetches a shard's message, and kombu's Redis transport keeps it in
 worker acks it. When the worker's host dies (power cut, kernel panic, SIGKILL of its namespace) nothing acks or
 returns the message: Redis restores it only once the visibility timeout (4 h by default) has passed, and at the
 end of a run that is hours of idle fleet. Storage already knows sooner: every attempt on the shard is dead (its
-process gone on this host, or its lease run out on the fleet's shared clock, app/liveness.py and app/clock.py).
+process gone on this host, or its lease run out on the fleet's shared clock, app.liveness and app.clock).
 
 What `resend_dead_holders` does, on any process that reaches the broker (an idle worker's periodic check,
-workers/process/dead_holder_watch.py; `regen run`'s watch, app/cli/run.py):
+workers.process.dead_holder_watch; `regen run`'s watch, app.cli.run):
 1. reads the unacked messages' task names and arguments (kombu's own decoders) and keeps the shard tasks;
 2. for each, judges the shard's stage key on storage: no completion marker, no dead letter, no attempt alive,
    and its newest attempt's process died holding it (when the newest recorded an error, Celery retries it with
@@ -27,7 +27,7 @@ alive, two attempts run and the exclusive completion marker keeps one output; an
 
 Why the broker's own message and not a re-send from the inputs (`regen reconcile`): the message is there, so
 nothing is re-read, workers need no producer code, and the shard's other copies are untouched. Shards whose
-message left Redis altogether are `app/ops/fleet.lost_from_broker`'s, re-sent by `regen reconcile`.
+message left Redis altogether are `app.ops.fleet.lost_from_broker`'s, re-sent by `regen reconcile`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ UNSTARTED_LEASES = 2.0  # how long a fetched message may show no attempt before 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 CLAIM_PREFIX = "regen.resent"
 CLAIM_TTL_S = 7 * 86400  # a claim outlives any shard; a run's shard dies with a new attempt id next time
-TURN_KEY = "regen.dead-holders.turn"  # whose the current period's check is (workers/process/dead_holder_watch.py)
+TURN_KEY = "regen.dead-holders.turn"  # whose the current period's check is (workers.process.dead_holder_watch)
 _STAGES = {GENERATE_TASK: GENERATE, CAPTURE_TASK: CAPTURE}
 
 
@@ -65,7 +65,7 @@ class Held:
     tag: str
     run_id: str
     storage: str
-    key: str  # the shard's stage key (app/ledger.stage_key)
+    key: str  # the shard's stage key (app.ledger.stage_key)
     eta: float | None = None  # a Celery retry's countdown end (POSIX seconds)
 
 

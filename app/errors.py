@@ -10,14 +10,14 @@ without a traceback. Every error regen raises on purpose is one of them:
     |   `-- InvalidTask                             the run is not on storage (yet): a few retries, then set aside
     `-- PermanentError                              repeats on every attempt
         |-- InvalidId                               an id that could escape the storage root
-        |-- CorruptHiddenFile (app/hidden_file.py)  a stored file whose structure or checksum does not hold
-        |-- NonFiniteStates (app/states_codec.py)   NaN/Inf states a lossy codec cannot store
-        `-- Rejected (producer/normalise.py)        an input row that cannot become a sample
+        |-- CorruptHiddenFile (app.hidden_file)  a stored file whose structure or checksum does not hold
+        |-- NonFiniteStates (app.states_codec)   NaN/Inf states a lossy codec cannot store
+        `-- Rejected (producer.normalise)        an input row that cannot become a sample
 
 CorruptHiddenFile and NonFiniteStates are also `ValueError`s, as their callers have always caught them.
 
-`classify(exc)` is the one place a failure's class decides what the worker does (workers/shard/delivery.py and
-workers/shard/retry_policy.py act on its answer, nothing else looks at the class). Two kinds of
+`classify(exc)` is the one place a failure's class decides what the worker does (workers.shard.delivery and
+workers.shard.retry_policy act on its answer, nothing else looks at the class). Two kinds of
 failure are not regen's on purpose, and are classed here too:
 - an `OSError` or `TimeoutError` (a storage hiccup, a full disk, a broker that went away) is transient, like a
   `RetryableError`: retried with backoff; a shard's attempt count on storage (`--max-attempts`) still
@@ -67,7 +67,7 @@ class EngineDead(RetryableError):
 
 class EngineLost(EngineDead):
     """The engine's process vanished (a signal, the OOM killer) without an error of its own: a crash of the
-    machine around a shard, counted as such (app/ledger.record_attempt), not as the shard's failure."""
+    machine around a shard, counted as such (app.ledger.record_attempt), not as the shard's failure."""
 
 
 class InvalidTask(RetryableError):

@@ -20,7 +20,7 @@ States are `[n_tokens, n_layers, hidden]` in bf16, row-major. The stored `token_
 belong to: a sample's `input_ids[:-1]` (the last generated token is never fed back through the model).
 Every part carries a CRC32 of its stored bytes, so a flipped byte is found without a reference.
 
-Lossy samples (a run's `--states-dtype`, app/states_codec.py): an entry with a `codec` (`fp8-e4m3`, `bf16-m3`,
+Lossy samples (a run's `--states-dtype`, app.states_codec): an entry with a `codec` (`fp8-e4m3`, `bf16-m3`,
 `bf16-m4`) holds `sizes`/`crc32` for [tok, a, b] (fp8: float32 scales [T, L], e4m3 bytes [T, L, H]; bf16-m*:
 high and low bytes), both zstd, and the error measured when it was encoded: `max_rel_error` and
 `rms_rel_error`, one per layer. A file holding any such entry says `"format": "regen.hidden/2"` in its index, so
@@ -85,7 +85,7 @@ class EncodedSample:
     # real model's sample (~140 MB of parts) took ~70 ms of crc32 there, serialising every encoder thread.
     crc32: tuple[int, int, int]
     codec: str = "bf16"
-    max_rel_error: list[float] | None = None  # lossy codecs: the measured error per layer (app/states_codec.py)
+    max_rel_error: list[float] | None = None  # lossy codecs: the measured error per layer (app.states_codec)
     rms_rel_error: list[float] | None = None
 
     @property
@@ -104,7 +104,7 @@ def encode_sample(
 ) -> EncodedSample:
     """Compress one sample's states `[n_tokens, n_layers, hidden]` (bf16 bit patterns as uint16).
 
-    `stored` is the run's states dtype: `bf16` (lossless) or a lossy codec of app/states_codec.py. A lossy
+    `stored` is the run's states dtype: `bf16` (lossless) or a lossy codec of app.states_codec. A lossy
     run still stores a sample losslessly when it holds NaN/Inf (the quality gate flagged it: whoever looks
     into it sees what the engine produced) or when its measured error is above the codec's bound, so no
     sample ever breaks the bound its run's manifest promises.
@@ -240,7 +240,7 @@ class HiddenFileReader:
     def read(self, i: int, slots=None) -> tuple[np.ndarray, np.ndarray]:
         """Sample i as (token_ids int32 [T], states uint16 bf16 bit patterns [T, L, H]); checksums verified.
 
-        bf16 whatever the sample is stored as: a lossy entry is decoded (app/states_codec.py). `slots` (positions
+        bf16 whatever the sample is stored as: a lossy entry is decoded (app.states_codec). `slots` (positions
         in the entry's `layers`) returns those layers only, in that order, [T, len(slots), H] C-ordered: an
         export that writes some layers gets them without joining the others or copying them again.
         """

@@ -17,7 +17,7 @@ order whatever order `eagle_aux_hidden_state_layer_ids` lists them in (a model a
 `aux_hidden_states` as its layer loop passes each listed id), so a run that kept the typed order `vllm:4,1,2`
 labelled layer 1's states "4" (measured: error 2.2 of the row against transformers). `parse_layers` sorts the
 ids, the engine is asked for them in that order, and every slot's label is the layer it holds; exports write
-each trainer's order from the labels (app/data/export_states.py). `ascending_problem` names a run made before
+each trainer's order from the labels (app.data.export_states). `ascending_problem` names a run made before
 this (its manifest lists the ids out of order): its labels are wrong, and workers refuse to add to it.
 """
 

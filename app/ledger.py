@@ -1,15 +1,15 @@
 """The shard ledger: what storage records about each shard's deliveries, so that at-least-once delivery is safe.
 
-Redis delivers a shard at least once, so storage, not the broker, is the record (`app/storage.py` owns the
+Redis delivers a shard at least once, so storage, not the broker, is the record (`app.storage` owns the
 paths, this module the rules written at them):
 - stage keys: a shard has one key per stage, `stage_key(shard, stage)`; generation uses the shard id itself and
   the staged capture stage its own key, so each stage has its own attempts, dead letter and marker;
 - attempts: every delivery that starts a key writes an attempt record (`record_attempt`); the records decide
   when a key has failed too often (`AttemptCount`), and a live worker renews its records' leases
-  (`renew_lease`, app/liveness.py) so other machines can tell a dead attempt from a slow one;
+  (`renew_lease`, app.liveness) so other machines can tell a dead attempt from a slow one;
 - dead letters: a key that failed too often gets one (`dead_letter`), holding every attempt's record; `regen
   retry-dead` archives the letter and the attempts before re-sending (`archive_dead`);
-- completion markers (written by the publishers, workers/shard/shard_output.py and workers/shard/capture_stage.py): a key
+- completion markers (written by the publishers, workers.shard.shard_output and workers.shard.capture_stage): a key
   is finished exactly when its marker exists (`is_finished`, `finished`, `dead`, `missing_captures`);
 - the pause: a run whose stub rate crossed its threshold is paused until `regen resume-run` clears it;
 - the sweep: what dead attempts left half-written (`atomic_writer` temporaries) is removed once they are known
@@ -44,7 +44,7 @@ _SEPARATOR = "."
 # -- stage keys ---------------------------------------------------------------------------------------------
 def stage_key(shard: str, stage: str) -> str:
     """The key of `shard` at `stage`: the shard id for generation, `{shard}.capture` for the staged capture
-    (a shard id holds no dot, app/ids.shard_id, so the key reads back unambiguously)."""
+    (a shard id holds no dot, app.ids.shard_id, so the key reads back unambiguously)."""
     if stage == GENERATE:
         return shard
     if stage == CAPTURE:
@@ -86,12 +86,12 @@ def record_attempt(store: RunStore, key: str, attempt: str, worker: str, stale_a
                    **extra) -> AttemptCount:
     """Write this attempt's start file; return what the key's earlier attempts count against it.
 
-    An attempt is one delivery of the shard in one process (workers/process/inflight.py keeps a process from running two
+    An attempt is one delivery of the shard in one process (workers.process.inflight keeps a process from running two
     copies at once). Earlier attempts count in two ways:
     - `failures`: each one that recorded an error of its own (`error_kind` "error"). These are the shard's own
       merits: a prompt the engine fails on fails every time.
     - `crashes`: each *process* that died holding the shard, counted once however many copies it held: attempts
-      whose process is known dead (app/liveness.py: the pid gone on this machine, or a lease run out) and
+      whose process is known dead (app.liveness: the pid gone on this machine, or a lease run out) and
       attempts that recorded `error_kind` "crash" (the engine's process vanished under a signal). A machine that
       is killed says nothing about the shard, so crashes have their own, larger limit. Before this rule one
       SIGKILL of a process holding six copies of a shard (a re-publish, the restored original, reconciles) counted
@@ -105,7 +105,7 @@ def record_attempt(store: RunStore, key: str, attempt: str, worker: str, stale_a
             **extra}
     body.setdefault("heartbeat", body["started"])
     store.storage.write_json(store.attempt_path(key, attempt), body)
-    now = shared_now()  # leases are judged on the fleet's one clock (app/clock.py), as they are written
+    now = shared_now()  # leases are judged on the fleet's one clock (app.clock), as they are written
     failures, crashed, records = 0, set(), 1
     for other in attempt_errors(store, key):
         if other.get("attempt") == attempt:
@@ -276,11 +276,11 @@ def sweep_temporaries(store: RunStore, key: str, stale_after: float | None, now:
     """Remove the temporaries (`.name.tmp-*`) a shard's dead attempts left in its own folders; return how many.
 
     A temporary under `shards/{shard}/` or the attempt folders of the shard's keys names the attempt that wrote
-    it; it goes once that attempt is known dead or ended (app/liveness.py), so a live duplicate's file stays. One
+    it; it goes once that attempt is known dead or ended (app.liveness), so a live duplicate's file stays. One
     naming no known attempt goes once untouched for `stale_after` seconds. Only the shard's own folders are
     listed (this runs at every publish); the run-wide marker folders are `sweep_marker_temporaries`'. Object
     stores have none (an unfinished upload never becomes an object). Attempts are judged on the fleet's shared
-    clock (app/clock.py); `now` (default this host's clock) is what a temporary's modification time is compared
+    clock (app.clock); `now` (default this host's clock) is what a temporary's modification time is compared
     with."""
     shard = split_key(key)[0]
     keys = [stage_key(shard, stage) for stage in STAGES]
@@ -325,6 +325,6 @@ def sweep_marker_temporaries(store: RunStore, shards: Iterable[str], now: float 
 
 
 def timestamp() -> str:
-    """Now on the fleet's shared clock (app/clock.py), as attempt records, leases and markers write it (ISO 8601,
+    """Now on the fleet's shared clock (app.clock), as attempt records, leases and markers write it (ISO 8601,
     UTC, milliseconds): a lease written on one host is judged on another."""
     return dt.datetime.fromtimestamp(shared_now(), dt.UTC).isoformat(timespec="milliseconds")

@@ -8,7 +8,7 @@ Two ways to know, best first:
   `heartbeat_seconds()`); an attempt whose lease (`lease_s`, 4 heartbeats) ran out is dead. Records written
   before leases existed fall back to their start time and the broker's visibility timeout, as before.
 
-A lease's age is measured on the fleet's one clock (app/clock.py, the broker's Redis `TIME`): heartbeats are
+A lease's age is measured on the fleet's one clock (app.clock, the broker's Redis `TIME`): heartbeats are
 written with `app.ledger.timestamp()` and judged against `app.clock.shared_now()`, so a host whose own clock is
 minutes off neither kills live attempts nor keeps dead ones alive. A worker says at its start when its clock is
 off the shared one by more than a lease (`clock_skew_warning`): its leases are still right, but its logs' and
@@ -28,7 +28,7 @@ LEASE_HEARTBEATS = 4
 
 
 def heartbeat_seconds() -> float:
-    """How often a worker renews its attempts' leases (`REGEN_HEARTBEAT_S`, default 30 s; app/settings.py)."""
+    """How often a worker renews its attempts' leases (`REGEN_HEARTBEAT_S`, default 30 s; app.settings)."""
     return current().heartbeat_s
 
 

@@ -50,7 +50,7 @@ class Sampling:
 
 @dataclass
 class QualitySettings:
-    """Thresholds of the quality gate (app/quality.py)."""
+    """Thresholds of the quality gate (app.quality)."""
 
     stub_max_answer_tokens: int = 8
     pause_stub_rate: float = 0.20
@@ -62,7 +62,7 @@ class QualitySettings:
 
 @dataclass
 class StatesStorage:
-    """How the run stores hidden states (app/states_codec.py): `bf16` (lossless) or a lossy codec, and the largest
+    """How the run stores hidden states (app.states_codec): `bf16` (lossless) or a lossy codec, and the largest
     per-(token, layer) relative error `||stored - captured|| / ||captured||` any of its samples may have."""
 
     dtype: str = "bf16"
@@ -71,7 +71,7 @@ class StatesStorage:
 
 @dataclass
 class CaptureCheckSettings:
-    """Which samples a worker re-captures on its own engine to check its capture (workers/shard/capture_check.py):
+    """Which samples a worker re-captures on its own engine to check its capture (workers.shard.capture_check):
     one in `every` by sample id (0: none by id), and every engine's first `first` samples."""
 
     every: int = 100
@@ -110,14 +110,14 @@ class RunSettings:
     quality: QualitySettings = field(default_factory=QualitySettings)
     compression_level: int = COMPRESSION_LEVEL
     # vLLM engine arguments every worker of the run applies (`regen produce --vllm-arg`), the data-changing
-    # ones included (app/vllm_args.py); left out of the manifest when empty, so older runs compare equal.
+    # ones included (app.vllm_args); left out of the manifest when empty, so older runs compare equal.
     engine_args: dict = field(default_factory=dict)
     states: StatesStorage = field(default_factory=StatesStorage)
-    # Speculative generation on the run's generation engines (app/speculative.py): "mtp:K", or None. Always
+    # Speculative generation on the run's generation engines (app.speculative): "mtp:K", or None. Always
     # written, None included: a manifest without it was made without it, and reopening a speculative run
     # without the setting (or the reverse) is refused as a change of settings.
     speculative: str | None = None
-    # A run of both modes (`--thinking-mix P`, app/modes.py): the share of samples drawn in thinking mode; None:
+    # A run of both modes (`--thinking-mix P`, app.modes): the share of samples drawn in thinking mode; None:
     # every sample in `thinking`'s one mode (every run made before the setting). With a mix, `mode_sampling`
     # holds each mode's sampling (`sampling` is then the thinking mode's) and `mode_prompt_tails` the token ids
     # the target's template ends each mode's generation prompt with (what `regen verify` holds prompts to).

@@ -2,9 +2,9 @@
 
 Rule: configuration reaches a process through its environment only where a child must have it before it
 imports anything (the GPUs it may see, the config it is handed, vLLM's switches); everything else is read once
-by the child's entry point (app/settings.py lists every variable). Why here: one place to look for what a child
+by the child's entry point (app.settings lists every variable). Why here: one place to look for what a child
 is told, beside the one module that reads the environment, in the base that both the worker's plumbing
-(workers/process/supervisor.py) and its engine (workers/engine/in_process.py) import downward.
+(workers.process.supervisor) and its engine (workers.engine.in_process) import downward.
 """
 
 from __future__ import annotations

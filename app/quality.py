@@ -100,7 +100,7 @@ def repetition_loop(ids: list[int], min_repeats: int, max_period: int = 64, min_
 
 def states_problem(states_u16: np.ndarray, zero_ok: np.ndarray | None = None) -> str | None:
     """'states_nonfinite' if any row holds a NaN/Inf, 'states_zero' if any row of any layer is all zeros (an empty
-    array too), else None (bf16 bits). One pass in cache-sized blocks (app/states_compare.row_problems): at a real
+    array too), else None (bf16 bits). One pass in cache-sized blocks (app.states_compare.row_problems): at a real
     model's size ([3000, 5, 5120]) the cost of the per-layer check it replaced (bench/bench_row_checks.py)."""
     if states_u16.size == 0:
         return "states_zero"

@@ -6,7 +6,7 @@ Fields (a record is either `status: "ok"` or `status: "rejected"` with `reject_r
     prompt_id, sample_index                    the prompt this sample answers and which of its samples it is
                                                (`--samples-per-prompt`: sample k of prompt P has id `P-s{k}`,
                                                sample 0 has P's own); split train and eval by prompt_id
-    thinking                                   the sample's mode (app/modes.py); records made before it existed
+    thinking                                   the sample's mode (app.modes); records made before it existed
                                                are in the run's mode
     conversation_id, turn                      multi-turn runs only (`--regenerate all`): the producer's sample id
                                                and which regenerated turn (0, 1, ...) this record is
@@ -23,7 +23,7 @@ Fields (a record is either `status: "ok"` or `status: "rejected"` with `reject_r
     finish_reason, stop_reason, seed
     sampling {temperature, top_p, top_k, min_p} what the sample was sampled with (its mode's, its index's
                                                temperature); records made before it: the run's `sampling`
-    flags                                      quality flags (app/quality.py)
+    flags                                      quality flags (app.quality)
     hidden {index, n_tokens, layers}           where the states are in the shard's hidden file (None if off)
     seconds, worker, device                    timing and who produced it
 

@@ -3,16 +3,16 @@
 Rule: each process's entry point reads the environment once and installs the result as the process's settings
 (`install` for a process's life, `scope` for one `regen` command); modules ask `current()` or are handed the
 object, and never read `os.environ` themselves. Why: one list of names, defaults and parsing, and a process that
-sees one configuration from start to end. The entry points: the `regen` command group (app/cli/__init__.py, read
-on first use so `--help` reads nothing), the worker child (workers/worker_main.py), the CPU engine's own process
-(workers/engine/process.py, handed its parent's settings), and Celery's command line: `celery -A
+sees one configuration from start to end. The entry points: the `regen` command group (app.cli, read
+on first use so `--help` reads nothing), the worker child (workers.worker_main), the CPU engine's own process
+(workers.engine.process, handed its parent's settings), and Celery's command line: `celery -A
 workers.celery_worker` (a worker) and `celery -A app.ops.flower flower` (Flower). Outside an entry point (a test, a script, a library caller) `current()` reads the environment
 at that call, so a test that sets a variable is seen.
 
 Every variable, its default and its meaning: docs/configuration.md ("Environment variables"); the fields below
 name theirs. Flags that read a variable (`--storage` from `REGEN_STORAGE`, ...) are defined once, in
-app/cli/options.py. What regen writes into a child's environment (its GPUs, its WorkerConfig, vLLM's switches)
-is in app/process_env.py.
+app.cli.options. What regen writes into a child's environment (its GPUs, its WorkerConfig, vLLM's switches)
+is in app.process_env.
 
 The defaults producer, workers and Flower share (queues, shard size, the visibility timeout) and the broker's
 settings are here too. The broker URL may carry a password (`redis://:secret@host:6379/0`) or use TLS
@@ -87,7 +87,7 @@ DEFAULT_HEARTBEAT_S = 30.0
 DEFAULT_MISSING_RUN_RETRIES = 5
 DEFAULT_LOG_LEVEL = "INFO"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # what both logging and Celery's --loglevel take
-SIDE_THREADS = ("idle", "batch", "normal")  # REGEN_SIDE_THREADS: workers/scheduling.py says what each does
+SIDE_THREADS = ("idle", "batch", "normal")  # REGEN_SIDE_THREADS: workers.engine.scheduling says what each does
 
 
 def _default_state_dir() -> str:
@@ -104,16 +104,16 @@ class Settings:
     heartbeat_s: float = DEFAULT_HEARTBEAT_S  # REGEN_HEARTBEAT_S: a worker's lease renewals (at least 0.5 s)
     state_dir: str = field(default_factory=_default_state_dir)  # REGEN_STATE_DIR: a worker host's attempt journal
     scratch: str | None = None  # REGEN_SCRATCH: where capture files go (None: /dev/shm, else the temp dir)
-    side_threads: str = ""  # REGEN_SIDE_THREADS: "" (the device's default) or one of SIDE_THREADS (workers/engine/scheduling.py)
+    side_threads: str = ""  # REGEN_SIDE_THREADS: "" (the device's default) or one of SIDE_THREADS (workers.engine.scheduling)
     missing_run_retries: int = DEFAULT_MISSING_RUN_RETRIES  # REGEN_MISSING_RUN_RETRIES (at least 0)
     log_level: str = DEFAULT_LOG_LEVEL  # REGEN_LOG_LEVEL: worker and engine processes (upper-cased)
     queues: str = DEFAULT_QUEUE  # REGEN_QUEUES: what a worker child consumes (set by `regen worker`)
-    worker_config: str | None = None  # REGEN_WORKER_CONFIG: a worker child's WorkerConfig as JSON (workers/process/context.py)
+    worker_config: str | None = None  # REGEN_WORKER_CONFIG: a worker child's WorkerConfig as JSON (workers.process.context)
     bench_tasks: bool = False  # REGEN_BENCH_TASKS=1: the worker registers the fleet bench's task too
     # REGEN_FAULT_INJECTION_FOR_TESTS: tests only, a JSON file of {run id: fault} whose runs' captures a worker
-    # corrupts on purpose (workers/engine/capture_faults_for_tests.py); None everywhere else
+    # corrupts on purpose (workers.engine.capture_faults_for_tests); None everywhere else
     fault_injection_for_tests: str | None = None
-    storage_counts: str | None = None  # REGEN_STORAGE_COUNTS=DIR: count storage operations (app/storage_counts.py)
+    storage_counts: str | None = None  # REGEN_STORAGE_COUNTS=DIR: count storage operations (app.storage_counts)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -180,7 +180,7 @@ def _json_object(name: str, raw: str) -> dict | None:
 
 def _worker_config(raw: str | None) -> str | None:
     if raw is not None:
-        _json_object("REGEN_WORKER_CONFIG", raw)  # kept as text: workers/process/context.py builds the WorkerConfig from it
+        _json_object("REGEN_WORKER_CONFIG", raw)  # kept as text: workers.process.context builds the WorkerConfig from it
     return raw
 
 

@@ -1,10 +1,10 @@
 """What a run promises about its stored hidden states, and the checks and summaries of that promise.
 
 A run's manifest records `settings.states`: the stored dtype and `max_rel_error`, the largest relative error
-`||stored - captured|| / ||captured||` any (token, layer) of any sample may have (app/states_codec.py). Each lossy
+`||stored - captured|| / ||captured||` any (token, layer) of any sample may have (app.states_codec). Each lossy
 sample's hidden-file entry records what its encoding measured, per layer. `regen verify` holds every entry to the
 promise (`sample_problem`), `regen verify --reference` allows the promised error on top of the capture tolerance
-(app/data/verify_reference.reference_bound), and `regen stats` sums the recorded errors per layer (`LayerErrors`). A bf16 entry is
+(app.data.verify_reference.reference_bound), and `regen stats` sums the recorded errors per layer (`LayerErrors`). A bf16 entry is
 exact; a lossy run stores a sample its quality gate flagged as bf16, so such entries are always allowed.
 """
 

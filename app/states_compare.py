@@ -2,12 +2,12 @@
 
 Used wherever two captures of one sequence meet: a worker re-capturing a sample it stored (the in-run
 consistency check), `regen verify --reference` (transformers against the store), `regen selfcheck`. Both sides
-are `[tokens, layers, hidden]`, bf16 bit patterns (uint16, as app/hidden_file.py stores them) or floats, with
+are `[tokens, layers, hidden]`, bf16 bit patterns (uint16, as app.hidden_file stores them) or floats, with
 the layers in the same slots. Three tests, each of which catches what the others cannot:
 
 1. **Error relative to the row.** For each token t and slot l, `err = ||c[t,l] - r[t,l]||_2 / ||r[t,l]||_2`
    (the L2 norm of the difference over the L2 norm of the reference row: the same measure as a lossy run's
-   `max_rel_error`, app/states_bound.py, so the two add). It must stay under `bound`. A zero row (err 1), a
+   `max_rel_error`, app.states_bound, so the two add). It must stay under `bound`. A zero row (err 1), a
    non-finite one (err inf), a row of another layer or of wild values fail here.
 
    The bound, REL_BOUND = 2^-3 = 0.125, is measured: transformers on an H200 against transformers on the CPU,
@@ -291,7 +291,7 @@ _ROWS_BLOCK_ELEMENTS = 1 << 16  # 128 KiB of uint16 per block: stays in L2
 def row_problems(states: np.ndarray, zero_ok: np.ndarray | None = None) -> RowProblem | None:
     """The first zero or non-finite row inside any layer of `[T, L, H]` states (bf16 bits or floats), else None.
     `zero_ok`: a boolean per token, True where an all-zero row is the token's state (its input embedding is zero,
-    app/model_info.zero_embedding_ids; `zero_rows_allowed` builds it from the ids).
+    app.model_info.zero_embedding_ids; `zero_rows_allowed` builds it from the ids).
 
     Non-finite rows are reported before zero ones. On bf16 bits it is one pass in cache-sized blocks: shifting
     left by one drops the sign, so a row's maximum is its largest magnitude x 2; 0 means an all-(+/-)zero row,

@@ -12,18 +12,18 @@ Layout of a run, relative to the storage root (all names deterministic):
     {run}/produce.json                           what the producer enqueued (summary, per-reason rejects)
     {run}/rejects.jsonl                          one row per rejected input line: file, line, reason
     {run}/shards/{shard}/{attempt}.records.jsonl.zst   the shard's sample records
-    {run}/shards/{shard}/{attempt}.hidden.rgh          the shard's hidden states (see app/hidden_file.py)
+    {run}/shards/{shard}/{attempt}.hidden.rgh          the shard's hidden states (see app.hidden_file)
     {run}/done/{shard}.json                      completion marker: names the attempt whose files are valid
     {run}/captured/{shard}.json                  staged capture's marker: names the hidden file to read
     {run}/attempts/{shard}/{attempt}.json        one file per delivery that started the shard
     {run}/dead/{shard}.json                      dead letter: the shard failed too often, with its errors
-                                                 (`{shard}` is a stage key throughout: app/ledger.stage_key)
+                                                 (`{shard}` is a stage key throughout: app.ledger.stage_key)
     {run}/archive/{key}/{stamp}/                 a retried dead letter (`dead.json`) and its attempts, kept
                                                  for the record by `regen retry-dead`
     {run}/PAUSED.json                            present while the run is paused (reason inside)
 
 Object stores need options every host must share (an S3 endpoint, a profile): `REGEN_STORAGE_OPTIONS` holds
-them as JSON, e.g. `{"client_kwargs": {"endpoint_url": "http://minio:9000"}}` (app/settings.py reads it), and they
+them as JSON, e.g. `{"client_kwargs": {"endpoint_url": "http://minio:9000"}}` (app.settings reads it), and they
 apply to every URL root (never to local paths), so a worker on another host opens the same bucket as the producer did.
 """
 
@@ -252,7 +252,7 @@ class Storage:
 
 class RunStore:
     """The paths and markers of one run inside a Storage; the only place that knows the run layout (what is
-    written at those paths, and when, is app/ledger.py's)."""
+    written at those paths, and when, is app.ledger's)."""
 
     def __init__(self, storage: Storage, run_id: str):
         self.storage = storage
@@ -310,7 +310,7 @@ class RunStore:
 
     # markers
     def is_done(self, shard: str) -> bool:
-        """Whether the generation's marker exists: the primitive app/ledger.is_finished(store, key) calls, the one
+        """Whether the generation's marker exists: the primitive app.ledger.is_finished(store, key) calls, the one
         answer to "is this stage finished" (either stage) that the worker's guards ask."""
         return self.storage.exists(self.done_path(shard))
 
@@ -388,5 +388,5 @@ class RunStore:
         return self._markers("captured")
 
     def dead_shards(self) -> set[str]:
-        """Dead-lettered stage keys (app/ledger.py reads them back into shard and stage)."""
+        """Dead-lettered stage keys (app.ledger reads them back into shard and stage)."""
         return self._markers("dead")

@@ -3,7 +3,7 @@
 Why: what the fleet costs the shared storage per shard (writes, reads, listings, renames, fsyncs, deletes, and
 their bytes) decides whether NFS's metadata server or an object store's request rate breaks first as the fleet
 grows; bench/bench_fleet_scale.py reads these counts from every process of a run. Off unless
-`REGEN_STORAGE_COUNTS=DIR` is set (app/settings.py): then each process appends one short line per operation
+`REGEN_STORAGE_COUNTS=DIR` is set (app.settings): then each process appends one short line per operation
 (`kind area bytes`) to `DIR/{pid}.log` with a single O_APPEND write, a few microseconds beside an operation that
 takes milliseconds; once `write` returns the kernel has the line, so a process that is SIGKILLed (the harness
 kills a host) loses at most the operation in progress.

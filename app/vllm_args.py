@@ -11,9 +11,9 @@ JSON.
 Settings that would change the data a run's manifest pins are refused unless that manifest carries them
 (`settings.engine_args`, written by the producer): the model and its tokenizer, the weights' and the KV cache's
 numerics, the capture machinery, the sampling defaults. Prefix caching is refused on a capture engine (see
-workers/engine/settings.py), and so is `speculative_config` on every capture run, pinned or not: it would replace
+workers.engine.settings), and so is `speculative_config` on every capture run, pinned or not: it would replace
 the capture engines' own (hidden-state capture is vLLM's `extract_hidden_states` speculative method), and a
-run's speculative generation is `--speculative` (app/speculative.py), which reaches its generation engines
+run's speculative generation is `--speculative` (app.speculative), which reaches its generation engines
 only. What the worker ran with is recorded on every attempt record.
 """
 

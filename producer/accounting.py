@@ -2,10 +2,10 @@
 
 Why: a silently dropped row is indistinguishable from a row that was never there, so every record read is
 accounted for as exactly one of enqueued (placed in a shard), duplicate, rejected (with a named reason), or
-left out (`--take` did not draw it, producer/take.py). `check_identity` asserts read = enqueued + duplicates +
+left out (`--take` did not draw it, producer.take). `check_identity` asserts read = enqueued + duplicates +
 rejected + left out at the end of every produce, and that the samples sharded are the prompts enqueued times
 the samples per prompt; a mismatch is a bug in the producer, never the user's fault. `enqueued` counts prompts;
-`samples` (with `modes` and `mode_rules`, producer/modes.py) the samples made of them.
+`samples` (with `modes` and `mode_rules`, producer.modes) the samples made of them.
 
 Files (paths from app.storage.RunStore):
 - `{run}/rejects.jsonl`: one row per reject, `{"file", "line", "reason", "detail"}`, written while streaming
@@ -42,7 +42,7 @@ class Accounting:
     input_bytes: int = 0
     left_out_by_file: Counter = field(default_factory=Counter)  # rows `--take` did not draw, per input
     take_rows: dict = field(default_factory=dict)  # rows of each input a `--take` names
-    mode_counts: dict = field(default_factory=dict)  # producer/modes.ModeCounts: samples, per mode, per rule
+    mode_counts: dict = field(default_factory=dict)  # producer.modes.ModeCounts: samples, per mode, per rule
 
     @property
     def rejected(self) -> int:

@@ -111,7 +111,7 @@ class Estimate:
     layers: int
     hidden_size: int
     responses: int | None = None  # training samples (multi-turn: one per regenerated turn); None: one per sample
-    states_dtype: str = "bf16"  # resolved (app/states_codec.resolve)
+    states_dtype: str = "bf16"  # resolved (app.states_codec.resolve)
 
     @property
     def context_tokens(self) -> int:

@@ -1,4 +1,4 @@
-"""The per-sample side of the producer: each prompt's K samples in their modes (app/modes.py), and the token ids
+"""The per-sample side of the producer: each prompt's K samples in their modes (app.modes), and the token ids
 the target's template ends each mode's generation prompt with.
 
 Why the tails are measured here: a mixed run is only as good as the template's `enable_thinking`; a template

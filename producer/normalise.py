@@ -24,7 +24,7 @@ Regeneration modes (the contract with the worker):
 A sample is `{"id", "messages", "tools", "source": {"file", "line", "source_id"}}`, plus `input_thinking` when
 the row names its own mode (a boolean `enable_thinking`, or a boolean `thinking`; a `thinking` holding text is
 some datasets' reasoning and is not a mode; a non-boolean `enable_thinking` is `bad_mode_field`): a mixed run
-keeps it (app/modes.py). Anything else raises `Rejected` with one of `REJECT_REASONS`.
+keeps it (app.modes). Anything else raises `Rejected` with one of `REJECT_REASONS`.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ _ANSWERABLE = ("user", "tool")
 
 class Rejected(PermanentError):
     """A row that cannot become a sample; `reason` is one of REJECT_REASONS, `detail` says where and why.
-    The producer records it as a reject and goes on (producer/produce.py); it is a PermanentError: the row
+    The producer records it as a reject and goes on (producer.produce); it is a PermanentError: the row
     never becomes one."""
 
     def __init__(self, reason: str, detail: str = ""):

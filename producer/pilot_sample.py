@@ -37,7 +37,7 @@ class InputSample:
 
 def take_selections(items: list[str], paths: list[str], seed: int) -> dict[str, Selection]:
     """The rows `--take GLOB=N|FRACTION` draws from each input it names, drawn as `regen produce` draws them
-    with run seed `seed` (producer/take.py), so the pilot samples the mix the run will generate."""
+    with run seed `seed` (producer.take), so the pilot samples the mix the run will generate."""
     if not items:
         return {}
     matched = match_rules([parse_take(t) for t in items], paths)

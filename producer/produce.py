@@ -1,6 +1,6 @@
 """The produce pipeline: read -> normalise -> dedupe -> shard -> (skip done) -> publish, with accounting.
 
-Why it is safe to run again: shards are deterministic (producer/sharding.py) and storage, not Redis, records
+Why it is safe to run again: shards are deterministic (producer.sharding) and storage, not Redis, records
 what is done. So:
 - a produce that finished (`produce.json` says `complete`) is not repeated: the second call enqueues nothing
   and points to `--resume`;
@@ -11,7 +11,7 @@ what is done. So:
 - `--resume` (alias `regen reconcile RUN`) rebuilds the options from the stored manifest, checks that the
   inputs' bytes did not change, and sends exactly the shards that have no completion marker and are not
   dead-lettered (lost messages, a wiped Redis). A dead-lettered shard would only be skipped by the worker: after
-  a fix, `regen retry-dead RUN` archives its dead letter and attempts and re-sends it (producer/retry_dead.py).
+  a fix, `regen retry-dead RUN` archives its dead letter and attempts and re-sends it (producer.retry_dead).
 
 Memory stays flat: one input block, one shard of samples, and one 64-bit int per unique sample.
 """
@@ -73,7 +73,7 @@ def iter_samples(paths: list[str], opts: ProduceOptions, acc: Accounting, reject
                  progress: ProgressFn | None = None,
                  take: dict[str, Selection] | None = None) -> Iterator[tuple[dict, int]]:
     """Every record of every input, counted once as read and then as left out (`take`), a reject, a duplicate
-    or a yielded sample (a prompt: its samples are made from it, producer/modes.py)."""
+    or a yielded sample (a prompt: its samples are made from it, producer.modes)."""
     regenerate, cap = opts.regenerate, opts.prompt_char_cap
     first_time = dedupe.first_time
     done_bytes = 0

@@ -4,7 +4,7 @@ Why not delete `dead/*.json` by hand: the dead letter and the attempts are the r
 the attempts would still count against it (the first new delivery would dead-letter it again at once). So each
 chosen dead letter is archived with every attempt record of its key under `{run}/archive/{key}/{stamp}/`
 (`dead.json`, `attempts/*.json`), then the attempts and the letter are removed, letter last: a retry cut short
-leaves the shard dead, and running the command again finishes it (app/ledger.archive_dead). Then the shards are
+leaves the shard dead, and running the command again finishes it (app.ledger.archive_dead). Then the shards are
 re-sent: generation shards through `produce --resume` restricted to them (the inputs are re-read; shards are
 deterministic), a staged capture's key as a capture task for its done shard.
 """

@@ -1,6 +1,6 @@
 """From command-line options to the run manifest's settings, and back again for `--resume`.
 
-Why here: everything that decides what a sample's output is belongs in `RunSettings` (app/manifest.py), so
+Why here: everything that decides what a sample's output is belongs in `RunSettings` (app.manifest), so
 that reopening a run with a different value is refused naming the field. The producer-only knobs that decide
 *which rows become samples* but are not engine settings (`max_prompt_chars`) are stored in produce.json and
 checked the same way. `--resume` rebuilds everything from the stored manifest, and refuses if an input file's
@@ -75,10 +75,10 @@ class ProduceOptions:
     vllm_args: list[str] = field(default_factory=list)  # KEY=VALUE, recorded in the manifest for every worker
     states_dtype: str = "bf16"
     speculative: str | None = None  # "mtp" / "mtp:K" as given; the manifest records it normalised ("mtp:2")
-    thinking_mix: float | None = None  # share of samples in thinking mode (app/modes.py); None: `thinking` for all
+    thinking_mix: float | None = None  # share of samples in thinking mode (app.modes); None: `thinking` for all
     samples_per_prompt: int | None = None  # None: 1 (with --resume: the run's)
     sample_temperatures: list[float] | None = None  # sample k of a prompt at [k % len]
-    take: list[str] = field(default_factory=list)  # GLOB=N / GLOB=FRACTION (producer/take.py)
+    take: list[str] = field(default_factory=list)  # GLOB=N / GLOB=FRACTION (producer.take)
     capture_check_every: int = 100  # workers re-capture one sample in this many to check their capture (0: none)
 
     @property
@@ -294,7 +294,7 @@ def verify_inputs(stored_inputs: list[dict]) -> list[str]:
 def model_settings(info, path: str) -> dict:
     """The manifest's `model`: the model's shape and fingerprint, and, where the checkpoint has token ids whose
     embedding row is zero (a padding row), those ids (`zero_embedding_ids`): their all-zero rows are states, not
-    capture faults (app/model_info.zero_embedding_ids). Left out when there are none, as older runs have it."""
+    capture faults (app.model_info.zero_embedding_ids). Left out when there are none, as older runs have it."""
     out = info.to_manifest()
     zero = zero_embedding_ids(path)
     if zero:

@@ -1,7 +1,7 @@
 """Exact-duplicate removal and fixed-size, deterministic shards.
 
 Why: the same prompt often appears in several datasets (or twice in one); generating it twice wastes GPU hours
-and biases the drafter. A sample id is a 64-bit hash of the normalised prompt (app/ids.py), so the record of seen
+and biases the drafter. A sample id is a 64-bit hash of the normalised prompt (app.ids), so the record of seen
 ids holds ~10 bytes per unique sample (see `Deduper`), not the samples themselves.
 
 Shard k is the k-th group of `shard_size` unique samples in input order and is named `app.ids.shard_id(k)`,

@@ -12,6 +12,9 @@
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -123,3 +126,58 @@ def test_no_module_imports_another_modules_private_names():
                                             ("app.cli.run", True)])
 def test_the_rules_tell_a_module_that_may_import_everything_from_one_that_may_not(module, allowed):
     assert ("workers" in MAY_IMPORT[floor(module)]) is allowed
+
+
+# -- prose that names code -----------------------------------------------------------------------------------
+DOTTED = re.compile(r"(?<![\w./-])((?:app|workers|producer)(?:\.[a-z_][a-z_0-9]*)+)(?:\.([A-Za-z_]\w*))?")
+FILE_PATH = re.compile(r"(?<![\w./-])(?:app|workers|producer)/[a-z_/]+\.py\b")
+
+
+def top_level_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.Try):
+            names |= {(a.asname or a.name) for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))
+                      for a in n.names}
+    return names
+
+
+def prose(path: Path) -> str:
+    """A module's docstrings (module, classes, functions) and comments: where it names other code in words."""
+    text = path.read_text()
+    parts = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                parts.append(doc)
+    tokens = tokenize.generate_tokens(io.StringIO(text).readline)
+    parts += [t.string for t in tokens if t.type == tokenize.COMMENT]
+    return "\n".join(parts)
+
+
+def test_prose_names_modules_and_symbols_that_exist_not_file_paths():
+    """Docstrings and comments name code by its dotted name (`app.ledger.stage_key`), never by file path, and
+    every dotted name resolves: a move that leaves prose behind fails here instead of misleading a reader."""
+    known = modules()
+    wrong = []
+    for name, path in sorted(known.items()):
+        text = prose(path)
+        wrong += [f"{name}: file path {m.group(0)}" for m in FILE_PATH.finditer(text)]
+        for m in DOTTED.finditer(text):
+            parts = m.group(0).split(".")
+            k = max((i for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in known), default=0)
+            if k == 0:
+                wrong.append(f"{name}: {m.group(0)} names no module")
+                continue
+            rest = parts[k:]
+            if rest and rest[0] not in top_level_names(known[".".join(parts[:k])]):
+                wrong.append(f"{name}: {m.group(0)}: {'.'.join(parts[:k])} defines no {rest[0]}")
+    assert not wrong, "\n".join(wrong)

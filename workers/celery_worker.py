@@ -1,5 +1,5 @@
 """The Celery app as a worker process sees it: `build_worker_app(settings)` registers the tasks, guards the
-transport (workers/process/message_guard.py) and connects the worker's signals (engine built, heap frozen, watchers
+transport (workers.process.message_guard) and connects the worker's signals (engine built, heap frozen, watchers
 started, engine closed at shutdown).
 
 Importing this module does none of that: an app and its signal handlers exist only once an entry point asks.
@@ -33,7 +33,7 @@ def build_worker_app(settings: Settings) -> Celery:
     celery = create_app(settings.broker)
     guard_messages(celery)
     register(celery)
-    if settings.bench_tasks:  # the fleet bench's in-worker baseline (workers/process/bench_task.py)
+    if settings.bench_tasks:  # the fleet bench's in-worker baseline (workers.process.bench_task)
         from workers.process.bench_task import register_bench
 
         register_bench(celery)
@@ -72,17 +72,17 @@ def _build_engine(**_):
 
 
 def _freeze_heap(**_):
-    """Once the consumer runs, this process's start-up heap is frozen out of full collections (workers/process/heap.py)."""
+    """Once the consumer runs, this process's start-up heap is frozen out of full collections (workers.process.heap)."""
     from workers.process.heap import freeze_startup_heap
 
     log.info("worker process: %d start-up objects frozen out of garbage collection", freeze_startup_heap())
 
 
 def _start_watchers(celery: Celery, **_):
-    """The engine watchdog (workers/process/engine_watch.py), the sweep of this host's dead attempts' temporaries
-    (workers/process/inflight.py; in a thread: storage may be slow to answer), the re-send of shards held by
-    dead processes while this worker has a free task slot (workers/process/dead_holder_watch.py), and a warning
-    when this host's clock is off the fleet's shared one by more than a lease (app/liveness.py)."""
+    """The engine watchdog (workers.process.engine_watch), the sweep of this host's dead attempts' temporaries
+    (workers.process.inflight; in a thread: storage may be slow to answer), the re-send of shards held by
+    dead processes while this worker has a free task slot (workers.process.dead_holder_watch), and a warning
+    when this host's clock is off the fleet's shared one by more than a lease (app.liveness)."""
     import threading
 
     from app.liveness import clock_skew_warning

@@ -4,7 +4,7 @@ Each module here holds the commands of one floor below it: `produce` (producer/)
 `run` drives the producer too), `ops` (app/ops/), `data` (app/data/); `pilot` measures a host with `regen run`s.
 
 Each command runs with its settings read from the environment once, on first use, so `--help` reads nothing
-(app/settings.py); shared flags are defined once in app/cli/options.py. Errors regen raises on purpose
+(app.settings); shared flags are defined once in app.cli.options. Errors regen raises on purpose
 (`RegenError`) are printed as one line and exit with status 2; a traceback means a bug. Subcommands are
 imported lazily enough that `regen --help` never imports vLLM or torch.
 """

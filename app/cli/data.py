@@ -1,6 +1,6 @@
 """Commands that read a run's data: `regen verify`, `regen stats`, `regen export`.
 
-All three read through app/data/run_reader.py and need neither a broker nor a GPU; the heavy modules (numpy work,
+All three read through app.data.run_reader and need neither a broker nor a GPU; the heavy modules (numpy work,
 matplotlib, pyarrow, torch for `--reference`) are imported inside the commands so `regen --help` stays fast.
 """
 

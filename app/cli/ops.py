@@ -1,8 +1,8 @@
 """Commands for operating the fleet: `regen status` and `regen metrics`.
 
 Both run on any host that reaches the broker and the storage; neither needs a GPU, vLLM or a worker. What is
-done comes from storage markers (app/ops/status.py); the broker adds queue lengths and what live workers run now
-(app/ops/fleet.py). Broker passwords are masked in every line printed.
+done comes from storage markers (app.ops.status); the broker adds queue lengths and what live workers run now
+(app.ops.fleet). Broker passwords are masked in every line printed.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """The options several commands share, each defined once here with its environment variable and its default.
 
 Rule: a flag that some environment variable may give is declared only here, so each variable has one meaning
-(app/settings.py lists them all). A command may word the help for its own context; its flag, type and default
+(app.settings lists them all). A command may word the help for its own context; its flag, type and default
 stay these. Why: `REGEN_STORAGE` and `REGEN_BROKER_URL` were declared six times each and could drift.
 
 Defaults: `--storage` has none (commands that need a root require it; `regen worker` takes the root from each
 message unless given), except `regen run`, which keeps its runs under `.regen/storage` so that the README's first
 command needs no flag. `--broker` has none: the process's broker (`REGEN_BROKER_URL`, else
 redis://127.0.0.1:6379/0) is used, except by `regen run`, which then uses the local Redis if it answers, else an
-embedded one (app/embedded_broker.py).
+embedded one (app.embedded_broker).
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ def model_option(*, help: str | None = None):
 
 
 def task_slots_option(*, help: str):
-    """`--task-slots N` [env REGEN_TASK_SLOTS]; None: from the engine and the shard size (workers/process/devices.py)."""
+    """`--task-slots N` [env REGEN_TASK_SLOTS]; None: from the engine and the shard size (workers.process.devices)."""
     return click.option("--task-slots", type=click.IntRange(min=1), envvar="REGEN_TASK_SLOTS", default=None,
                         help=help)
 
 
 def encode_threads_option(*, help: str):
-    """`--encode-threads N` [env REGEN_ENCODE_THREADS]; None: from the device (workers/process/devices.py)."""
+    """`--encode-threads N` [env REGEN_ENCODE_THREADS]; None: from the device (workers.process.devices)."""
     return click.option("--encode-threads", type=click.IntRange(min=1), envvar="REGEN_ENCODE_THREADS", default=None,
                         help=help)
 
@@ -53,7 +53,7 @@ def engine_host_option(*, help: str):
 
 
 def stand_in_engine_option(*, help: str):
-    """`--stand-in-engine SPEC` [env REGEN_STAND_IN_ENGINE]; benchmarks and tests only (workers/engine/stand_in.py)."""
+    """`--stand-in-engine SPEC` [env REGEN_STAND_IN_ENGINE]; benchmarks and tests only (workers.engine.stand_in)."""
     return click.option("--stand-in-engine", "stand_in", default=None, envvar="REGEN_STAND_IN_ENGINE", metavar="SPEC",
                         help=help)
 

@@ -5,7 +5,7 @@ their engines -> shards on storage) in a scratch folder, in a process of its own
 Why the whole run and not the engine alone: what the run will do on this host is the fleet's path, with its task
 slots, Celery's prefetch, the encoder threads, the staged capture's second pass and its queue, and the writes to
 storage; the engine alone would measure none of those, and task slots would mean nothing. The engines' start-up
-is outside the measured window (it starts with the first task, app/data/pilot_measure.py), so a fleet per
+is outside the measured window (it starts with the first task, app.data.pilot_measure), so a fleet per
 candidate costs start-up time, not accuracy. The figures come from the runs' own markers and records; only peak
 memory is polled from outside (the run's process tree's RSS on the CPU; device memory used, by nvidia-smi, on GPUs,
 since the engine's CUDA context lives in vLLM's engine-core process, not in one this command can ask).
@@ -246,7 +246,7 @@ def forecast_table(plan: dict) -> Table:
     for other in plan["other_settings"]:
         table.add_row(f"  (run setting {other['run_setting']}: fleet samples/s)", f"{other['fleet_samples_per_s']:,.3f}")
     modes = plan.get("modes") or {}
-    if len(modes) > 1:  # a mixed run: the job per mode (app/pilot.py says how each figure is split)
+    if len(modes) > 1:  # a mixed run: the job per mode (app.pilot says how each figure is split)
         for mode, m in modes.items():
             what = mode.replace("_", "-")
             hours = m["device_hours"]

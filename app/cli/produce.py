@@ -1,7 +1,7 @@
 """`regen produce` and `regen reconcile`: the producer's command line.
 
-The commands only translate flags into `ProduceOptions` and print; the work is in producer/produce.py. User
-errors are `RegenError`s, printed by app/cli/__init__.py as one line with exit status 2.
+The commands only translate flags into `ProduceOptions` and print; the work is in producer.produce. User
+errors are `RegenError`s, printed by app.cli as one line with exit status 2.
 """
 
 from __future__ import annotations

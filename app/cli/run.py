@@ -1,6 +1,6 @@
 """`regen run`: the whole job on one machine -- produce, start local workers, watch storage, summarise.
 
-It uses the broker it is given, else the local Redis, else an embedded one (app/embedded_broker.py), so the
+It uses the broker it is given, else the local Redis, else an embedded one (app.embedded_broker), so the
 README's first command works on a fresh machine. Progress comes from storage markers (storage is the
 record of what is done); the job ends when every shard is done or dead-lettered, or the run is paused.
 """

@@ -2,9 +2,9 @@
 
 For a new GPU host, a new vLLM version or a new driver: builds a tiny dense model (a channel at 400 in every
 token, as real Qwen models carry massive activations) and a tiny hybrid (Gated DeltaNet + full attention)
-offline, captures a fixed set of requests in each engine mode the device runs (workers/engine/selfcheck.py: lengths 1
+offline, captures a fixed set of requests in each engine mode the device runs (workers.engine.selfcheck: lengths 1
 to ~2,500 tokens, a shared prefix, a duplicate, a KV cache small enough to preempt, `top_k` where the platform
-can), and judges every capture against transformers on the same device, row by row (app/data/selfcheck_judge.py).
+can), and judges every capture against transformers on the same device, row by row (app.data.selfcheck_judge).
 One line per mode and model; exit 0 only when every mode passed.
 
 Each mode runs in a process of its own (a mode's environment, such as `VLLM_USE_V2_MODEL_RUNNER=0`, is read
@@ -50,7 +50,7 @@ def _build_models(folder: Path, which: list[str]) -> dict[str, str]:
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="Where the engines and the transformers reference run (auto: a GPU if torch sees one).")
 @click.option("--modes", default=None, metavar="NAME,...",
-              help="Engine modes to prove (default: every mode of the device; see workers/engine/selfcheck.py).")
+              help="Engine modes to prove (default: every mode of the device; see workers.engine.selfcheck).")
 @click.option("--models", default="dense,hybrid", show_default=True, metavar="dense,hybrid")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Keep the models, captures and engine logs here (default: a temporary folder, removed).")

@@ -3,7 +3,7 @@
 Why in place: exporting 100+ TB of states to another layout doubles the disk bill. The shard files already
 allow random access: the sample index comes from the completion markers' `ok` counts (no record is read to
 build it), a shard's records are decoded once and cached, and each sample's states are two seeks into the
-shard's hidden file through a cached reader (app/data/run_reader.py re-opens files after a DataLoader fork).
+shard's hidden file through a cached reader (app.data.run_reader re-opens files after a DataLoader fork).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 `regen verify` print, so two hosts' (an sm_120 and an sm_100) or two vLLM versions' samples of one run are
 compared on the run's own data.
 
-A worker writes its engine's mode label (workers/engine/engine_mode.mode_key: device, vLLM version, model runner,
+A worker writes its engine's mode label (workers.engine.engine_mode.mode_key: device, vLLM version, model runner,
 scheduling, chunked prefill and its budget, CUDA graphs, tensor parallel size) and its capture check's counts
 into each marker it publishes: the completion marker of a generated shard, and for staged runs the capture
 marker, whose engine made the stored states. A shard's states are counted under the engine that captured them;

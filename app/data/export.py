@@ -8,20 +8,20 @@ with other settings is refused instead of mixing two selections in one folder.
 Fan-out: `run(processes=N)` exports shards in N spawned worker processes, `run(part=Part(i, n))` only every n-th
 shard, so that several hosts export one run into one folder at once; the output is byte-identical to one
 process's. What makes that hold: the plan numbers every sample before anything is written
-(app/data/export_plan.py), each shard is claimed by the process writing it (app/data/export_claims.py), and the
+(app.data.export_plan), each shard is claimed by the process writing it (app.data.export_claims), and the
 files made from every shard (token_freq.pt, speculators' dataset, SpecForge's joined JSONL) are assembled by the
 exporter that finds every planned shard exported when it ends (`assemble`). docs/formats.md says how to use it.
 
-Formats: every one, with what it needs and the class that writes it, is listed in app/data/export_formats.py.
-- text, per conversation (`sharegpt`, `specforge-jsonl`): every turn the model saw (app/data/export_text.py).
+Formats: every one, with what it needs and the class that writes it, is listed in app.data.export_formats.
+- text, per conversation (`sharegpt`, `specforge-jsonl`): every turn the model saw (app.data.export_text).
 - text, per record (`parquet`): `data/{shard}.parquet`, one fixed schema for every shard.
 - hidden states (`specforge-dflash`, `specforge-eagle3`, `speculators`): laid out as each trainer's own reader
-  loads them (app/data/export_trainers.py and the writer classes the list names).
+  loads them (app.data.export_trainers and the writer classes the list names).
 - token-only (`specforge-online`, `speculators-online`): ids and loss masks, for trainers that run the target
-  themselves; every run, `--capture off` included (app/data/export_online.py).
+  themselves; every run, `--capture off` included (app.data.export_online).
 
 Text formats (`sharegpt`, `specforge-jsonl`, `parquet`) leave out samples whose thinking never ended unless
-`include_unterminated` (app/data/export_text.py says why); every left-out sample is counted by reason.
+`include_unterminated` (app.data.export_text says why); every left-out sample is counted by reason.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def _parquet_row(rec: dict, settings: dict) -> dict:
 
 # -- the exporter -----------------------------------------------------------------------------------------
 class Exporter:
-    """Exports a run's done shards into `out` as the plan (app/data/export_plan.py) numbers them, skipping shards
+    """Exports a run's done shards into `out` as the plan (app.data.export_plan) numbers them, skipping shards
     whose done marker exists; `run(processes, part)` fans the shards out (module docstring)."""
 
     def __init__(self, reader: RunReader, out: str, opts: ExportOptions, pin: bool = True):
@@ -158,7 +158,7 @@ class Exporter:
 
     # -- one shard ------------------------------------------------------------------------------------------
     def count_shard(self, shard: str) -> dict:
-        """The shard's count file (app/data/export_plan.py), written unless another exporter wrote it first."""
+        """The shard's count file (app.data.export_plan), written unless another exporter wrote it first."""
         have = export_plan.read_count(self.out, shard)
         if have is not None:
             return have
@@ -334,7 +334,7 @@ def _export_task(task: tuple[str, int | None]) -> str:
 
 
 class ShardPool:
-    """Runs `_count_task` / `_export_task` in `processes` spawned workers (app/data/fanout.py), or here with
+    """Runs `_count_task` / `_export_task` in `processes` spawned workers (app.data.fanout), or here with
     the caller's own exporter when one process is asked for."""
 
     def __init__(self, processes: int, initargs: tuple, local: Exporter):

@@ -2,13 +2,13 @@
 
 Why one list: a format's name used to be spelled in six places (the exporter's tuples, the trainer module's
 tuples and its class table, the CLI's choices, the format checks, the docs' tables) with nothing tying them
-together. Now the CLI's `--format` choices, the exporter's checks (`Exporter`, app/data/export.py) and the
+together. Now the CLI's `--format` choices, the exporter's checks (`Exporter`, app.data.export) and the
 summary table in docs/formats.md are read from `FORMATS`, and tests/data/test_export_formats.py holds the docs'
 and the README's tables to it.
 
 This module imports nothing heavy (the CLI reads it for `--help`): a writer class is named as
 `module:Class` and imported by `writer_class()` when an export starts; a format's optional dependencies are
-imported by `require()` (app/packages.py) before any work, so a missing one is one line with the pip command, not a traceback
+imported by `require()` (app.packages) before any work, so a missing one is one line with the pip command, not a traceback
 half-way through an export.
 """
 
@@ -34,7 +34,7 @@ class ExportFormat:
     final_norm: bool = False  # applies the target's final norm: reads the checkpoint (`--model`)
     keeps_unterminated: bool = True  # `--include-unterminated` is allowed (TEXT)
     file: str | None = None  # the one file holding every row, where the format writes one
-    requires: tuple[str, ...] = ()  # optional modules imported before any work (app/packages.py)
+    requires: tuple[str, ...] = ()  # optional modules imported before any work (app.packages)
 
     @property
     def needs_states(self) -> bool:

@@ -17,9 +17,9 @@ need only the ids and the loss mask for that -- which every run has, `--capture 
   states, and checks that the returned `token_ids` equal them.
 
 The ids are each record's `input_ids` whole and its `loss_mask` as stored: the target runs over every id here,
-so unlike a capture (app/data/export_states.py) no id lacks a state and nothing is cut. Shards are exported as
+so unlike a capture (app.data.export_states) no id lacks a state and nothing is cut. Shards are exported as
 soon as they are done; a `--capture staged` run's capture is not waited for. Sample numbering, resumability, the
-left-out counts and `token_freq.pt` are the hidden-state exports' (app/data/export_trainers.py): the row order is
+left-out counts and `token_freq.pt` are the hidden-state exports' (app.data.export_trainers): the row order is
 the same as theirs, so an online and an offline export of one run number their samples alike.
 """
 
@@ -34,7 +34,7 @@ from app.data.export_states import Sample
 from app.data.export_trainers import StateExport
 from app.errors import RegenError
 
-PROMPTS_FILE = "prompts.jsonl"  # app/data/export_formats.py names it as the format's one file
+PROMPTS_FILE = "prompts.jsonl"  # app.data.export_formats names it as the format's one file
 
 
 def token_sample(info, rec: dict) -> Sample:

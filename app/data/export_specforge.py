@@ -8,10 +8,10 @@ SpecForge's offline reader (`OfflineManifestReader`) walks the folder for `*.ckp
   the order of the draft config's `dflash_config.target_layer_ids` (DFlash id = vLLM id - 1). Equal lengths and
   at least two consecutive supervised tokens, or SpecForge refuses the sample.
 - `specforge-eagle3` (`eagle3/data.normalize_offline_sample`): `input_ids`, `loss_mask`, `hidden_state` bf16
-  [1, T, H] -- vLLM id N with the target's final RMSNorm applied (app/data/final_norm.py; SGLang hands SpecForge the
+  [1, T, H] -- vLLM id N with the target's final RMSNorm applied (app.data.final_norm; SGLang hands SpecForge the
   normed state) -- and `aux_hidden_state` bf16 [1, T, 3H], the three auxiliary layers as captured, ascending.
 
-`index` is the sample's number over the export (app/data/export_trainers.py); files are grouped 2000 to a folder as
+`index` is the sample's number over the export (app.data.export_trainers); files are grouped 2000 to a folder as
 SpecForge's own `prepare_hidden_states.py` does.
 """
 

@@ -7,7 +7,7 @@ export keeps the ids the states cover: `input_ids[:n]` and `loss_mask[:n]` with 
 states. The dropped id, on a finished sample the end-of-turn token (`<|im_end|>` on Qwen), is then not in the
 export and never a label. Should a capture ever cover every id, `n` is the full length and nothing is dropped.
 
-Layers. Exports name layers in vLLM ids (app/layers.py: id L = transformers `hidden_states[L]`, pre-final-norm;
+Layers. Exports name layers in vLLM ids (app.layers: id L = transformers `hidden_states[L]`, pre-final-norm;
 N = the layer count). A format takes *auxiliary* layers (every captured layer but N, unless `--layers` picks
 some) and, where it needs the target's final state (speculators' verifier slot, SpecForge EAGLE-3), vLLM id N.
 A run without a layer a format needs is refused in one line naming the layer and the `--layers` that would
@@ -100,7 +100,7 @@ def choose_layers(fmt: str, run_id: str, captured: list[int] | None, num_layers:
 
 
 def eagle3_aux(num_layers: int) -> list[int]:
-    """The eagle3 preset's auxiliary layers (app/layers.py), without the final layer."""
+    """The eagle3 preset's auxiliary layers (app.layers), without the final layer."""
     from app.layers import eagle3_preset
 
     return [v for v in eagle3_preset(num_layers) if v != num_layers]
@@ -119,7 +119,7 @@ class Sample:
     # What the format writes, built from the states by `StateExport.prepare` in the read-ahead thread (SpecForge:
     # the torch.save dict); None where the format builds nothing ahead
     tensors: dict | None = None
-    # the prompt it answers and its mode (app/modes.py), for the export's `samples.jsonl`
+    # the prompt it answers and its mode (app.modes), for the export's `samples.jsonl`
     prompt_id: str | None = None
     thinking: bool | None = None
 

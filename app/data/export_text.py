@@ -50,7 +50,7 @@ from app.modes import record_thinking
 from app.records import conversation_id, prompt_id
 
 UNTERMINATED = "unterminated_thinking"
-SPECFORGE_FILE = "regenerated.jsonl"  # app/data/export_formats.py names it as the format's one file
+SPECFORGE_FILE = "regenerated.jsonl"  # app.data.export_formats names it as the format's one file
 SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
 _THINK_MARKERS = ("<think>", "</think>")
 

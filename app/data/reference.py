@@ -5,14 +5,14 @@ model architecture it lacks), (2) the fleet's output must be checked against som
 capture path (`regen verify --reference`, the test suite), and (3) vLLM versions have shipped capture bugs that
 wrote all-zero states (docs/measured-facts.md, vLLM PR 46301). A straight transformers forward pass is the ground truth.
 
-Layer numbering is vLLM's (app/layers.py): id L = transformers `hidden_states[L]` = the output of decoder layer
+Layer numbering is vLLM's (app.layers): id L = transformers `hidden_states[L]` = the output of decoder layer
 L-1, and id N (the number of layers) is the last decoder layer's output *before* the final norm. We do not use
 `output_hidden_states=True` because transformers replaces its last entry with the *normed* output, which is not
 what vLLM (or any drafter trainer) reads; instead forward hooks on `model.model.layers[L-1]` record exactly the
 decoder-layer outputs. Only the base model runs (no lm_head: at 150K vocab the logits would cost more memory
 than the states), and the pass stops right after the deepest requested layer.
 
-States come back as uint16 bf16 bit patterns `[T, L, H]`, the same representation app/hidden_file.py stores,
+States come back as uint16 bf16 bit patterns `[T, L, H]`, the same representation app.hidden_file stores,
 so a comparison needs no torch on the reading side.
 """
 

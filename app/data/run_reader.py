@@ -1,6 +1,6 @@
 """One reading API over a run on storage, shared by verify, stats, export and the PyTorch Dataset.
 
-Why one module: the rules for what a run's data *is* live in app/storage.py (a shard's output is exactly the
+Why one module: the rules for what a run's data *is* live in app.storage (a shard's output is exactly the
 files its completion marker names; staged runs take hidden states from the `captured/` marker instead), and
 every reader must apply them the same way. Nothing here lists `shards/` directly: files no marker names
 are leftovers of losing attempts and are never data.

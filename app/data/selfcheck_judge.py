@@ -1,10 +1,10 @@
-"""The judging side of `regen selfcheck`: one mode's captures (workers/engine/selfcheck.py's file) held to five checks.
+"""The judging side of `regen selfcheck`: one mode's captures (workers.engine.selfcheck's file) held to five checks.
 
 - `ids`: each capture's token ids are the request's prompt + output ids but the last (inline) and the same ids
   for the staged pass: the engine's bookkeeping matches what it was given and made;
-- `rows`: no all-zero or non-finite row in any layer (app/states_compare.row_problems);
+- `rows`: no all-zero or non-finite row in any layer (app.states_compare.row_problems);
 - `reference`: every inline capture against transformers on the same device, row by row with the shift and
-  layer tests (app/states_compare.compare, REL_BOUND);
+  layer tests (app.states_compare.compare, REL_BOUND);
 - `duplicate`: the duplicate request's states compare equal to its original's over the ids both have (its
   tokens may differ after a while: a batch's numerics are not batch-invariant, and a near-uniform random model
   samples differently on the least difference; that is noted, not failed);

@@ -53,7 +53,7 @@ class RunStats:
     sources: dict[str, Group] = field(default_factory=lambda: defaultdict(Group))
     modes: dict[str, Group] = field(default_factory=lambda: defaultdict(Group))  # thinking / non_thinking
     source_modes: dict[tuple[str, str], Group] = field(default_factory=lambda: defaultdict(Group))  # (source, mode)
-    run_modes: tuple[str, ...] = ("thinking",)  # the modes the run's samples can be in (app/modes.run_modes)
+    run_modes: tuple[str, ...] = ("thinking",)  # the modes the run's samples can be in (app.modes.run_modes)
     mode_of: list[str] = field(default_factory=list)  # each sample's mode, beside prompt / reasoning / answer
     prompt: list[int] = field(default_factory=list)
     reasoning: list[int] = field(default_factory=list)
@@ -62,7 +62,7 @@ class RunStats:
     speed: list[tuple[str, str, float]] = field(default_factory=list)  # (worker, finished ISO time, tokens/s)
     states_dtype: str = "bf16"
     states_bound: float = 0.0
-    states_errors: LayerErrors | None = None  # lossy runs: the recorded error per layer (app/states_bound.py)
+    states_errors: LayerErrors | None = None  # lossy runs: the recorded error per layer (app.states_bound)
     part: str | None = None  # `I/N` when only that part's shards were read
     engine_modes: ModeCounts = field(default_factory=ModeCounts)  # samples and capture checks per engine mode
 

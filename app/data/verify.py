@@ -4,10 +4,10 @@ Why: the failures that hurt drafter training are silent (all-zero states from a 
 copy, a shard that never ran). Every check here needs only the run itself: markers name files with sizes and
 sha256, hidden files carry per-part CRCs, records carry the ids the states must belong to, and the producer's
 counts must add up with what the workers wrote. `--reference N` additionally recomputes N samples' states
-with plain transformers (app/data/reference.py), independent of vLLM's capture path, and judges them row by row
-(app/data/verify_reference.py). A run with a lossy
+with plain transformers (app.data.reference), independent of vLLM's capture path, and judges them row by row
+(app.data.verify_reference). A run with a lossy
 `--states-dtype` promises a bound on each token's relative error: every lossy sample's recorded error is held
-to it (app/states_bound.py), and the reference comparison allows it on top of the capture tolerance.
+to it (app.states_bound), and the reference comparison allows it on top of the capture tolerance.
 
 Problems are `error` (exit 1) or `warning` (`--strict` makes warnings fail too). An incomplete run (shards
 dead-lettered or without a marker, a producer that has not finished) is an error: a run that lacks samples is
@@ -17,7 +17,7 @@ not the dataset that was asked for, and the report's first line says how many sa
 `--sample N` (or a fraction, `--sample 0.01`) is verify at a real run's scale (~60-130 TB of states for 914K
 samples of a 27B target): markers, sizes, records, masks, the hidden files' indexes and the accounting are checked
 for every shard, and the states of only N samples, spread over workers and shards, are decoded
-(app/data/verify_sampled.py); the report says what was and was not read.
+(app.data.verify_sampled); the report says what was and was not read.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class VerifyReport:
     reference: dict | None = None
     incomplete: dict | None = None  # what is missing and why (None when the run is complete)
     sampled: dict | None = None  # what a sampled verify read and did not read
-    modes: ModeCounts | None = None  # samples and capture checks per engine mode (app/data/engine_modes.py)
+    modes: ModeCounts | None = None  # samples and capture checks per engine mode (app.data.engine_modes)
     part: str | None = None  # `I/N` when only that part's shards were checked (verify_run says what that means)
 
     def headline(self) -> str | None:
@@ -337,7 +337,7 @@ def check_turns(res: ShardResult, turns: dict[str, list[dict]]) -> None:
 
 def _expected_sizes(reader: RunReader, counts: dict) -> dict[str, int]:
     """Samples the producer put in each shard: shard_size each, the last of each pass (one pass per sample of a
-    prompt, producer/produce.sample_shards) the remainder."""
+    prompt, producer.produce.sample_shards) the remainder."""
     n, size, enq = int(counts.get("shards") or 0), int(reader.settings.get("shard_size") or 0), counts.get("enqueued")
     if not n or not size or enq is None:
         return {}

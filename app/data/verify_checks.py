@@ -1,5 +1,5 @@
 """What checking one shard finds, and the check of one sample's states: shared by `regen verify`'s full pass
-(app/data/verify.py) and its sampled one (app/data/verify_sampled.py), so neither imports the other for them.
+(app.data.verify) and its sampled one (app.data.verify_sampled), so neither imports the other for them.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class ShardResult:
 
 def check_mode(res: ShardResult, rec: dict, settings: dict) -> bool:
     """A mixed run's record against its mode: its prompt ids must end as the target's template ends that mode's
-    generation prompt (the tails the producer measured, app/modes.py; Qwen3: a non-thinking prompt ends in the
+    generation prompt (the tails the producer measured, app.modes; Qwen3: a non-thinking prompt ends in the
     empty think block), and its reasoning must be what the mode allows (none without thinking). True: clean."""
     from app.modes import prompt_ends_in_mode, record_mode, record_thinking
 

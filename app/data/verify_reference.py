@@ -1,6 +1,6 @@
 """`regen verify --reference N`: N stored samples recomputed with plain transformers and judged row by row.
 
-The judgement is app/states_compare.py's, the same the worker-side re-capture uses: each token's error relative
+The judgement is app.states_compare's, the same the worker-side re-capture uses: each token's error relative
 to its reference row under a measured bound (REL_BOUND = 2^-3: 1.45x the worst GPU-vs-CPU bf16 difference of one
 model at 64 layers x 5120; vLLM and transformers agree to ~1.2% of the row on these CPUs on a model without a
 dominant channel, 2-3e-5 with one), each row nearer its own counterpart than its

@@ -8,7 +8,7 @@ Workers: `control.ping` finds the workers that answer, then `inspect().active(sa
 run; `safe` returns the short `kwargsrepr` the producer sets instead of a shard's prompts. regen's workers
 answer mid-shard (thread pool), but a solo-pool worker does not (docs/measured-facts.md), and a busy host may miss the
 timeout, so a silent worker is not a dead one: status then falls back to the newest attempt file it wrote
-(app/ops/status.py). The broker is pinged with a plain Redis client first, so an
+(app.ops.status). The broker is pinged with a plain Redis client first, so an
 unreachable broker gives a one-line error at once instead of Celery's endless connection retries.
 """
 
@@ -83,7 +83,7 @@ def live_workers(url: str, timeout: float = 1.0) -> tuple[dict[str, dict], str |
 
 def overlay(status: dict, broker_url: str, lengths: dict[str, int], unacked: int | None, live: dict[str, dict] | None,
             errors: list[str], now: float) -> dict:
-    """Lay the broker's view over a storage-derived run status (app/ops/status.py) in place; returns it.
+    """Lay the broker's view over a storage-derived run status (app.ops.status) in place; returns it.
 
     A worker that answered is authoritative about what it runs now (its `state` running or idle, never dead), and
     its `last_seen` is now. `live` None

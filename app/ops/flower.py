@@ -6,11 +6,11 @@ Why Flower needs its own app module:
   `celery`: its Broker page and `/api/queues/length` listed one queue, `celery`, with 0 messages, while
   shards waited in `regen`.
 - `celery -A workers.celery_worker flower` answered "'redis' broker is not supported": the worker's app runs on
-  the guarded transport (workers/process/message_guard.py, `broker_transport` given as a class path), and kombu's
+  the guarded transport (workers.process.message_guard, `broker_transport` given as a class path), and kombu's
   `Connection.as_uri()` then starts the URL with that class path instead of `redis://`; Flower picks its broker
   client by that URL's scheme (flower/utils/broker.py, `Broker`) and finds none. Flower does not consume tasks,
   so it needs neither the guard nor the worker's tasks and signals: this app is `create_app` on the same
-  settings (app/celery_app.py), plus the queues below.
+  settings (app.celery_app), plus the queues below.
 - Flower 2.2 lists the queues the workers it knows consume (their `active_queues`) or, while it knows none, the
   app's default queue and `task_queues` (`BaseHandler.get_active_queue_names`). A backlog on a queue no live
   worker consumes (`regen.capture` before a staged worker starts, a run produced with `--queue team-b`) would
@@ -25,7 +25,7 @@ storage keeps Flower storage-free (its container mounts none) and sees a queue t
 published to it. A queue stays listed (at 0) until its binding set is deleted (`redis-cli DEL
 _kombu.binding.NAME`).
 
-The broker URL comes from regen's settings (`REGEN_BROKER_URL`, app/settings.py); Celery lets
+The broker URL comes from regen's settings (`REGEN_BROKER_URL`, app.settings); Celery lets
 `CELERY_BROKER_URL` win where it is set. A `rediss://` URL's `ssl_*` query settings become `broker_use_ssl`,
 which Flower's Redis client needs for TLS.
 """

@@ -1,5 +1,5 @@
-"""`regen status`'s report: each run's storage-derived status (app/ops/status.summarise) with the broker's view
-laid over it (queue lengths, unacked messages, live workers: app/ops/fleet.overlay) and the pilot's forecast
+"""`regen status`'s report: each run's storage-derived status (app.ops.status.summarise) with the broker's view
+laid over it (queue lengths, unacked messages, live workers: app.ops.fleet.overlay) and the pilot's forecast
 beside a run that was produced with one; or, without a run, one line per run under the root.
 """
 
@@ -21,7 +21,7 @@ def collect(storage_root: str, run_id: str | None, broker_url: str, inspect_time
     scanners = {} if scanners is None else scanners
     storage = Storage(storage_root)
     runs = [run_id] if run_id else list_runs(storage)
-    now = shared_now(broker_url)  # the clock leases are written on (app/clock.py)
+    now = shared_now(broker_url)  # the clock leases are written on (app.clock)
     statuses = []
     for rid in runs:
         if rid not in scanners:

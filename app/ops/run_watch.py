@@ -32,13 +32,13 @@ LOST_CHECK_S = 15.0  # how often `regen run` asks whether the broker lost a shar
 
 
 class LostShardWatch:
-    """Re-sends the run's shards whose messages the broker lost (app/ops/fleet.lost_from_broker): a worker killed
+    """Re-sends the run's shards whose messages the broker lost (app.ops.fleet.lost_from_broker): a worker killed
     between kombu's pop of a message and its unacked record leaves a shard nothing will deliver, and the run
     would wait forever. It re-sends only what two checks LOST_CHECK_S apart both found lost (a message is
     between the pop and the record for microseconds), through `regen reconcile`'s own path.
 
     Each check also moves back the messages of shards whose every attempt died holding them (a local worker
-    SIGKILLed: its unacked messages would wait for the visibility timeout; app/dead_holders.py), listed in
+    SIGKILLed: its unacked messages would wait for the visibility timeout; app.dead_holders), listed in
     `resent_dead`."""
 
     def __init__(self, store: RunStore, broker_url: str, resend):

@@ -1,17 +1,17 @@
 """What a run has done, read from its storage markers alone; `regen status` and `regen metrics` share it.
 
 Why storage and not Redis: Redis delivers at least once and forgets a message when it is acked, so only the
-markers know what is done (datatrove's `jobs_status` reads markers the same way). Each shard's stage key (app/ledger.py:
+markers know what is done (datatrove's `jobs_status` reads markers the same way). Each shard's stage key (app.ledger:
 the shard itself, and its own key for the staged capture stage) is in exactly one state, decided in this order:
 
     done       its completion marker exists (`done/` or, for capture, `captured/`)
     dead       it was dead-lettered (`dead/`)
-    running    an attempt of it is alive (app/liveness.py: its process runs, seen from its own host, or it renewed
+    running    an attempt of it is alive (app.liveness: its process runs, seen from its own host, or it renewed
                its lease within `lease_s` on the fleet's shared clock; records without a lease: started less
                than `stale_after` seconds ago)
     failed     some attempt recorded an error (Celery retries it, or it waits for `regen reconcile`)
     stale      every attempt's process is dead and none failed (a killed worker, a dead host: the fleet re-sends
-               it, app/dead_holders.py; `held_by_dead` names them and the host that held them)
+               it, app.dead_holders; `held_by_dead` names them and the host that held them)
     waiting    no attempt yet (queued in Redis, or lost with it)
 
 Done markers and dead letters never change once written, so `RunScanner` caches them between scans (a
@@ -138,7 +138,7 @@ def shard_states(scan: RunScan, now: float, stale_after: float, capture: bool = 
         elif not attempts:
             states[key] = "waiting"
         elif any(attempt_state(a, now, stale_after) == "alive" for a in attempts):
-            # an attempt renewed its lease within it (app/liveness.py; on the fleet's shared clock, `now`)
+            # an attempt renewed its lease within it (app.liveness; on the fleet's shared clock, `now`)
             states[key] = "running"
         elif any("error" in a for a in attempts):
             states[key] = "failed"
@@ -178,9 +178,9 @@ def blank_worker(name: str, source: str) -> dict:
 
 
 def _workers(scan: RunScan, now: float, stale_after: float) -> dict[str, dict]:
-    """Per worker, from markers and attempt files (the broker's view is laid over this by app/ops/fleet.py).
+    """Per worker, from markers and attempt files (the broker's view is laid over this by app.ops.fleet).
 
-    Each attempt is judged by its own liveness (app/liveness.py), never by its shard's state: a worker's current
+    Each attempt is judged by its own liveness (app.liveness), never by its shard's state: a worker's current
     shard is its newest attempt that is alive on a key without marker or dead letter, so a dead host holds none
     although a live one may run the same shard. `state`: `running` (an attempt of it is alive), `dead` (its newest attempt's process died holding the
     shard: neither its output nor an error of its own), else `idle` (finished or failed its last shard: alive
@@ -230,7 +230,7 @@ def _workers(scan: RunScan, now: float, stale_after: float) -> dict[str, dict]:
 
 def held_by_dead(scan: RunScan, states: dict[str, str], now: float, stale_after: float) -> list[dict]:
     """The keys (shards, or staged capture keys) whose newest attempt's process died holding them, none alive,
-    no marker, no dead letter (app/dead_holders.died_holding, the rule the fleet re-sends them by). Each names
+    no marker, no dead letter (app.dead_holders.died_holding, the rule the fleet re-sends them by). Each names
     the worker and host of that attempt and its last heartbeat."""
     out = []
     for key, state in sorted(states.items()):

@@ -1,5 +1,5 @@
 """TEST ONLY: a fault injector in the capture path, so the tests can show that the capture check
-(workers/shard/capture_check.py) catches each way a capture is known to go wrong.
+(workers.shard.capture_check) catches each way a capture is known to go wrong.
 
 Never on in production. It runs only where `REGEN_FAULT_INJECTION_FOR_TESTS` names a JSON file
 `{run id: fault}` (the tests' session worker sets it); a worker that has it logs an error line at start and on

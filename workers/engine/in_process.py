@@ -5,7 +5,7 @@ finishes, so compression and packing of early samples overlap generation of the 
 not idle on I/O between shards.
 
 On the CPU (docs/measured-facts.md) the engine core runs in-process (start-up 5-7 s instead of ~40 s of
-spawning), in a process of the worker's that does nothing else (workers/engine/process.py), so no side work
+spawning), in a process of the worker's that does nothing else (workers.engine.process), so no side work
 holds its GIL. In-process, the capture connector writes a request's states on a *later* engine step, so the
 loop keeps stepping until the file exists; with a separate engine-core process (GPUs) it waits on vLLM's file
 lock instead.
@@ -102,7 +102,7 @@ class InProcessEngine(Engine):
 
     @property
     def delivery_thread_id(self) -> int | None:
-        """The delivery thread's native id (the worker lowers its scheduling priority: workers/engine/scheduling.py)."""
+        """The delivery thread's native id (the worker lowers its scheduling priority: workers.engine.scheduling)."""
         return self._delivery.native_id
 
     def _own_engine(self, built: threading.Event, failure: list) -> None:
@@ -118,7 +118,7 @@ class InProcessEngine(Engine):
         self._loop()
 
     # The engine thread ------------------------------------------------------------------------------
-    # Tasks run in Celery's thread pool (the worker's task slots, workers/process/devices.py), so one shard can be
+    # Tasks run in Celery's thread pool (the worker's task slots, workers.process.devices), so one shard can be
     # written to storage while the next one is already generating. vLLM is driven by one dedicated thread; tasks hand it jobs and wait.
     def run(self, requests: list[GenRequest], on_done: Callable[[GenResult], None]) -> EngineSpan | None:
         """Generate every request (continuous batching) and call `on_done` as each one finishes.
@@ -134,7 +134,7 @@ class InProcessEngine(Engine):
                     on_results: Callable[[list[GenResult]], None]) -> EngineSpan | None:
         """As `run`, but `on_results` gets every result of this batch that one delivery round hands on, at once.
 
-        The engine process's way (workers/engine/process.py): one pipe message per round instead of one per sample.
+        The engine process's way (workers.engine.process): one pipe message per round instead of one per sample.
         """
         check_capture_requests(self.options, requests)
         if not requests:
@@ -145,7 +145,7 @@ class InProcessEngine(Engine):
         """Run `fn(llm, *args)` on the engine thread, between steps, once nothing is in the engine; return its result.
 
         Jobs that arrive meanwhile wait until it returns. What it is for: the fleet bench's in-process baseline
-        (`LLM.generate` on this very engine, workers/process/bench_task.py), which must not run beside the engine
+        (`LLM.generate` on this very engine, workers.process.bench_task), which must not run beside the engine
         thread: vLLM is not thread-safe, and a second thread running torch ops slows an OpenMP CPU engine.
         """
         return self._submit(ExclusiveCall(fn, args)).result

@@ -1,7 +1,7 @@
-"""What every engine a worker holds offers: `Engine`, implemented in this process (workers/engine/in_process.py)
-and in a child process of its own (workers/engine/process.py).
+"""What every engine a worker holds offers: `Engine`, implemented in this process (workers.engine.in_process)
+and in a child process of its own (workers.engine.process).
 
-The worker's code (workers/process/context.py, engine_watch.py, bench_task.py; workers/shard/generate.py,
+The worker's code (workers.process.context, engine_watch.py, bench_task.py; workers.shard.generate,
 capture_stage.py) holds "an engine" and uses only this, so where the engine runs (a GPU worker's, beside vLLM's
 own engine core; a CPU worker's, in a process that does nothing else) is decided once, when the worker builds it.
 """
@@ -23,13 +23,13 @@ class Engine(Protocol):
 
     @property
     def dead(self) -> str | None:
-        """Why the engine died, or None while it runs (the watchdog, workers/process/engine_watch.py, polls it)."""
+        """Why the engine died, or None while it runs (the watchdog, workers.process.engine_watch, polls it)."""
         ...
 
     @property
     def delivery_thread_id(self) -> int | None:
         """The native id of the thread that calls `on_done` (the worker lowers its priority:
-        workers/engine/scheduling.py)."""
+        workers.engine.scheduling)."""
         ...
 
     def run(self, requests: list[GenRequest], on_done: Callable[[GenResult], None]) -> EngineSpan | None:

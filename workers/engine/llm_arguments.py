@@ -2,16 +2,16 @@
 
 The worker's engine, the fleet bench's direct baseline and the reference-capture test all build vLLM from
 `llm_kwargs`, so they run on the same settings. Settings chosen from the model's config (prefix caching,
-hybrids, multimodal wrappers) are in workers/engine/settings.py; the operator's own (`--vllm-arg`) in
-app/vllm_args.py, applied last.
+hybrids, multimodal wrappers) are in workers.engine.settings; the operator's own (`--vllm-arg`) in
+app.vllm_args, applied last.
 
 CPU specifics (docs/measured-facts.md): chunked prefill off (per-request seeds crash it) and
 `gpu_memory_utilization` a fraction of RAM (~0.1).
 
 An engine has one `speculative_config`: a capture engine's is vLLM's `extract_hidden_states`, a generation
-engine's may be the run's `--speculative` (app/speculative.py). The two never meet: a capture engine given the
+engine's may be the run's `--speculative` (app.speculative). The two never meet: a capture engine given the
 speculative setting is refused here, and the manifest's and operator's arguments, applied last, cannot carry a
-`speculative_config` into a capture engine (app/vllm_args.py refuses it).
+`speculative_config` into a capture engine (app.vllm_args refuses it).
 """
 
 from __future__ import annotations

@@ -18,20 +18,20 @@ class EngineOptions:
     max_num_seqs: int = 64
     gpu_memory_utilization: float = 0.1
     # KV cache size in bytes. None: on a GPU vLLM sizes it from gpu_memory_utilization; on the CPU it is
-    # CPU_KV_CACHE_BYTES (workers/engine/llm_arguments.py).
+    # CPU_KV_CACHE_BYTES (workers.engine.llm_arguments).
     kv_cache_memory_bytes: int | None = None
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
     in_process: bool = True
-    # The engine (built in-process) lives in a child process of the worker (workers/engine/process.py), so the
+    # The engine (built in-process) lives in a child process of the worker (workers.engine.process), so the
     # worker's side work never holds the GIL the engine's steps need. The CPU preset turns it on.
     host_process: bool = False
     scratch_dir: str = "/tmp/regen-capture"
     dtype: str = "bfloat16"
     extra: dict = field(default_factory=dict)
-    # The operator's `--vllm-arg KEY=VALUE`s, as given (app/vllm_args.py parses them with vLLM's parser).
+    # The operator's `--vllm-arg KEY=VALUE`s, as given (app.vllm_args parses them with vLLM's parser).
     vllm_args: list[str] = field(default_factory=list)
-    # Speculative generation ("mtp:K", app/speculative.py): a generation engine's only; llm_kwargs refuses it
+    # Speculative generation ("mtp:K", app.speculative): a generation engine's only; llm_kwargs refuses it
     # beside capture_layers.
     speculative: str | None = None
 

@@ -51,7 +51,7 @@ PROCESS_NAME = "regen-host"  # the engine process's OS-level name (15 bytes at m
 
 
 class EngineProcess(Engine):
-    """An `Engine` (workers/engine/interface.py) whose `InProcessEngine` runs in a child process of this one."""
+    """An `Engine` (workers.engine.interface) whose `InProcessEngine` runs in a child process of this one."""
 
     def __init__(self, options: EngineOptions):
         self.options = options
@@ -93,7 +93,7 @@ class EngineProcess(Engine):
 
     @property
     def delivery_thread_id(self) -> int | None:
-        """The thread that reads results and capture files and calls `on_done` (workers/engine/scheduling.py idles it)."""
+        """The thread that reads results and capture files and calls `on_done` (workers.engine.scheduling idles it)."""
         return self._receiver.native_id
 
     def run(self, requests: list[GenRequest], on_done: Callable[[GenResult], None]) -> EngineSpan | None:
@@ -238,7 +238,7 @@ def exit_status(code: int | None) -> str:
 # The child process ----------------------------------------------------------------------------------------
 def _serve(options: EngineOptions, conn, parent_pid: int, settings: Settings) -> None:
     """The engine process's main: build the engine, then run what the worker sends until told to stop. It runs
-    under the worker's settings (app/settings.py), handed over rather than read again."""
+    under the worker's settings (app.settings), handed over rather than read again."""
     install(settings)
     _die_with_parent(parent_pid)
     name_thread(PROCESS_NAME)  # the main thread's name is the process's: `ps`, `top` and tests tell it apart

@@ -1,8 +1,8 @@
 """A sample's states captured again on the engine that made them, and compared with what is stored.
 
-The core of the capture check (workers/shard/capture_check.py says which samples and why) and of the engine's
-self-test (workers/engine/self_test.py): the stored ids go through a prefill-only pass (max_tokens=1) in a batch
-of their own, and each re-capture is judged against the stored states by app/states_compare.compare (the
+The core of the capture check (workers.shard.capture_check says which samples and why) and of the engine's
+self-test (workers.engine.self_test): the stored ids go through a prefill-only pass (max_tokens=1) in a batch
+of their own, and each re-capture is judged against the stored states by app.states_compare.compare (the
 re-capture is the reference, the stored states the candidate). An item marked `duplicate` is sent twice in the
 batch: equal requests must give equal states.
 """

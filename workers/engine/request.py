@@ -35,7 +35,7 @@ class GenResult:
     captured_states: np.ndarray | None = None  # uint16 bf16 bit patterns [T, L, H]
     seconds: float = 0.0
     # An engine process's engine leaves the capture file for the worker process to read and remove
-    # (workers/engine/process.py).
+    # (workers.engine.process).
     capture_path: str | None = None
 
 

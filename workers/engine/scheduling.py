@@ -10,7 +10,7 @@ thread preempted; a batch thread never preempts on waking and still gets a thin,
 Linux sets the policy per thread and a new thread inherits its creator's, so the main thread switches itself
 only after the engine thread (and its OpenMP team) exists; the delivery thread is switched by its id and
 encoder threads switch themselves as they start. With the CPU engine in its own process
-(workers/engine/process.py) that process switches its main and delivery threads once its engine thread exists,
+(workers.engine.process) that process switches its main and delivery threads once its engine thread exists,
 and the worker process switches after spawning it, so the engine's process starts at normal priority.
 """
 
@@ -36,7 +36,7 @@ def side_threads_policy(device: str) -> str | None:
     """How this worker's side threads yield to the engine: IDLE, BATCH, or None (the normal policy).
 
     By default SCHED_BATCH at nice 19 on the CPU only; `REGEN_SIDE_THREADS=idle|batch|normal` chooses (read
-    with the process's settings, app/settings.py)."""
+    with the process's settings, app.settings)."""
     choice = current().side_threads
     if choice in (IDLE, BATCH):
         return choice

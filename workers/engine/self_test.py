@@ -12,10 +12,10 @@ thinking-mode sampling for a worker started without `--run`):
 - a prompt longer than the engine's `max_num_batched_tokens`, so its prefill is split into chunks where chunked
   prefill is on (as long as `max_model_len` allows where it is off: the CPU preset's);
 and checks, by name: `tokens` (every request generated), `ids` (the capture covers exactly the request's prompt
-and output), `rows` (no zero or non-finite row in any layer, app/states_compare.row_problems), `duplicate`
-(equal requests equal), and `recapture`: the capture check of workers/shard/capture_check.py over them, each
+and output), `rows` (no zero or non-finite row in any layer, app.states_compare.row_problems), `duplicate`
+(equal requests equal), and `recapture`: the capture check of workers.shard.capture_check over them, each
 re-captured in a prefill-only batch of its own and compared row by row. A failure raises `SelfTestFailed`: one
-line naming the check and the engine mode (workers/engine/engine_mode.py).
+line naming the check and the engine mode (workers.engine.engine_mode).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def run_self_test(engine: Engine) -> float:
 
 def start_sampling(sampling: dict | None, device: str, captures: bool) -> dict:
     """The sampling the test generates with: the run's (`top_k` included), or the default thinking-mode one; a
-    setting the engine is known to crash on (workers/engine/limits.py) is left out only from that default."""
+    setting the engine is known to crash on (workers.engine.limits) is left out only from that default."""
     from app.manifest import THINKING_SAMPLING
     from workers.engine.limits import unsupported
 

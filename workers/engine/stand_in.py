@@ -2,7 +2,7 @@
 
 Why: the fleet's own costs (broker round trips, storage writes, listings and fsyncs, attempt records, heartbeats,
 the dead-holder watch) at the job's size (14,282 shards) cannot be measured with a CPU engine making ~100 tokens
-a second, and no GPU runs here. `StandInEngine` implements the worker's `Engine` (workers/engine/interface.py),
+a second, and no GPU runs here. `StandInEngine` implements the worker's `Engine` (workers.engine.interface),
 so `regen worker --stand-in-engine SPEC` runs the real worker around it (Celery, delivery, guards, records,
 markers, heartbeats, the dead-holder watch): only the engine is replaced. It is not a model of vLLM's behaviour;
 it is a device that produces token ids at a configured rate.
@@ -354,7 +354,7 @@ class StandInEngine:
 @dataclass(frozen=True)
 class StandInConfig:
     """The engine configuration a stand-in holds, in the shape the worker reads a built engine's
-    (`llm_engine.vllm_config`): no speculative method (workers/engine/llm_arguments.held_speculative)."""
+    (`llm_engine.vllm_config`): no speculative method (workers.engine.llm_arguments.held_speculative)."""
 
     speculative_config: None = None
 

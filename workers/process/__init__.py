@@ -2,7 +2,7 @@
 
 plan.py               what `regen worker` starts: one WorkerConfig per GPU group (or the CPU), from flags and a run
 supervisor.py         starts the worker children (`python -m workers.worker_main`, their environment from
-                      app/process_env.py), restarts one that dies
+                      app.process_env), restarts one that dies
 devices.py            device classes, their engine presets, GPU pinning, task slots and encoder threads
 context.py            `WorkerConfig` and `WorkerContext`: the config, model, engine and encoder pool a process holds
 inflight.py           the in-flight ledger: the shards this process runs now, their attempts' leases, temporaries

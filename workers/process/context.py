@@ -1,8 +1,8 @@
 """What one worker process holds for its whole life: the engine, the model's identity and its settings.
 
 Built once per process (never per task) from `REGEN_WORKER_CONFIG`, a JSON object the supervisor (`regen worker`)
-puts in the child's environment together with `CUDA_VISIBLE_DEVICES` (app/process_env.py), and which the
-child's settings carry (app/settings.py).
+puts in the child's environment together with `CUDA_VISIBLE_DEVICES` (app.process_env), and which the
+child's settings carry (app.settings).
 """
 
 from __future__ import annotations
@@ -41,15 +41,15 @@ class WorkerConfig:
     storage: str | None = None  # overrides the storage URL in messages (hosts may mount NFS elsewhere)
     hostname: str = field(default_factory=socket.gethostname)
     max_attempts: int = 5  # failed attempts (the shard's own errors) before a dead letter
-    max_crashes: int = 10  # processes that died holding the shard before a dead letter (app/ledger.py)
+    max_crashes: int = 10  # processes that died holding the shard before a dead letter (app.ledger)
     engine: dict = field(default_factory=dict)
-    task_slots: int = 3  # Celery thread-pool slots (workers/process/devices.task_slots_for)
-    encode_threads: int = 2  # threads checking and compressing hidden states (workers/process/devices.encode_threads_for)
+    task_slots: int = 3  # Celery thread-pool slots (workers.process.devices.task_slots_for)
+    encode_threads: int = 2  # threads checking and compressing hidden states (workers.process.devices.encode_threads_for)
     self_test: bool = True
-    # The sampling the engine self-test generates with (workers/engine/self_test.py): the run's, when the worker
+    # The sampling the engine self-test generates with (workers.engine.self_test): the run's, when the worker
     # was started with --run; None: the default thinking-mode sampling.
     self_test_sampling: dict | None = None
-    # Benchmarks and tests only: an engine standing in for a GPU (workers/engine/stand_in.py), its spec text.
+    # Benchmarks and tests only: an engine standing in for a GPU (workers.engine.stand_in), its spec text.
     stand_in: str | None = None
 
     @classmethod
@@ -181,7 +181,7 @@ class WorkerContext:
         self.engine_mode = read_mode(self.engine)
         self.engine_mode_key = mode_key(self.engine_mode)
         log.info("engine mode: %s (%s)", self.engine_mode_key, self.engine_mode)
-        self.capture_checks = EngineChecks()  # the capture check's counts (workers/engine/recapture.py)
+        self.capture_checks = EngineChecks()  # the capture check's counts (workers.engine.recapture)
         from workers.engine.capture_faults_for_tests import process_injector
 
         self.faults_for_tests = process_injector()  # None but in the tests; it says so in the log at once
@@ -209,7 +209,7 @@ class WorkerContext:
 
     @functools.cached_property
     def engine_record(self) -> dict:
-        """What attempt records say about this worker's engine (app/ledger.record_attempt)."""
+        """What attempt records say about this worker's engine (app.ledger.record_attempt)."""
         from app.manifest import software_versions
         from app.speculative import describe_engine_config
 

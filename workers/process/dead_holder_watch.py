@@ -1,4 +1,4 @@
-"""A worker's periodic check for shards held by dead processes (app/dead_holders.py), while it has a free task slot.
+"""A worker's periodic check for shards held by dead processes (app.dead_holders), while it has a free task slot.
 
 Why a free slot: a worker that could take a shard is the one that would take a re-sent one. While the queue
 holds shards every slot of every worker is full (each fetches as many messages as it has slots), so the check
@@ -12,8 +12,8 @@ its markers and attempts on storage, so a check costs O(shards held) storage ope
 O(workers), and every worker with a free slot checking on its own made the tail cost O(workers^2) storage
 operations a period (at 1,000 GPUs: 10,000 shards held, a few operations each, times every worker with a free
 slot, once a minute: docs/performance.md has the measured figures). So a worker first takes the period's turn in Redis
-(`SET NX` with the period as expiry, app/dead_holders.take_turn), and keeps it while it asks again in time; one
-check per period per broker re-sends all that dead processes hold. The claim per re-send (app/dead_holders.py) still keeps
+(`SET NX` with the period as expiry, app.dead_holders.take_turn), and keeps it while it asks again in time; one
+check per period per broker re-sends all that dead processes hold. The claim per re-send (app.dead_holders) still keeps
 two checks from re-sending one shard twice.
 
 Every `CHECK_LEASES` lease lengths (with up to a heartbeat of jitter) a worker with a free slot asks for the turn;

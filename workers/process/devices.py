@@ -26,7 +26,7 @@ class Device:
 
 
 # max_num_seqs, gpu_memory_utilization, enforce_eager, in_process engine core, host_process: the in-process
-# engine in a child process of the worker (workers/engine/process.py); GPU engines already run in vLLM's own
+# engine in a child process of the worker (workers.engine.process); GPU engines already run in vLLM's own
 # engine-core process
 PRESETS: dict[str, dict] = {
     "cpu": {"max_num_seqs": 64, "gpu_memory_utilization": 0.1, "enforce_eager": True, "in_process": True,
@@ -35,7 +35,7 @@ PRESETS: dict[str, dict] = {
     "sm_100": {"max_num_seqs": 512, "gpu_memory_utilization": 0.92, "enforce_eager": False, "in_process": False},
     "sm_120": {"max_num_seqs": 128, "gpu_memory_utilization": 0.90, "enforce_eager": False, "in_process": False},
     "sm_other": {"max_num_seqs": 128, "gpu_memory_utilization": 0.88, "enforce_eager": False, "in_process": False},
-    # benchmarks and tests only: the engine standing in for a GPU (workers/engine/stand_in.py), a B200's batch
+    # benchmarks and tests only: the engine standing in for a GPU (workers.engine.stand_in), a B200's batch
     "stand-in": {"max_num_seqs": 512, "gpu_memory_utilization": 0.92, "enforce_eager": True, "in_process": True},
 }
 
@@ -89,7 +89,7 @@ CORES_PER_ENGINE = 2  # a GPU engine's own processes: the engine core's busy loo
 
 
 def encode_threads_for(device_class: str, workers_on_host: int, cpus: int | None = None) -> int:
-    """Threads one worker uses to check and compress finished samples' hidden states (workers/shard/generate.py).
+    """Threads one worker uses to check and compress finished samples' hidden states (workers.shard.generate).
 
     A real model's sample is large ([4000 tokens, 5 layers, 5120] bf16 = 205 MB) and checking plus encoding it
     takes ~0.45 s of one core (~550 MB/s). A B200 finishing a few such samples a second needs several threads, or

@@ -2,11 +2,11 @@
 
 Why: a task sees a dead engine only when it hands the engine work. An idle worker whose engine died went on
 taking shards from the queue, each of which then failed at once (17 s after the death in one fault run, when the
-next shard came). The watchdog polls the worker's `Engine.dead` (workers/engine/interface.py) every POLL_SECONDS.
-The CPU worker's `EngineProcess` (workers/engine/process.py) sets it the moment its child process's pipe closes; an
+next shard came). The watchdog polls the worker's `Engine.dead` (workers.engine.interface) every POLL_SECONDS.
+The CPU worker's `EngineProcess` (workers.engine.process) sets it the moment its child process's pipe closes; an
 `InProcessEngine` (GPUs) sets it when its own loop fails. On a death it asks Celery for a warm shutdown (SIGTERM to this process): the consumer
 stops, the prefetched messages go back to the queue (kombu restores a channel's unacked messages when it closes),
-a shard still running meets the dead engine and exits the process itself (workers/shard/delivery.py), and the supervisor
+a shard still running meets the dead engine and exits the process itself (workers.shard.delivery), and the supervisor
 starts a fresh worker.
 """
 

@@ -11,7 +11,7 @@ claims the shard; a second one in this process does not start an attempt:
 - the same message again (the visibility timeout restored it while it runs) is deferred with Celery's retry
   (a new message, some seconds later): acking it would ack the running delivery's message too.
 
-Leases: every claimed attempt's record gets a fresh `heartbeat` every `heartbeat_seconds()` (app/liveness.py),
+Leases: every claimed attempt's record gets a fresh `heartbeat` every `heartbeat_seconds()` (app.liveness),
 so other machines can tell a dead attempt from a slow one. Journal: each attempt is also a small file on local
 disk (`REGEN_STATE_DIR`, default /var/tmp/regen-UID/attempts) until it ends, so a worker starting on this host
 finds the attempts of its host's dead processes and removes their temporaries (`sweep_dead_attempts`). Entries
@@ -45,7 +45,7 @@ log = logging.getLogger("regen.inflight")
 
 
 def state_dir() -> str:
-    """This host's local journal folder (`REGEN_STATE_DIR`, default /var/tmp/regen-UID; app/settings.py)."""
+    """This host's local journal folder (`REGEN_STATE_DIR`, default /var/tmp/regen-UID; app.settings)."""
     return current().state_dir
 
 
@@ -129,7 +129,7 @@ class InFlight:
 def sweep_dead_attempts(stale_after: float | None) -> int:
     """Remove the temporaries of this host's attempts whose process is gone; return how many files went.
 
-    Only entries of this machine (host name, boot id and pid namespace all equal, app/liveness.py) are judged: a
+    Only entries of this machine (host name, boot id and pid namespace all equal, app.liveness) are judged: a
     pid means nothing on another machine, so a journal folder shared by mistake (it is per host,
     docs/configuration.md) never costs another host its live temporaries. Entries without that identity
     (written before it was recorded) are left alone too; the publish-time sweeps still tidy their shards.

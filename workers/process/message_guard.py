@@ -7,9 +7,9 @@ Anyone who can write to the queue could keep a fleet reloading. Celery's own `on
 bodies that reach it.
 
 So the worker runs on this subclass of kombu's Redis transport (`broker_transport`, set in
-workers/celery_worker.py): the envelope of every message popped from a queue is checked before delivery (a JSON
+workers.celery_worker): the envelope of every message popped from a queue is checked before delivery (a JSON
 object with `properties.delivery_tag`, a body that decodes with its `body_encoding`), and one that fails is
-recorded in Redis' dead-message list (app/dead_messages.py: its queue, the reason, a short hexdump) and not
+recorded in Redis' dead-message list (app.dead_messages: its queue, the reason, a short hexdump) and not
 delivered. It was popped and never entered the unacked hash, so it is gone from the queue: rejected once.
 
 kombu parses the envelope with the `loads` of its redis module; that name is replaced by one that, only while
@@ -111,7 +111,7 @@ def _message_bytes(message) -> bytes:
 
 
 class Consumer(CeleryConsumer):
-    """Celery's consumer, with every message it cannot use recorded (app/dead_messages.py) and acked."""
+    """Celery's consumer, with every message it cannot use recorded (app.dead_messages) and acked."""
 
     def _set_aside(self, message, reason: str) -> None:
         dead_messages.record(BROKER_URL or self.app.conf.broker_url, _queue(message), reason, _message_bytes(message),

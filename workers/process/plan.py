@@ -21,7 +21,7 @@ def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: li
     `tensor_parallel_size` None: the smallest size that fits the model's weights (devices.choose_tensor_parallel).
     `task_slots` None: from the engine's max_num_seqs and the shard size (devices.task_slots_for).
     `encode_threads` None: from the device and the host's cores per worker (devices.encode_threads_for).
-    `stand_in` (benchmarks and tests only): a stand-in engine's spec (workers/engine/stand_in.py); its
+    `stand_in` (benchmarks and tests only): a stand-in engine's spec (workers.engine.stand_in); its
     `devices` worker processes each hold one engine standing in for a GPU, and no GPU is looked for.
     """
     from workers.process.context import WorkerConfig
@@ -111,7 +111,7 @@ def settings_from_run(storage: str, run_id: str, queues: str) -> tuple[str, list
 def run_speculative(storage: str, run_id: str, capture_layers: list[int] | None, queues: str) -> str | None:
     """The run's speculative generation ("mtp:K") for a worker whose engine captures `capture_layers`: the
     manifest's setting for a generation-only engine, None for a capture engine (capture is itself vLLM's
-    speculative method; app/speculative.py). A capture engine that also consumes a generation queue (a worker
+    speculative method; app.speculative). A capture engine that also consumes a generation queue (a worker
     on both staged queues) says so in the log, since the shards it generates run without it."""
     from app import manifest as manifest_mod
     from app.storage import RunStore, Storage
@@ -149,7 +149,7 @@ def speculative_staged_configs(generate: list[tuple], capture: list[tuple], cpu:
 
 def refuse_unrunnable(configs, storage: str, run_id: str) -> None:
     """A ConfigError (one line) when a planned worker's engine cannot run the run's settings
-    (workers/engine/limits.py), before any engine starts."""
+    (workers.engine.limits), before any engine starts."""
     from app import manifest as manifest_mod
     from app.speculative import ignored_with_capture
     from app.storage import RunStore, Storage

@@ -21,14 +21,14 @@ and decode steps (prompt rows in a prefill, response rows one decode step at a t
 in one prefill beside the other re-checks only. Staged capture is already a prefill: its re-check batch holds
 only the chosen samples, where the stage's batch held the whole shard. The re-capture is compared with what the
 worker stores (before a lossy codec: the check is of the capture, the codec has its own bound) by
-app/states_compare.compare: each row's error relative to its row under the bf16 bound, each row nearer its own
+app.states_compare.compare: each row's error relative to its row under the bf16 bound, each row nearer its own
 counterpart than its neighbours (a massive-activation channel cannot hide a shift), each slot nearer its own
 layer, no zero or non-finite row. An engine's first samples are also sent twice in that batch: equal requests
 must give equal states.
 
 A sample that fails is flagged `capture_inconsistent` with the comparison on its record (`capture_check`: the
 worst layer, token and error), the shard's marker counts the checks, and the run is paused as the stub gate
-pauses it (workers/shard/task_guards.pause_on_capture_check), naming the worker and its engine mode.
+pauses it (workers.shard.task_guards.pause_on_capture_check), naming the worker and its engine mode.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_i
     capture marker won (another attempt's may have been written first: then this one's file is removed), the
     capture check's outcomes).
 
-    The capture check (workers/shard/capture_check.py) re-captures its chosen samples in a batch of their own,
+    The capture check (workers.shard.capture_check) re-captures its chosen samples in a batch of their own,
     after this batch of the whole shard: the same prefill in another batch composition."""
     marker = store.done_marker(shard_id)
     records = loads_jsonl_zst(store.storage.read_bytes(marker["files"]["records"]["path"]))

@@ -1,11 +1,11 @@
 """One delivery of a shard, around its work: the rules that make at-least-once delivery safe.
 
-The tasks (workers/shard/tasks.py) hand their work to `run_delivery`, which runs these steps in order:
+The tasks (workers.shard.tasks) hand their work to `run_delivery`, which runs these steps in order:
 0. Arguments that cannot be a shard (wrong names or types, ids that could escape the storage root) -> recorded
-   in the dead-message list (app/dead_messages.py) and acked; nothing else is touched.
+   in the dead-message list (app.dead_messages) and acked; nothing else is touched.
 1. The engine already died (another slot saw it) -> the shard is re-published, the process exits for a restart.
 2. Another delivery of the same shard already runs in this process -> this one starts no attempt
-   (workers/process/inflight.py: a different message is acked, the running one covers the shard; the same
+   (workers.process.inflight: a different message is acked, the running one covers the shard; the same
    message, restored by the visibility timeout, is deferred with Celery's retry).
 3. The guards, in order (task_guards.run_guards, each step testable alone): skip done, skip dead, drop when
    paused (ack, no requeue: `regen resume-run` re-sends), require the run (not on storage -> a few retries with
@@ -91,7 +91,7 @@ def holds_no_shard() -> bool:
 
 
 def shards_held() -> int:
-    """How many shards this process runs now (workers/process/dead_holder_watch.py checks while it has a free
+    """How many shards this process runs now (workers.process.dead_holder_watch checks while it has a free
     task slot)."""
     return _claims.held()
 

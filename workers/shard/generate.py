@@ -2,7 +2,7 @@
 
 The whole shard goes to the engine at once (continuous batching). As each request finishes, its hidden
 states are checked, compressed and appended to the attempt's hidden-state file on an encoder thread while the
-engine keeps generating the others (workers/shard/shard_output.HiddenFileStream).
+engine keeps generating the others (workers.shard.shard_output.HiddenFileStream).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class ShardGeneration:
     `add` renders a sample's prompt (or rejects it with a reason) and returns its request; `finish` fills the
     record from the engine's result on the delivery thread and hands its states to the encoder pool; `collect`
     waits for the encodings and returns (records, summary). Single-turn runs add one sample per input sample
-    and run the engine once; multi-turn runs (workers/shard/multiturn.py) add one per regenerated turn, round by round.
+    and run the engine once; multi-turn runs (workers.shard.multiturn) add one per regenerated turn, round by round.
     """
 
     def __init__(self, ctx: WorkerContext, manifest: dict, run_id: str, shard_id: str, hidden_out=None):
@@ -73,7 +73,7 @@ class ShardGeneration:
         self.settings = settings
         self.sampling = dict(settings["sampling"])
         self.run_seed = int(self.sampling.pop("seed", 0))
-        self.thinking = bool(settings["thinking"])  # the mode of samples without their own (app/modes.py)
+        self.thinking = bool(settings["thinking"])  # the mode of samples without their own (app.modes)
         self.capture_inline = settings["capture_mode"] == "inline"
         if self.capture_inline and hidden_out is None:
             raise ValueError("inline capture needs a hidden-state file to write into")
@@ -83,14 +83,14 @@ class ShardGeneration:
         self.max_len = ctx.engine.options.max_model_len
         self.quality = _quality(settings)
         self.level = compression_level(settings)
-        self.stored = states_dtype(settings)  # how the states are stored (app/states_codec.py)
+        self.stored = states_dtype(settings)  # how the states are stored (app.states_codec)
         self.zero_ids = zero_embedding_ids(settings)  # tokens whose all-zero rows are states
         self.think_end_id, self.eos_ids = _special_ids(ctx.tokenizer)
         self.records: list[dict] = []
         self.encoded: dict[int, Future] = {}
         self.spans: list[tuple[float, float]] = []
         self.gen_seconds = 0.0
-        # The capture check (workers/shard/capture_check.py): the samples to re-capture once the shard is generated.
+        # The capture check (workers.shard.capture_check): the samples to re-capture once the shard is generated.
         self.check_policy = CheckPolicy.of(settings)
         self.to_check: list[Pending] = []
         self.faults = process_injector() if self.capture_inline else None  # None but in the tests
@@ -235,7 +235,7 @@ def zero_embedding_ids(settings: dict) -> tuple[int, ...]:
 
 
 def states_dtype(settings: dict) -> str:
-    """The run's stored states dtype (app/states_codec.py); runs made before the setting existed store bf16."""
+    """The run's stored states dtype (app.states_codec); runs made before the setting existed store bf16."""
     return (settings.get("states") or {}).get("dtype", "bf16")
 
 
@@ -297,7 +297,7 @@ def check_and_encode(sample_id: str, expected_ids: list[int], captured_ids: np.n
     """(capture flags, encoded sample) for one finished sample, on an encoder thread.
 
     The quality gate's checks (all-zero layer, NaN/Inf) read the states as captured, before a lossy `stored`
-    dtype quantises them; a sample they flag is stored losslessly (app/hidden_file.encode_sample).
+    dtype quantises them; a sample they flag is stored losslessly (app.hidden_file.encode_sample).
 
     The check reads every state once (~50 ms for a real model's [4000, 5, 5120] sample) and encoding ~0.4 s: both
     run here, several samples at a time, rather than on the engine's single delivery thread, which would otherwise

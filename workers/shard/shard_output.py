@@ -5,7 +5,7 @@ hidden-state file under names that include the attempt id (each atomically: temp
 then tries to create the shard's completion marker exclusively. The marker names the attempt whose files are
 the shard's output. If another attempt got there first, this attempt deletes its own files: readers only
 ever follow the marker, so two workers running one shard at once cannot corrupt or duplicate it. Attempts,
-dead letters and the sweep of what dead attempts left are the shard ledger's (app/ledger.py).
+dead letters and the sweep of what dead attempts left are the shard ledger's (app.ledger).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ log = logging.getLogger("regen.tasks")
 
 @dataclass(frozen=True)
 class Worker:
-    """What the guards need to know of the worker process (workers/process/context.WorkerContext holds it all)."""
+    """What the guards need to know of the worker process (workers.process.context.WorkerContext holds it all)."""
 
     name: str
     model_fingerprint: str
@@ -50,7 +50,7 @@ class Worker:
     max_attempts: int = 5
     max_crashes: int = 10
     engine: dict | None = None  # what attempt records say about the engine
-    device: str = "cuda"  # "cpu" or "cuda": what workers/engine/limits.py judges
+    device: str = "cuda"  # "cpu" or "cuda": what workers.engine.limits judges
 
     @classmethod
     def of(cls, ctx) -> Worker:
@@ -135,7 +135,7 @@ def require_run(d: Delivery) -> None:
 def count_attempt(d: Delivery) -> str | None:
     """Record this attempt (its lease renewed from now on); dead-letter the shard when its earlier attempts
     used up either limit. A stage that got finished meanwhile (a duplicate published it) is never dead-lettered
-    (app/ledger.is_finished: the one answer to "is this stage finished")."""
+    (app.ledger.is_finished: the one answer to "is this stage finished")."""
     d.attempt = ledger.new_attempt_id()
     engine = {"engine": d.worker.engine} if d.worker.engine is not None else {}
     counted = ledger.record_attempt(d.store, d.key, d.attempt, d.worker.name, stale_after=d.stale_after, **engine,
@@ -218,7 +218,7 @@ def pause_on_stubs(d: Delivery, records: list[dict]) -> None:
 
 
 def pause_on_capture_check(d: Delivery, checks: list[tuple[str, dict]]) -> None:
-    """Pause the run when a sample's capture check failed (workers/shard/capture_check.py): its states differ from
+    """Pause the run when a sample's capture check failed (workers.shard.capture_check): its states differ from
     a re-capture of the same ids on this worker's engine. The reason names the worker, its engine mode and the
     sample's worst layer, token and error; `regen resume-run` lifts it once the engine is understood."""
     failed = [(sample, check) for sample, check in checks if not check.get("ok")]

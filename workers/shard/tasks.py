@@ -1,8 +1,8 @@
 """The Celery tasks a worker runs: `generate_shard` and `capture_shard`, module-level functions.
 
-Each is one delivery of one shard at one stage: `run_delivery` (workers/shard/delivery.py) claims it, runs the
-guards (workers/shard/task_guards.py) and settles a failure; the stage's work in between is `generate_and_publish`
-or `capture_and_publish` below. `register` binds the tasks to a worker's Celery app (workers/celery_worker.py
+Each is one delivery of one shard at one stage: `run_delivery` (workers.shard.delivery) claims it, runs the
+guards (workers.shard.task_guards) and settles a failure; the stage's work in between is `generate_and_publish`
+or `capture_and_publish` below. `register` binds the tasks to a worker's Celery app (workers.celery_worker
 calls it); only worker processes import this module.
 """
 
