@@ -2,21 +2,21 @@
 
 Why: the run's storage is the record of what is done, and each document used to be a dict built where it was
 written and read by key wherever it was needed, so a key's name or default could drift between the writer and
-its readers. A type here names every key, reads what older runs wrote (missing keys take the defaults older
-writers implied), keeps keys it does not know (a newer writer's, read by an older reader and written back
-unchanged), and refuses a malformed document in one line that names its path. The JSON it writes is the same,
-key for key and in the same order, as the dicts it replaces, so runs written before read the same.
+its readers. Each type here is the document's JSON object itself (a `dict`, so it prints, serialises and compares
+as before) with its keys named once: typed properties that read them (with the defaults older writers implied,
+so runs written before read as they did), a `new` that writes them in the one order every writer used, and a
+`parse` that refuses a malformed document in one line naming its path. Keys a type does not know (a newer
+writer's) stay in the object, untouched.
 
-Defined here so far: the dead letter (`DeadLetter`, `{run}/dead/{key}.json`) and the pause (`Pause`,
-`{run}/PAUSED.json`). The manifest is app.manifest's (`RunSettings`), the completion and capture markers
-workers.shard.shard_output's, the attempt record app.ledger's.
+Defined here: the completion marker (`DoneMarker`, `{run}/done/{shard}.json`), the staged capture's marker
+(`CaptureMarker`, `{run}/captured/{shard}.json`), the dead letter (`DeadLetter`, `{run}/dead/{key}.json`) and
+the pause (`Pause`, `{run}/PAUSED.json`). The manifest's settings are app.manifest's (`RunSettings`), the
+attempt record app.ledger's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -27,98 +27,223 @@ class MalformedDocument(ConfigError):
     """A run document that is not what its type says; the message is one line naming the path."""
 
 
-def _load(raw: bytes, where: str) -> dict:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise MalformedDocument(f"{where}: not JSON ({exc})") from None
-    if not isinstance(body, dict):
-        raise MalformedDocument(f"{where}: a JSON object expected, found {type(body).__name__}")
-    return body
+_ANY = object
 
 
-def _field(body: dict, name: str, kind: type | tuple[type, ...], where: str, default: Any = ...) -> Any:
-    if name not in body:
-        if default is ...:
-            raise MalformedDocument(f"{where}: no {name!r}")
-        return default
-    value = body[name]
-    if not isinstance(value, kind):
-        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-        raise MalformedDocument(f"{where}: {name!r} is {type(value).__name__}, not {names}")
-    return value
+class Document(dict):
+    """A run document: its JSON object, with the keys its type requires (`REQUIRED`) and the types of the keys it
+    knows (`TYPES`) checked when it is read."""
 
+    REQUIRED: ClassVar[tuple[str, ...]] = ()
+    TYPES: ClassVar[dict[str, type | tuple[type, ...]]] = {}
 
-class Document(Mapping):
-    """A typed document that reads as the read-only mapping of its JSON (`doc["reason"]`, `dict(doc)`, `==` a
-    dict): readers that print or serialise it need no second form. Subclasses define `to_dict` and `from_dict`."""
+    @classmethod
+    def parse(cls, raw: bytes, where: str):
+        """The document from its bytes; `where` (its path) names it in the one-line refusal of a malformed one."""
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise MalformedDocument(f"{where}: not JSON ({exc})") from None
+        return cls.from_dict(body, where)
 
-    def to_dict(self) -> dict:
-        raise NotImplementedError
+    @classmethod
+    def from_dict(cls, body: Any, where: str):
+        if not isinstance(body, dict):
+            raise MalformedDocument(f"{where}: a JSON object expected, found {type(body).__name__}")
+        for key in cls.REQUIRED:
+            if key not in body:
+                raise MalformedDocument(f"{where}: no {key!r}")
+        for key, kind in cls.TYPES.items():
+            if key in body and not isinstance(body[key], kind):
+                kinds = kind if isinstance(kind, tuple) else (kind,)
+                names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+                raise MalformedDocument(f"{where}: {key!r} is {type(body[key]).__name__}, not {names}")
+        cls.check(body, where)
+        return cls(body)
 
-    def __getitem__(self, key: str) -> Any:
-        return self.to_dict()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.to_dict())
-
-    def __len__(self) -> int:
-        return len(self.to_dict())
+    @classmethod
+    def check(cls, body: dict, where: str) -> None:
+        """Checks beyond a key's type (a subclass's)."""
 
     def to_json(self) -> bytes:
-        return orjson.dumps(self.to_dict())
+        return orjson.dumps(self)
 
 
-def _unknown(body: dict, cls) -> dict:
-    known = {f.name for f in fields(cls)} - {"extra"}
-    return {k: v for k, v in body.items() if k not in known}
+_NUMBER = (int, float)
 
 
-@dataclass(eq=False)
+class _Counts(Document):
+    """What a shard's markers count, read with the defaults older markers imply."""
+
+    @property
+    def samples(self) -> int:
+        return int(self.get("samples", 0))
+
+    @property
+    def records(self) -> int:
+        """Records written: a multi-turn conversation gives one per turn; markers before multi-turn count samples."""
+        return int(self.get("records", self.get("samples", 0)))
+
+    @property
+    def ok(self) -> int:
+        return int(self.get("ok", 0))
+
+    @property
+    def stubs(self) -> int:
+        return int(self.get("stubs", 0))
+
+    @property
+    def rejected(self) -> dict[str, int]:
+        return {k: int(n) for k, n in (self.get("rejected") or {}).items()}
+
+    @property
+    def flags(self) -> dict[str, int]:
+        return {k: int(n) for k, n in (self.get("flags") or {}).items()}
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.get("prompt_tokens", 0))
+
+    @property
+    def generated_tokens(self) -> int:
+        return int(self.get("generated_tokens", 0))
+
+    @property
+    def generation_seconds(self) -> float:
+        return float(self.get("generation_seconds", 0.0))
+
+
+def _check_file_refs(files: dict, where: str) -> None:
+    for name, ref in files.items():
+        if not isinstance(ref, dict) or not isinstance(ref.get("path"), str):
+            raise MalformedDocument(f"{where}: files.{name} names no path")
+
+
+class DoneMarker(_Counts):
+    """A shard's completion marker: the attempt whose files are the shard's (`files`: the records file and, with
+    inline capture, the hidden file, each with its size and sha256), the shard's counts, who made it and when
+    (`finished`, the fleet's shared clock). Written exclusively, once, last (workers.shard.shard_output)."""
+
+    REQUIRED = ("shard_id", "attempt", "files")
+    TYPES: ClassVar = {"shard_id": str, "attempt": str, "files": dict, "samples": int, "records": int, "ok": int,
+                       "stubs": int, "rejected": dict, "flags": dict, "prompt_tokens": int, "generated_tokens": int,
+                       "generation_seconds": _NUMBER, "worker": (str, type(None)), "finished": str}
+
+    @classmethod
+    def check(cls, body: dict, where: str) -> None:
+        _check_file_refs(body["files"], where)
+        if "records" not in body["files"]:
+            raise MalformedDocument(f"{where}: files names no records file")
+
+    @classmethod
+    def new(cls, shard_id: str, attempt: str, files: dict, summary: dict) -> DoneMarker:
+        """The marker a generation publishes (`finished` is stamped as it is created)."""
+        return cls({"shard_id": shard_id, "attempt": attempt, "files": files, **summary})
+
+    @property
+    def shard_id(self) -> str:
+        return self["shard_id"]
+
+    @property
+    def attempt(self) -> str:
+        return self["attempt"]
+
+    @property
+    def records_file(self) -> dict:
+        return self["files"]["records"]
+
+    @property
+    def hidden_file(self) -> dict | None:
+        """The inline capture's hidden file (path, bytes, sha256); None without inline capture."""
+        return (self.get("files") or {}).get("hidden")
+
+    @property
+    def worker(self) -> str | None:
+        return self.get("worker")
+
+    @property
+    def finished(self) -> str | None:
+        return self.get("finished")
+
+
+class CaptureMarker(Document):
+    """A staged shard's capture marker: the capture attempt's hidden file (path, bytes, sha256), each sample's
+    place in it (`index`), what the quality gate flagged (`problems`), the capture check's outcome, who
+    captured it and when (`finished`, the fleet's shared clock)."""
+
+    REQUIRED = ("shard_id", "attempt", "hidden")
+    TYPES: ClassVar = {"shard_id": str, "attempt": str, "hidden": dict, "index": dict, "problems": dict,
+                       "worker": (str, type(None)), "capture_check": dict, "repaired": dict, "finished": str}
+
+    @classmethod
+    def check(cls, body: dict, where: str) -> None:
+        _check_file_refs({"hidden": body["hidden"]}, where)
+
+    @classmethod
+    def new(cls, shard_id: str, attempt: str, hidden: dict, index: dict, problems: dict, worker: str,
+            engine_mode: str, capture_check: dict, repaired: dict | None = None) -> CaptureMarker:
+        body = {"shard_id": shard_id, "attempt": attempt, "hidden": hidden, "index": index, "problems": problems,
+                "worker": worker, "engine_mode": engine_mode, "capture_check": capture_check}
+        if repaired:  # samples whose first capture had zero or non-finite rows, captured again
+            body["repaired"] = repaired
+        return cls(body)
+
+    @property
+    def attempt(self) -> str:
+        return self["attempt"]
+
+    @property
+    def hidden_file(self) -> dict:
+        return self["hidden"]
+
+    @property
+    def finished(self) -> str | None:
+        return self.get("finished")
+
+
 class DeadLetter(Document):
     """A stage key that failed too often: why, every attempt's record as it stood, and when (the fleet's clock).
     `regen retry-dead` archives it and re-sends the key."""
 
-    shard_id: str  # the stage key (app.ledger.stage_key)
-    reason: str
-    attempts: list[dict] = field(default_factory=list)
-    dead_lettered: str | None = None
-    extra: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        body = {"shard_id": self.shard_id, "reason": self.reason, "attempts": self.attempts}
-        if self.dead_lettered is not None:
-            body["dead_lettered"] = self.dead_lettered
-        return {**body, **self.extra}
+    REQUIRED = ("shard_id", "reason")
+    TYPES: ClassVar = {"shard_id": str, "attempts": list, "dead_lettered": (str, type(None))}
 
     @classmethod
-    def from_dict(cls, body: dict, where: str) -> DeadLetter:
-        return cls(shard_id=_field(body, "shard_id", str, where), reason=str(_field(body, "reason", object, where)),
-                   attempts=_field(body, "attempts", list, where, []),
-                   dead_lettered=_field(body, "dead_lettered", (str, type(None)), where, None),
-                   extra=_unknown(body, cls))
+    def new(cls, key: str, reason: str, attempts: list[dict], when: str) -> DeadLetter:
+        return cls({"shard_id": key, "reason": reason, "attempts": attempts, "dead_lettered": when})
 
-    @classmethod
-    def parse(cls, raw: bytes, where: str) -> DeadLetter:
-        return cls.from_dict(_load(raw, where), where)
+    @property
+    def key(self) -> str:
+        """The stage key (app.ledger.stage_key) it was written for."""
+        return self["shard_id"]
+
+    @property
+    def reason(self) -> str:
+        return str(self["reason"])
+
+    @property
+    def attempts(self) -> list[dict]:
+        return self.get("attempts") or []
+
+    @property
+    def dead_lettered(self) -> str | None:
+        return self.get("dead_lettered")
 
 
-@dataclass(eq=False)
 class Pause(Document):
-    """Why a run is paused, and the figures behind it (`details`: the stub rate and its window, or the capture
-    check that failed, and the worker that paused it). Workers drop the run's shards while it exists."""
+    """Why a run is paused, and the figures behind it (the stub rate and its window, or the capture check that
+    failed, and the worker that paused it). Workers drop the run's shards while it exists."""
 
-    reason: str
-    details: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return {"reason": self.reason, **self.details}
+    REQUIRED = ("reason",)
 
     @classmethod
-    def from_dict(cls, body: dict, where: str) -> Pause:
-        return cls(reason=str(_field(body, "reason", object, where)),
-                   details={k: v for k, v in body.items() if k != "reason"})
+    def new(cls, reason: str, **details) -> Pause:
+        return cls({"reason": reason, **details})
 
-    @classmethod
-    def parse(cls, raw: bytes, where: str) -> Pause:
-        return cls.from_dict(_load(raw, where), where)
+    @property
+    def reason(self) -> str:
+        return str(self["reason"])
+
+    @property
+    def details(self) -> dict:
+        return {k: v for k, v in self.items() if k != "reason"}

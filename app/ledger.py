@@ -186,8 +186,8 @@ def attempt_errors(store: RunStore, key: str) -> list[dict]:
 # -- dead letters -------------------------------------------------------------------------------------------
 def dead_letter(store: RunStore, key: str, reason: str) -> None:
     """Dead-letter `key`: the reason and every attempt's record, so the letter alone says why."""
-    letter = DeadLetter(key, reason, attempt_errors(store, key), timestamp())
-    store.storage.write_json(store.dead_path(key), letter.to_dict())
+    store.storage.write_json(store.dead_path(key), DeadLetter.new(key, reason, attempt_errors(store, key),
+                                                                  timestamp()))
 
 
 def read_dead_letter(store: RunStore, key: str) -> DeadLetter | None:
@@ -256,7 +256,7 @@ def pause_state(store: RunStore) -> Pause | None:
 
 def pause_run(store: RunStore, reason: str, **details) -> None:
     """Pause the run: workers drop its shards (acked, not requeued) until `clear_pause`."""
-    store.storage.write_json(store.pause_path, Pause(reason, details).to_dict())
+    store.storage.write_json(store.pause_path, Pause.new(reason, **details))
 
 
 def clear_pause(store: RunStore) -> Pause | None:

@@ -3,9 +3,7 @@ Prometheus gauges and the pilot's measurement all report.
 
 Why one tally: each of those used to walk the markers and add the same keys on its own, so a key added to the
 marker (`records` for multi-turn runs, `rejected` by reason) reached some reports and not others. A marker's
-counts are the shard's: `samples` (the producer's conversations), `records` (training samples: a multi-turn
-conversation gives one per assistant turn; older markers have none and count their samples), `ok`, `stubs`,
-`rejected` (by reason), `flags` (by name), the prompt and generated tokens and the generation seconds.
+counts are the shard's, read as app.documents.DoneMarker defines them.
 """
 
 from __future__ import annotations
@@ -14,6 +12,8 @@ import datetime as dt
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from app.documents import DoneMarker
 
 
 def parse_time(value: str | None) -> float | None:
@@ -46,22 +46,22 @@ class RunTotals:
             t.add(m)
         return t
 
-    def add(self, m: dict) -> None:
-        """Count one completion marker."""
+    def add(self, marker: dict) -> None:
+        """Count one completion marker (its counts read as app.documents.DoneMarker reads them)."""
+        m = marker if isinstance(marker, DoneMarker) else DoneMarker(marker)
         self.shards += 1
-        self.samples += int(m.get("samples", 0))
-        self.records += int(m.get("records", m.get("samples", 0)))
-        self.ok += int(m.get("ok", 0))
-        self.stubs += int(m.get("stubs", 0))
-        self.prompt_tokens += int(m.get("prompt_tokens", 0))
-        self.generated_tokens += int(m.get("generated_tokens", 0))
-        seconds = float(m.get("generation_seconds", 0.0))
-        self.generation_seconds += seconds
-        self.rejected_by_reason.update({k: int(n) for k, n in (m.get("rejected") or {}).items()})
-        self.flags.update({k: int(n) for k, n in (m.get("flags") or {}).items()})
-        finished = parse_time(m.get("finished"))
+        self.samples += m.samples
+        self.records += m.records
+        self.ok += m.ok
+        self.stubs += m.stubs
+        self.prompt_tokens += m.prompt_tokens
+        self.generated_tokens += m.generated_tokens
+        self.generation_seconds += m.generation_seconds
+        self.rejected_by_reason.update(m.rejected)
+        self.flags.update(m.flags)
+        finished = parse_time(m.finished)
         if finished is not None:
-            start = finished - seconds
+            start = finished - m.generation_seconds
             if self.last_finished is None:
                 self.first_finished = self.last_finished = finished
                 self.first_start = start

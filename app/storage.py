@@ -38,6 +38,7 @@ from collections.abc import Iterator
 import fsspec
 import orjson
 
+from app.documents import DoneMarker
 from app.errors import ConfigError, InvalidId
 from app.ids import validate_id
 from app.packages import REQUIREMENTS
@@ -314,9 +315,10 @@ class RunStore:
         answer to "is this stage finished" (either stage) that the worker's guards ask."""
         return self.storage.exists(self.done_path(shard))
 
-    def done_marker(self, shard: str) -> dict | None:
+    def done_marker(self, shard: str) -> DoneMarker | None:
+        path = self.done_path(shard)
         try:
-            return self.storage.read_json(self.done_path(shard))
+            return DoneMarker.parse(self.storage.read_bytes(path), path)
         except FileNotFoundError:
             return None
 

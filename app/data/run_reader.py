@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from app import ledger
-from app.documents import DeadLetter
+from app.documents import CaptureMarker, DeadLetter
 from app.hidden_file import HiddenFileReader
 from app.ids import shard_id
 from app.jsonl_zst import iter_jsonl_zst
@@ -98,9 +98,10 @@ class RunReader:
             return None
         return ShardInfo(shard, marker, self.captured_marker(shard) if self.capture_mode == "staged" else None)
 
-    def captured_marker(self, shard: str) -> dict | None:
+    def captured_marker(self, shard: str) -> CaptureMarker | None:
+        path = self.store.captured_path(shard)
         try:
-            return self.storage.read_json(self.store.captured_path(shard))
+            return CaptureMarker.parse(self.storage.read_bytes(path), path)
         except FileNotFoundError:
             return None
 

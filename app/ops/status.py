@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from app.dead_holders import died_holding
-from app.documents import DeadLetter, Pause
+from app.documents import DeadLetter, DoneMarker, Pause
 from app.errors import InvalidId
 from app.ids import validate_id
 from app.ledger import CAPTURE, GENERATE, pause_state, split_key, stage_key, stage_of
@@ -62,7 +62,7 @@ class RunScan:
     manifest: dict | None
     produce: dict | None
     pause: Pause | None
-    done: dict[str, dict] = field(default_factory=dict)  # shard -> completion marker
+    done: dict[str, DoneMarker] = field(default_factory=dict)  # shard -> completion marker
     captured: set[str] = field(default_factory=set)
     dead: dict[str, DeadLetter] = field(default_factory=dict)  # key -> dead letter
     attempts: dict[str, list[dict]] = field(default_factory=dict)  # key -> attempt files
@@ -100,7 +100,8 @@ class RunScanner:
         storage.fs.invalidate_cache()  # object-store listings are cached per process; others write them
         scan = RunScan(store.run_id, self._read_json(store.manifest_path), self._read_json(store.produce_path),
                        pause_state(store))
-        scan.done = self._markers("done")
+        scan.done = {shard: DoneMarker.from_dict(body, store.done_path(shard))
+                     for shard, body in self._markers("done").items()}
         scan.dead = {key: DeadLetter.from_dict(body, store.dead_path(key)) for key, body in self._markers("dead").items()}
         scan.captured = store.captured_shards()
         open_paths: dict[str, list[str]] = {}
@@ -282,7 +283,7 @@ def summarise(scan: RunScan, now: float, stale_after: float = DEFAULT_VISIBILITY
                   "first_finished": iso(t.first_finished), "last_finished": iso(t.last_finished)},
         "eta_seconds": round(remaining / shard_rate, 1) if remaining is not None and shard_rate else None,
         "stub_rate": t.stub_rate,
-        "paused": scan.pause.to_dict() if scan.pause else None,
+        "paused": scan.pause,
         # shards whose every attempt died with its process (a killed worker, a dead host): re-sent by the fleet
         "held_by_dead": held_by_dead(scan, {**states, **(shard_states(scan, now, stale_after, capture=True)
                                                        if settings.get("capture_mode") == "staged" else {})},

@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from app import ledger
-from app.documents import DeadLetter, MalformedDocument, Pause
+from app.documents import CaptureMarker, DeadLetter, DoneMarker, MalformedDocument, Pause
 from app.storage import RunStore, Storage
 
 
@@ -34,21 +34,52 @@ def test_a_dead_letter_and_a_pause_are_written_as_the_dicts_before_them(tmp_path
                                                                          "window": 10, "by": "gpu0@host"}
     pause = ledger.pause_state(store)
     assert pause.reason == "stub rate 90%" and pause.details == {"rate": 0.9, "window": 10, "by": "gpu0@host"}
+    assert isinstance(pause, Pause)
 
 
 def test_older_and_newer_letters_read_and_unknown_keys_survive_a_rewrite():
-    old = DeadLetter.parse(b'{"shard_id": "shard-000002", "reason": "x", "attempts": []}', "r/dead/shard-000002.json")
-    assert old.dead_lettered is None and old.to_dict() == {"shard_id": "shard-000002", "reason": "x", "attempts": []}
+    old = DeadLetter.parse(b'{"shard_id": "shard-000002", "reason": "x"}', "r/dead/shard-000002.json")
+    assert old.dead_lettered is None and old.attempts == [] and old.key == "shard-000002"
     newer = {"shard_id": "k", "reason": "y", "attempts": [], "dead_lettered": "2026-01-01T00:00:00+00:00",
              "host": "h1"}
     letter = DeadLetter.from_dict(newer, "r/dead/k.json")
-    assert letter.extra == {"host": "h1"} and letter.to_json() == orjson.dumps(newer)
+    assert letter["host"] == "h1" and letter.to_json() == orjson.dumps(newer)
+
+
+def test_markers_read_older_runs_with_the_defaults_they_imply_and_refuse_what_names_no_file():
+    older = {"shard_id": "shard-000001", "attempt": "a1", "samples": 4, "ok": 4,
+             "files": {"records": {"path": "r/shards/shard-000001/a1.records.jsonl.zst", "bytes": 10}}}
+    marker = DoneMarker.from_dict(older, "r/done/shard-000001.json")
+    assert (marker.records, marker.stubs, marker.rejected, marker.hidden_file) == (4, 0, {}, None)
+    assert marker == older and marker.to_json() == orjson.dumps(older)
+    with pytest.raises(MalformedDocument, match=r"^r/done/shard-000001.json: files names no records file$"):
+        DoneMarker.from_dict({**older, "files": {}}, "r/done/shard-000001.json")
+    with pytest.raises(MalformedDocument, match=r"^r/done/shard-000001.json: 'ok' is str, not int$"):
+        DoneMarker.from_dict({**older, "ok": "4"}, "r/done/shard-000001.json")
+    with pytest.raises(MalformedDocument, match=r"^r/captured/s.json: files.hidden names no path$"):
+        CaptureMarker.from_dict({"shard_id": "s", "attempt": "a", "hidden": {"bytes": 3}}, "r/captured/s.json")
+
+
+def test_the_markers_writers_build_them_key_for_key_as_before(tmp_path):
+    from tests.support.status_run import publish_synthetic
+
+    store = _store(tmp_path)
+    summary = publish_synthetic(store, "shard-000004", "gpu0@host", 2, 1, 5, 7, 1.5)
+    raw = store.storage.read_bytes(store.done_path("shard-000004"))
+    body = orjson.loads(raw)
+    before = {"shard_id": "shard-000004", "attempt": "a0", "files": body["files"], **summary,
+              "finished": body["finished"]}
+    assert list(body) == list(before) and body == before
+    assert set(body["files"]) == {"records", "hidden"} and all("sha256" in f for f in body["files"].values())
+    marker = store.done_marker("shard-000004")
+    assert isinstance(marker, DoneMarker) and marker.hidden_file == body["files"]["hidden"]
 
 
 @pytest.mark.parametrize("raw, why", [
     (b"{not json", "not JSON"),
     (b"[1, 2]", "a JSON object expected, found list"),
     (b'{"reason": "x", "attempts": []}', "no 'shard_id'"),
+    (b'{"shard_id": "k", "attempts": []}', "no 'reason'"),
     (b'{"shard_id": "k", "reason": "x", "attempts": {}}', "'attempts' is dict, not list"),
 ])
 def test_a_malformed_letter_is_refused_in_one_line_naming_its_path(raw, why):
@@ -64,3 +95,23 @@ def test_a_malformed_pause_names_its_path(tmp_path):
     with pytest.raises(MalformedDocument, match="docs/PAUSED.json: a JSON object expected"):
         ledger.pause_state(store)
     assert Pause.parse(b'{"reason": "r"}', "p") == {"reason": "r"}
+
+
+def test_no_module_but_the_types_builds_a_marker_or_a_letter():
+    """A dict literal with a marker's or a letter's keys (`shard_id` beside `attempt` or `reason`) anywhere in
+    the code but app/documents.py is a second definition of the document."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for package in ("app", "producer", "workers"):
+        for path in sorted((root / package).rglob("*.py")):
+            if path.name == "documents.py" and path.parent.name == "app":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Dict):
+                    keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
+                    if "shard_id" in keys and keys & {"attempt", "reason"}:
+                        found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not found, found

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from app.documents import CaptureMarker
 from app.jsonl_zst import loads_jsonl_zst
 from app.manifest import compression_level
 from app.storage import RunStore
@@ -90,10 +91,8 @@ def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_i
             if not outcome.ok:
                 problems.setdefault(outcome.sample_id, []).append(capture_check.FLAG)
     written = stream.written
-    body = {"shard_id": shard_id, "attempt": attempt, "hidden": written.info(), "index": index,
-            "problems": problems, "worker": ctx.worker_name, "engine_mode": ctx.engine_mode_key,
-            "capture_check": {**capture_check.summary(outcomes), "samples": checks}}
-    if repaired:  # samples whose first capture had zero or non-finite rows, captured again (generate.repair_states)
-        body["repaired"] = repaired
+    # `repaired`: samples whose first capture had zero or non-finite rows, captured again (generate.repair_states)
+    body = CaptureMarker.new(shard_id, attempt, written.info(), index, problems, ctx.worker_name,
+                             ctx.engine_mode_key, {**capture_check.summary(outcomes), "samples": checks}, repaired)
     won = publish_marker(store, store.captured_path(shard_id), body, [written.path], shard_id, stale_after)
     return won, outcomes

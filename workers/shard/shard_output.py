@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from app.documents import DoneMarker
 from app.hidden_file import EncodedSample, HiddenFileWriter
 from app.jsonl_zst import dumps_jsonl_zst
 from app.ledger import sweep_temporaries, timestamp
@@ -122,7 +123,7 @@ def publish_shard(
         for info in files.values():
             store.storage.delete(info["path"])
         raise
-    marker = {"shard_id": shard, "attempt": attempt, "files": files, **summary}
+    marker = DoneMarker.new(shard, attempt, files, summary)
     return publish_marker(store, store.done_path(shard), marker, [i["path"] for i in files.values()], shard,
                           stale_after)
 
