@@ -10,7 +10,7 @@ writer's) stay in the object, untouched.
 
 Defined here: the completion marker (`DoneMarker`, `{run}/done/{shard}.json`), the staged capture's marker
 (`CaptureMarker`, `{run}/captured/{shard}.json`), the dead letter (`DeadLetter`, `{run}/dead/{key}.json`) and
-the pause (`Pause`, `{run}/PAUSED.json`). The manifest's settings are app.manifest's (`RunSettings`), the
+the pause (`Pause`, `{run}/PAUSED.json`) and the producer's summary (`ProduceSummary`, `{run}/produce.json`). The manifest's settings are app.manifest's (`RunSettings`), the
 attempt record app.ledger's.
 """
 
@@ -199,6 +199,41 @@ class CaptureMarker(Document):
     @property
     def finished(self) -> str | None:
         return self.get("finished")
+
+
+class ProduceSummary(Document):
+    """What the producer enqueued (`{run}/produce.json`): whether it finished (`complete`), the queue, its own
+    settings, and its counts (lines read, enqueued, duplicates, rejected by reason, shards, samples, modes).
+    Rewritten as the producer goes and once at its end; the run's counts are read from here first
+    (`run_counts`)."""
+
+    REQUIRED = ("run_id",)
+    TYPES: ClassVar = {"run_id": str, "complete": bool, "queue": (str, type(None)), "counts": (dict, type(None)),
+                       "producer_settings": (dict, type(None))}
+
+    @classmethod
+    def new(cls, run_id: str, complete: bool, started: str, finished: str | None, queue: str,
+            producer_settings: dict, counts: dict | None) -> ProduceSummary:
+        return cls({"run_id": run_id, "complete": complete, "started": started, "finished": finished, "queue": queue,
+                    "producer_settings": producer_settings, "counts": counts})
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.get("complete"))
+
+    @property
+    def queue(self) -> str | None:
+        return self.get("queue")
+
+    @property
+    def counts(self) -> dict | None:
+        return self.get("counts")
+
+
+def run_counts(produce: dict | None, manifest: dict | None) -> dict:
+    """The run's counts: the producer's summary's, else (runs whose producer wrote none yet, older runs) the
+    copy in the manifest; one rule for every reader."""
+    return (produce or {}).get("counts") or (manifest or {}).get("counts") or {}
 
 
 class DeadLetter(Document):

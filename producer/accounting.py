@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from app.documents import ProduceSummary
 from app.manifest import update_counts
 from app.storage import RunStore
 from producer.normalise import REJECT_REASONS
@@ -110,24 +111,17 @@ def _now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
-def read_produce_state(store: RunStore) -> dict | None:
+def read_produce_state(store: RunStore) -> ProduceSummary | None:
     try:
-        return store.storage.read_json(store.produce_path)
+        return ProduceSummary.parse(store.storage.read_bytes(store.produce_path), store.produce_path)
     except FileNotFoundError:
         return None
 
 
 def write_produce_state(store: RunStore, *, producer_settings: dict, accounting: Accounting | None, complete: bool,
                         queue: str, started: str | None = None) -> None:
-    state = {
-        "run_id": store.run_id,
-        "complete": complete,
-        "started": started or _now(),
-        "finished": _now() if complete else None,
-        "queue": queue,
-        "producer_settings": producer_settings,
-        "counts": accounting.to_dict() if accounting else None,
-    }
+    state = ProduceSummary.new(store.run_id, complete, started or _now(), _now() if complete else None, queue,
+                               producer_settings, accounting.to_dict() if accounting else None)
     store.storage.write_json(store.produce_path, state)
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from app import ledger
-from app.documents import CaptureMarker, DeadLetter
+from app.documents import CaptureMarker, DeadLetter, ProduceSummary, run_counts
 from app.hidden_file import HiddenFileReader
 from app.ids import shard_id
 from app.jsonl_zst import iter_jsonl_zst
@@ -61,15 +61,15 @@ class RunReader:
         self._dead_capture: set[str] | None = None
 
     # -- run-level ---------------------------------------------------------------------------------------
-    def produce_state(self) -> dict | None:
+    def produce_state(self) -> ProduceSummary | None:
         try:
-            return self.storage.read_json(self.store.produce_path)
+            return ProduceSummary.parse(self.storage.read_bytes(self.store.produce_path), self.store.produce_path)
         except FileNotFoundError:
             return None
 
     def expected_shards(self) -> list[str]:
         """Every shard the producer made (from produce.json, else the manifest counts) plus any with markers."""
-        counts = (self.produce_state() or {}).get("counts") or self.manifest.get("counts") or {}
+        counts = run_counts(self.produce_state(), self.manifest)
         names = {shard_id(k) for k in range(int(counts.get("shards") or 0))}
         return sorted(names | self.store.done_shards() | self.dead_generate_shards())
 

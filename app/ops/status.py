@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from app.dead_holders import died_holding
-from app.documents import DeadLetter, DoneMarker, Pause
+from app.documents import DeadLetter, DoneMarker, Pause, ProduceSummary, run_counts
 from app.errors import InvalidId
 from app.ids import validate_id
 from app.ledger import CAPTURE, GENERATE, pause_state, split_key, stage_key, stage_of
@@ -60,7 +60,7 @@ class RunScan:
 
     run_id: str
     manifest: dict | None
-    produce: dict | None
+    produce: ProduceSummary | None
     pause: Pause | None
     done: dict[str, DoneMarker] = field(default_factory=dict)  # shard -> completion marker
     captured: set[str] = field(default_factory=set)
@@ -98,7 +98,9 @@ class RunScanner:
     def scan(self) -> RunScan:
         storage, store = self.store.storage, self.store
         storage.fs.invalidate_cache()  # object-store listings are cached per process; others write them
-        scan = RunScan(store.run_id, self._read_json(store.manifest_path), self._read_json(store.produce_path),
+        produce = self._read_json(store.produce_path)
+        scan = RunScan(store.run_id, self._read_json(store.manifest_path),
+                       None if produce is None else ProduceSummary.from_dict(produce, store.produce_path),
                        pause_state(store))
         scan.done = {shard: DoneMarker.from_dict(body, store.done_path(shard))
                      for shard, body in self._markers("done").items()}
@@ -253,7 +255,7 @@ def _rate(amount: float, seconds: float | None) -> float | None:
 def summarise(scan: RunScan, now: float, stale_after: float = DEFAULT_VISIBILITY_TIMEOUT) -> dict:
     """The complete, JSON-ready status of one run (without the broker's live view)."""
     settings = (scan.manifest or {}).get("settings", {})
-    counts = (scan.manifest or {}).get("counts") or {}
+    counts = run_counts(scan.produce, scan.manifest)
     states = shard_states(scan, now, stale_after)
     by_state = _count(states)
     total = int(counts.get("shards") or 0) or None

@@ -97,9 +97,10 @@ def test_a_malformed_pause_names_its_path(tmp_path):
     assert Pause.parse(b'{"reason": "r"}', "p") == {"reason": "r"}
 
 
-def test_no_module_but_the_types_builds_a_marker_or_a_letter():
-    """A dict literal with a marker's or a letter's keys (`shard_id` beside `attempt` or `reason`) anywhere in
-    the code but app/documents.py is a second definition of the document."""
+def test_no_module_but_the_types_builds_a_marker_a_letter_or_the_producers_summary():
+    """A dict literal with a marker's or a letter's keys (`shard_id` beside `attempt` or `reason`), or the
+    producer's summary's (`run_id` beside `complete`), anywhere in the code but app/documents.py is a second
+    definition of the document."""
     import ast
     from pathlib import Path
 
@@ -112,6 +113,6 @@ def test_no_module_but_the_types_builds_a_marker_or_a_letter():
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Dict):
                     keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
-                    if "shard_id" in keys and keys & {"attempt", "reason"}:
+                    if ("shard_id" in keys and keys & {"attempt", "reason"}) or {"run_id", "complete"} <= keys:
                         found.append(f"{path.relative_to(root)}:{node.lineno}")
     assert not found, found
