@@ -8,10 +8,11 @@ so runs written before read as they did), a `new` that writes them in the one or
 `parse` that refuses a malformed document in one line naming its path. Keys a type does not know (a newer
 writer's) stay in the object, untouched.
 
-Defined here: the completion marker (`DoneMarker`, `{run}/done/{shard}.json`), the staged capture's marker
-(`CaptureMarker`, `{run}/captured/{shard}.json`), the dead letter (`DeadLetter`, `{run}/dead/{key}.json`) and
-the pause (`Pause`, `{run}/PAUSED.json`) and the producer's summary (`ProduceSummary`, `{run}/produce.json`). The manifest's settings are app.manifest's (`RunSettings`), the
-attempt record app.ledger's.
+Defined here: the attempt record (`AttemptRecord`, `{run}/attempts/{key}/{attempt}.json`), the completion
+marker (`DoneMarker`, `{run}/done/{shard}.json`), the staged capture's marker (`CaptureMarker`,
+`{run}/captured/{shard}.json`), the dead letter (`DeadLetter`, `{run}/dead/{key}.json`) and
+the pause (`Pause`, `{run}/PAUSED.json`) and the producer's summary (`ProduceSummary`, `{run}/produce.json`).
+The manifest's settings are app.manifest's (`RunSettings`).
 """
 
 from __future__ import annotations
@@ -117,6 +118,52 @@ def _check_file_refs(files: dict, where: str) -> None:
     for name, ref in files.items():
         if not isinstance(ref, dict) or not isinstance(ref.get("path"), str):
             raise MalformedDocument(f"{where}: files.{name} names no path")
+
+
+class AttemptRecord(Document):
+    """One delivery of a stage key in one process (`{run}/attempts/{key}/{attempt}.json`): who (`worker`, and the
+    process: `host`, `boot`, `pidns`, `pid`, `pid_start`), when it started and last renewed its lease
+    (`started`, `heartbeat`, both on the fleet's shared clock; `lease_s`), and how it ended if it did not
+    publish (`error`, `error_kind` "error" or "crash", `failed`; or `ended`, `ended_at`). Written by
+    app.ledger.record_attempt and amended by its one read-modify-write."""
+
+    REQUIRED = ("attempt",)
+    TYPES: ClassVar = {"attempt": str, "worker": (str, type(None)), "started": str, "heartbeat": str,
+                       "lease_s": _NUMBER, "pid": int, "error": str, "error_kind": str, "failed": str}
+
+    @classmethod
+    def new(cls, attempt: str, worker: str, identity: dict, started: str, lease_s: float,
+            extra: dict | None = None) -> AttemptRecord:
+        """`extra` (the engine, the stage) is written as it is, over the keys before it."""
+        body = {"attempt": attempt, "worker": worker, **identity, "started": started, "lease_s": lease_s,
+                **(extra or {})}
+        body.setdefault("heartbeat", body["started"])
+        return cls(body)
+
+    @property
+    def attempt(self) -> str:
+        return self["attempt"]
+
+    @property
+    def worker(self) -> str | None:
+        return self.get("worker")
+
+    @property
+    def started(self) -> str | None:
+        return self.get("started")
+
+    @property
+    def heartbeat(self) -> str | None:
+        """The last lease renewal; records written before leases have only `started`."""
+        return self.get("heartbeat") or self.get("started")
+
+    @property
+    def error(self) -> str | None:
+        return self.get("error")
+
+    @property
+    def error_kind(self) -> str | None:
+        return self.get("error_kind")
 
 
 class DoneMarker(_Counts):

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from app.clock import shared_now
-from app.documents import DeadLetter, Pause
+from app.documents import AttemptRecord, DeadLetter, Pause
 from app.liveness import attempt_state, identity, lease_seconds, process_key
 
 if TYPE_CHECKING:
@@ -100,10 +100,7 @@ def record_attempt(store: RunStore, key: str, attempt: str, worker: str, stale_a
     (the broker's visibility timeout) is the lease of records written without one. `extra` (the engine, the
     stage) is written into the record as it is.
     """
-    started = timestamp()
-    body = {"attempt": attempt, "worker": worker, **identity(), "started": started, "lease_s": lease_seconds(),
-            **extra}
-    body.setdefault("heartbeat", body["started"])
+    body = AttemptRecord.new(attempt, worker, identity(), timestamp(), lease_seconds(), extra)
     store.storage.write_json(store.attempt_path(key, attempt), body)
     now = shared_now()  # leases are judged on the fleet's one clock (app.clock), as they are written
     failures, crashed, records = 0, set(), 1
@@ -172,14 +169,17 @@ def attempt_names(store: RunStore, key: str) -> list[str]:
     return [name for name in store.storage.listdir(store.attempts_dir(key)) if not name.startswith(".")]
 
 
-def attempt_errors(store: RunStore, key: str) -> list[dict]:
-    """Every readable attempt record of `key` (errors or not), in name order."""
+def attempt_errors(store: RunStore, key: str) -> list[AttemptRecord]:
+    """Every readable attempt record of `key` (errors or not), in name order; one gone or caught half-written
+    is left out, one that is not an attempt record is refused (app.documents.MalformedDocument)."""
     out = []
     for name in attempt_names(store, key):
+        path = f"{store.attempts_dir(key)}/{name}"
         try:
-            out.append(store.storage.read_json(f"{store.attempts_dir(key)}/{name}"))
+            body = orjson.loads(store.storage.read_bytes(path))
         except (FileNotFoundError, orjson.JSONDecodeError):
             continue
+        out.append(AttemptRecord.from_dict(body, path))
     return out
 
 

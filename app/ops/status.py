@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from app.dead_holders import died_holding
-from app.documents import DeadLetter, DoneMarker, Pause, ProduceSummary, run_counts
+from app.documents import AttemptRecord, DeadLetter, DoneMarker, Pause, ProduceSummary, run_counts
 from app.errors import InvalidId
 from app.ids import validate_id
 from app.ledger import CAPTURE, GENERATE, pause_state, split_key, stage_key, stage_of
@@ -65,7 +65,7 @@ class RunScan:
     done: dict[str, DoneMarker] = field(default_factory=dict)  # shard -> completion marker
     captured: set[str] = field(default_factory=set)
     dead: dict[str, DeadLetter] = field(default_factory=dict)  # key -> dead letter
-    attempts: dict[str, list[dict]] = field(default_factory=dict)  # key -> attempt files
+    attempts: dict[str, list[AttemptRecord]] = field(default_factory=dict)  # key -> attempt records
 
 
 class RunScanner:
@@ -81,7 +81,7 @@ class RunScanner:
     def __init__(self, store: RunStore):
         self.store = store
         self._documents: dict[str, dict] = {}  # path -> a marker or dead letter (immutable once written)
-        self._settled_attempts: dict[str, list[dict]] = {}  # key -> its attempts, read once it was settled
+        self._settled_attempts: dict[str, list[AttemptRecord]] = {}  # key -> its attempts, read once it was settled
 
     def _read_json(self, rel: str) -> dict | None:
         try:
@@ -118,7 +118,7 @@ class RunScanner:
                     open_paths[key] = store.attempt_paths(key)
         bodies = store.read_documents([p for paths in open_paths.values() for p in paths])
         for key, paths in open_paths.items():
-            found = [bodies[p] for p in sorted(paths) if p in bodies]
+            found = [AttemptRecord.from_dict(bodies[p], p) for p in sorted(paths) if p in bodies]
             if found:
                 scan.attempts[key] = found
             if _settled(scan, key):

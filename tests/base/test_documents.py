@@ -97,9 +97,9 @@ def test_a_malformed_pause_names_its_path(tmp_path):
     assert Pause.parse(b'{"reason": "r"}', "p") == {"reason": "r"}
 
 
-def test_no_module_but_the_types_builds_a_marker_a_letter_or_the_producers_summary():
-    """A dict literal with a marker's or a letter's keys (`shard_id` beside `attempt` or `reason`), or the
-    producer's summary's (`run_id` beside `complete`), anywhere in the code but app/documents.py is a second
+def test_no_module_but_the_types_builds_a_run_document():
+    """A dict literal with a marker's or a letter's keys (`shard_id` beside `attempt` or `reason`), an attempt
+    record's (`attempt` beside `worker`), or the producer's summary's (`run_id` beside `complete`), anywhere in the code but app/documents.py is a second
     definition of the document."""
     import ast
     from pathlib import Path
@@ -113,6 +113,23 @@ def test_no_module_but_the_types_builds_a_marker_a_letter_or_the_producers_summa
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Dict):
                     keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
-                    if ("shard_id" in keys and keys & {"attempt", "reason"}) or {"run_id", "complete"} <= keys:
+                    if ("shard_id" in keys and keys & {"attempt", "reason"}) or {"run_id", "complete"} <= keys \
+                            or {"attempt", "worker"} <= keys:
                         found.append(f"{path.relative_to(root)}:{node.lineno}")
     assert not found, found
+
+
+def test_an_attempt_record_is_written_as_before_and_read_typed(tmp_path):
+    from app.documents import AttemptRecord
+
+    store = _store(tmp_path)
+    ledger.record_attempt(store, "shard-000005", "a1", "gpu0@host", stage="generate")
+    body = orjson.loads(store.storage.read_bytes(store.attempt_path("shard-000005", "a1")))
+    assert list(body)[:2] == ["attempt", "worker"] and body["heartbeat"] == body["started"]
+    assert list(body)[-3:] == ["lease_s", "stage", "heartbeat"] and body["stage"] == "generate"
+    ledger.record_attempt_error(store, "shard-000005", "a1", "boom")
+    (record,) = ledger.attempt_errors(store, "shard-000005")
+    assert isinstance(record, AttemptRecord) and (record.error, record.error_kind) == ("boom", "error")
+    store.storage.write_bytes(store.attempt_path("shard-000005", "a2"), b'{"attempt": "a2", "pid": "7"}')
+    with pytest.raises(MalformedDocument, match=r"attempts/shard-000005/a2.json: 'pid' is str, not int$"):
+        ledger.attempt_errors(store, "shard-000005")
