@@ -11,8 +11,8 @@ writer's) stay in the object, untouched.
 Defined here: the attempt record (`AttemptRecord`, `{run}/attempts/{key}/{attempt}.json`), the completion
 marker (`DoneMarker`, `{run}/done/{shard}.json`), the staged capture's marker (`CaptureMarker`,
 `{run}/captured/{shard}.json`), the dead letter (`DeadLetter`, `{run}/dead/{key}.json`) and
-the pause (`Pause`, `{run}/PAUSED.json`) and the producer's summary (`ProduceSummary`, `{run}/produce.json`).
-The manifest's settings are app.manifest's (`RunSettings`).
+the pause (`Pause`, `{run}/PAUSED.json`), the producer's summary (`ProduceSummary`, `{run}/produce.json`) and
+the manifest (`Manifest`, `{run}/run.json`; the settings in it are app.manifest.RunSettings').
 """
 
 from __future__ import annotations
@@ -246,6 +246,31 @@ class CaptureMarker(Document):
     @property
     def finished(self) -> str | None:
         return self.get("finished")
+
+
+class Manifest(Document):
+    """The run's manifest (`{run}/run.json`): the settings that decide its data (app.manifest.RunSettings, the
+    one definition of each setting and its default), when it was created, the software it was created with, and
+    a copy of the producer's counts (`run_counts` reads the producer's summary first)."""
+
+    REQUIRED = ("run_id", "settings")
+    TYPES: ClassVar = {"format": str, "run_id": str, "created": str, "settings": dict, "counts": (dict, type(None)),
+                       "software": dict}
+
+    @classmethod
+    def new(cls, fmt: str, run_id: str, created: str, settings: dict, software: dict) -> Manifest:
+        # `software`: what the manifest was written with (a worker records its own on each attempt); not
+        # settings, so a run reopened after an upgrade is not refused for it
+        return cls({"format": fmt, "run_id": run_id, "created": created, "settings": settings, "counts": {},
+                    "software": software})
+
+    @property
+    def run_id(self) -> str:
+        return self["run_id"]
+
+    @property
+    def settings(self) -> dict:
+        return self["settings"]
 
 
 class ProduceSummary(Document):

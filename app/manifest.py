@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import asdict, dataclass, field
 
+from app.documents import Manifest
 from app.errors import ManifestMismatch
 from app.storage import RunStore
 
@@ -172,7 +173,7 @@ def open_or_create(store: RunStore, settings: RunSettings) -> tuple[dict, bool]:
     """Return (manifest, created). Refuse to reopen a run whose stored settings differ."""
     wanted = settings.to_dict()
     if store.exists():
-        manifest = store.storage.read_json(store.manifest_path)
+        manifest = load(store)
         differing = settings_diff(manifest.get("settings", {}), wanted)
         if differing:
             raise ManifestMismatch(
@@ -180,16 +181,8 @@ def open_or_create(store: RunStore, settings: RunSettings) -> tuple[dict, bool]:
                 "(use another --run, or the stored settings)"
             )
         return manifest, False
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "run_id": store.run_id,
-        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "settings": wanted,
-        "counts": {},
-        # What the manifest was written with (a worker records its own on each attempt): not settings, so a
-        # run reopened after an upgrade is not refused for it.
-        "software": software_versions(),
-    }
+    manifest = Manifest.new(MANIFEST_FORMAT, store.run_id, dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                            wanted, software_versions())
     store.storage.write_json(store.manifest_path, manifest)
     return manifest, True
 
@@ -212,9 +205,9 @@ def software_versions() -> dict:
     return out
 
 
-def load(store: RunStore) -> dict:
+def load(store: RunStore) -> Manifest:
     try:
-        return store.storage.read_json(store.manifest_path)
+        return Manifest.parse(store.storage.read_bytes(store.manifest_path), store.manifest_path)
     except FileNotFoundError:
         from app.errors import RegenError
 

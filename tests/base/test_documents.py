@@ -99,7 +99,8 @@ def test_a_malformed_pause_names_its_path(tmp_path):
 
 def test_no_module_but_the_types_builds_a_run_document():
     """A dict literal with a marker's or a letter's keys (`shard_id` beside `attempt` or `reason`), an attempt
-    record's (`attempt` beside `worker`), or the producer's summary's (`run_id` beside `complete`), anywhere in the code but app/documents.py is a second
+    record's (`attempt` beside `worker`), the producer's summary's (`run_id` beside `complete`) or the manifest's
+    (`run_id` beside `settings`), anywhere in the code but app/documents.py is a second
     definition of the document."""
     import ast
     from pathlib import Path
@@ -114,7 +115,7 @@ def test_no_module_but_the_types_builds_a_run_document():
                 if isinstance(node, ast.Dict):
                     keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
                     if ("shard_id" in keys and keys & {"attempt", "reason"}) or {"run_id", "complete"} <= keys \
-                            or {"attempt", "worker"} <= keys:
+                            or {"attempt", "worker"} <= keys or {"run_id", "settings"} <= keys:
                         found.append(f"{path.relative_to(root)}:{node.lineno}")
     assert not found, found
 
