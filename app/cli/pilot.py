@@ -17,14 +17,12 @@ recomputes the fleet's forecast from every host's file, and `regen produce --pil
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import os
 import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import click
@@ -33,64 +31,10 @@ from rich.table import Table
 
 from app.cli.options import broker_option, storage_option, vllm_arg_option
 from app.errors import ConfigError
+from app.peak_memory import PeakMemory, memory_kind
 from app.settings import DEFAULT_SHARD_SIZE
 
-MEMORY_POLL_S = 0.5
 REFERENCE_ROOM = 1.5  # a reference forward needs the checkpoint in bf16 plus activations: room for this much of it
-
-
-def memory_kind(gpus: list[str] | None) -> str:
-    """What a candidate's peak memory is, as its table row says."""
-    return "one GPU, nvidia-smi" if gpus else "host RSS"
-
-
-class PeakMemory:
-    """Polls the memory a candidate's run uses and keeps the peak: on the CPU the RSS of the run's process
-    tree (its workers and CPU engines), on GPUs each visible device's used memory (nvidia-smi)."""
-
-    def __init__(self, pid: int, gpus: list[str] | None):
-        self.pid, self.gpus = pid, gpus
-        self.peak = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._poll, daemon=True)
-
-    @property
-    def what(self) -> str:
-        return memory_kind(self.gpus)
-
-    def _sample(self) -> int:
-        if self.gpus:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=30).stdout
-            used = [int(v) for i, v in (line.split(",") for line in out.strip().splitlines())
-                    if i.strip() in self.gpus]
-            return max(used, default=0) << 20
-        import psutil
-
-        try:
-            root = psutil.Process(self.pid)
-            procs = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return 0
-        total = 0
-        for p in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                total += p.memory_info().rss
-        return total
-
-    def _poll(self) -> None:
-        while not self.stop.is_set():
-            with contextlib.suppress(OSError, ValueError, subprocess.SubprocessError):
-                self.peak = max(self.peak, self._sample())
-            self.stop.wait(MEMORY_POLL_S)
-
-    def __enter__(self) -> PeakMemory:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join(5)
 
 
 def _host_devices(cpu: bool, gpus: str | None) -> dict:
