@@ -118,6 +118,12 @@ class Storage:
     def listdir(self, rel: str) -> list[str]:
         """Names (not paths) directly under `rel`; empty when the folder does not exist."""
         count("list", rel)
+        if self.is_local:  # names straight from the directory: fsspec's local `ls` re-parses every entry's path
+            with contextlib.suppress(NotADirectoryError):
+                try:
+                    return sorted(os.listdir(self.path(rel)))
+                except FileNotFoundError:
+                    return []
         try:
             entries = self.fs.ls(self.path(rel), detail=False)
         except FileNotFoundError:

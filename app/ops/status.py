@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from app.dead_holders import died_holding
-from app.documents import AttemptRecord, DeadLetter, DoneMarker, Pause, ProduceSummary, run_counts
+from app.documents import AttemptRecord, DeadLetter, Document, DoneMarker, Pause, ProduceSummary, run_counts
 from app.errors import InvalidId
 from app.ids import validate_id
 from app.ledger import CAPTURE, GENERATE, pause_state, split_key, stage_key, stage_of
@@ -80,7 +80,7 @@ class RunScanner:
 
     def __init__(self, store: RunStore):
         self.store = store
-        self._documents: dict[str, dict] = {}  # path -> a marker or dead letter (immutable once written)
+        self._documents: dict[str, Document] = {}  # path -> a marker or dead letter (immutable once written)
         self._settled_attempts: dict[str, list[AttemptRecord]] = {}  # key -> its attempts, read once it was settled
 
     def _read_json(self, rel: str) -> dict | None:
@@ -89,10 +89,11 @@ class RunScanner:
         except (FileNotFoundError, orjson.JSONDecodeError):
             return None
 
-    def _markers(self, folder: str) -> dict[str, dict]:
-        """{name: document} of one marker folder; only names not seen before are read."""
+    def _markers(self, folder: str, kind: type[Document]) -> dict:
+        """{name: typed document} of one marker folder; only names not seen before are read (and checked)."""
         paths = self.store.marker_paths(folder)
-        self._documents.update(self.store.read_documents([p for p in paths.values() if p not in self._documents]))
+        fresh = self.store.read_documents([p for p in paths.values() if p not in self._documents])
+        self._documents.update({p: kind.from_dict(body, p) for p, body in fresh.items()})
         return {name: self._documents[p] for name, p in paths.items() if p in self._documents}
 
     def scan(self) -> RunScan:
@@ -102,9 +103,8 @@ class RunScanner:
         scan = RunScan(store.run_id, self._read_json(store.manifest_path),
                        None if produce is None else ProduceSummary.from_dict(produce, store.produce_path),
                        pause_state(store))
-        scan.done = {shard: DoneMarker.from_dict(body, store.done_path(shard))
-                     for shard, body in self._markers("done").items()}
-        scan.dead = {key: DeadLetter.from_dict(body, store.dead_path(key)) for key, body in self._markers("dead").items()}
+        scan.done = self._markers("done", DoneMarker)
+        scan.dead = self._markers("dead", DeadLetter)
         scan.captured = store.captured_shards()
         open_paths: dict[str, list[str]] = {}
         if not self._settled_attempts:  # a first scan: one walk of attempts/ beats a listing per folder
