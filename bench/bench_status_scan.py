@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+import timeit
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,12 +69,7 @@ def lay_down(root: Path, shards: int) -> RunStore:
 
 def timed(fn, repeat: int) -> float:
     """Median seconds of `repeat` calls."""
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(timeit.repeat(fn, number=1, repeat=repeat))
 
 
 def _ops(c) -> int:
