@@ -67,9 +67,16 @@ def test_small_fleet_accounts_for_every_sample_and_its_storage_counts(tmp_path):
     # (a records file the killed host renamed into place before it could mark its shard stays, unreferenced)
     assert counted["rename:records"] - lost == seen["files:records"] >= SHARDS, text
     assert counted["link:done"] - lost == seen["files:done"] == SHARDS, text
-    if not lost:
+    # A records file or marker whose write was counted but whose rename or link was not: the killed host died
+    # between the two, so its bytes were written to a temporary that never became the file.
+    unplaced = counted["write:records"] - counted["rename:records"] + counted["write:done"] - counted["link:done"]
+    assert 0 <= unplaced <= 2 * run.workers, text
+    if not lost and not unplaced:
         assert counted["bytes_written:records"] == seen["bytes:records"], text
         assert counted["bytes_written:done"] == seen["bytes:done"], text
+    else:
+        assert counted["bytes_written:records"] >= seen["bytes:records"], text
+        assert counted["bytes_written:done"] >= seen["bytes:done"], text
     assert counted["bytes_written:produce.json"] >= seen["bytes:produce.json"] > 0
     # Local: every write is fsynced and put in place by a rename or a link; the killed host's processes may each
     # have died between the two.
