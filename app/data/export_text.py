@@ -21,7 +21,9 @@ Formats:
 - `sharegpt`: `{"id", "conversations": [{"from", "value", ...}], "tools", "finish_reason"}` with
   from = system/human/gpt/tool. Assistant turns keep `reasoning_content` and `tool_calls` (OpenAI shape, ids
   included); tool turns keep `tool_call_id` and `name`; `tools` is the definitions as a JSON string (Hermes
-  and LLaMA-Factory convention). regen's own producer reads these rows back into the same messages.
+  and LLaMA-Factory convention). regen's own producer reads these rows back into the same messages,
+  except a row holding a generated turn that came out empty (kept by `--include-unterminated`), which it
+  refuses as input (`empty_content`) as it refuses any empty turn.
 - `specforge-jsonl`: SpecForge's regenerated-data rows (what its `scripts/regenerate_train_data.py` writes and
   `scripts/validate_regenerated_data.py` checks): `{"id", "conversations": [{"role", "content",
   "reasoning_content"}], "status": "success"}`; optional system turns, then user/assistant alternation, ending

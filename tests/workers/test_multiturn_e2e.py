@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from transformers import AutoTokenizer
 
 from app.cli import main
+from app.data.export_text import SHAREGPT_ROLES
 from producer.normalise import normalise
 from tests.support.paths import FIXTURES_DIR
 from tests.support.runs import produce, run_records, run_states, wait_run_done
@@ -72,6 +73,21 @@ def _by_conversation(records: list[dict]) -> dict[str, list[dict]]:
     for r in records:
         convs[r.get("conversation_id") or r["sample_id"]].append(r)
     return convs
+
+
+def _trainer_messages(conv: list[dict]) -> list[dict]:
+    """A ShareGPT row's turns as the OpenAI messages a trainer's loader hands the template: roles mapped back,
+    the keys the export keeps kept. Not regen's producer: it refuses an empty turn as input (`empty_content`),
+    and a regenerated context turn can come out empty (the tiny model's sampling ends at once; such a turn is
+    `missing_think_end`, kept here by `--include-unterminated`)."""
+    roles = {v: k for k, v in SHAREGPT_ROLES.items()}
+    keep = {"assistant": ("reasoning_content", "tool_calls"), "tool": ("tool_call_id", "name")}
+    out = []
+    for turn in conv:
+        role = roles[turn["from"]]
+        out.append({"role": role, "content": turn["value"],
+                    **{k: turn[k] for k in keep.get(role, ()) if k in turn}})
+    return out
 
 
 def test_every_regenerated_turn_is_a_training_sample_with_its_own_states(runs, e2e_storage, tiny_qwen3):
@@ -137,6 +153,7 @@ def test_exported_rows_re_render_to_every_records_prompt_ids(runs, e2e_storage, 
     tool_calls = 0
     for row in rows:
         turns, conv = convs[row["id"]], row["conversations"]
+        tools = json.loads(row["tools"]) if row.get("tools") else None
         first_user = next(i for i, t in enumerate(conv) if t["from"] == "human")
         regenerated = [i for i, t in enumerate(conv) if t["from"] == "gpt" and i > first_user]
         if run == "tools-last":
@@ -145,8 +162,7 @@ def test_exported_rows_re_render_to_every_records_prompt_ids(runs, e2e_storage, 
         for rec, at in zip(turns, regenerated, strict=True):
             # What a trainer does with the row: take the conversation before the turn, render it with the
             # target's template. It must be the prompt the engine was given, id for id.
-            again = normalise({"conversations": conv[:at], "tools": row.get("tools")}, file="row", line=1)
-            ids = render_prompt(tok, again["messages"], again["tools"], thinking=True)
+            ids = render_prompt(tok, _trainer_messages(conv[:at]), tools, thinking=True)
             assert ids == rec["input_ids"][: rec["num_prompt_tokens"]]
             # a regenerated turn whose thinking was empty is context without `reasoning_content` (as the worker
             # rendered it), the row's last turn carries it empty: both say the same
