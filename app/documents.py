@@ -250,8 +250,9 @@ class CaptureMarker(Document):
 
 class Manifest(Document):
     """The run's manifest (`{run}/run.json`): the settings that decide its data (app.manifest.RunSettings, the
-    one definition of each setting and its default), when it was created, the software it was created with, and
-    a copy of the producer's counts (`run_counts` reads the producer's summary first)."""
+    one definition of each setting and its default), when it was created and the software it was created with.
+    Written once, when the run is created. Runs made before the counts had one home also carry a copy of the
+    producer's counts here (`counts`), which `run_counts` reads where the producer's summary has none."""
 
     REQUIRED = ("run_id", "settings")
     TYPES: ClassVar = {"format": str, "run_id": str, "created": str, "settings": dict, "counts": (dict, type(None)),
@@ -261,8 +262,7 @@ class Manifest(Document):
     def new(cls, fmt: str, run_id: str, created: str, settings: dict, software: dict) -> Manifest:
         # `software`: what the manifest was written with (a worker records its own on each attempt); not
         # settings, so a run reopened after an upgrade is not refused for it
-        return cls({"format": fmt, "run_id": run_id, "created": created, "settings": settings, "counts": {},
-                    "software": software})
+        return cls({"format": fmt, "run_id": run_id, "created": created, "settings": settings, "software": software})
 
     @property
     def run_id(self) -> str:
@@ -303,8 +303,8 @@ class ProduceSummary(Document):
 
 
 def run_counts(produce: dict | None, manifest: dict | None) -> dict:
-    """The run's counts: the producer's summary's, else (runs whose producer wrote none yet, older runs) the
-    copy in the manifest; one rule for every reader."""
+    """The run's counts: the producer's summary's (their one home), else the copy an older run's manifest
+    carries; one rule for every reader."""
     return (produce or {}).get("counts") or (manifest or {}).get("counts") or {}
 
 

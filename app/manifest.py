@@ -212,10 +212,3 @@ def load(store: RunStore) -> Manifest:
         from app.errors import RegenError
 
         raise RegenError(f"no run {store.run_id!r} at {store.storage.url} (no run.json)") from None
-
-
-def update_counts(store: RunStore, counts: dict) -> dict:
-    manifest = load(store)
-    manifest["counts"] = counts
-    store.storage.write_json(store.manifest_path, manifest)
-    return manifest

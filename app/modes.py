@@ -3,7 +3,7 @@
 Why per sample: a drafter serves whatever mode the traffic asks for, and a draft trained on one mode collapses in
 the other (docs/measured-facts.md), so one run can hold both (`regen produce --thinking-mix P`). The mode is
 decided by the producer and travels in the sample's message, so every worker, and every redelivery, renders
-and samples it the same way. The rules, in order (the manifest counts which rule decided each sample):
+and samples it the same way. The rules, in order (the producer's summary counts which rule decided each sample):
 
 - `input`: the input row names its mode (`enable_thinking`, or a boolean `thinking` field); mix runs only;
 - `mix`: drawn from the run seed and the sample id (`draw_thinking`): the same on every produce of the run;

@@ -8,7 +8,7 @@ shard to two workers at once (docs/measured-facts.md), exactly one of them publi
 
 Layout of a run, relative to the storage root (all names deterministic):
 
-    {run}/run.json                               run manifest (settings, inputs, counts)
+    {run}/run.json                               run manifest (settings, inputs; written once)
     {run}/produce.json                           what the producer enqueued (summary, per-reason rejects)
     {run}/rejects.jsonl                          one row per rejected input line: file, line, reason
     {run}/shards/{shard}/{attempt}.records.jsonl.zst   the shard's sample records

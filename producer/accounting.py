@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 import orjson
 
 from app.documents import ProduceSummary
-from app.manifest import update_counts
 from app.storage import RunStore
 from producer.normalise import REJECT_REASONS
 
@@ -124,10 +123,3 @@ def write_produce_state(store: RunStore, *, producer_settings: dict, accounting:
                                producer_settings, accounting.to_dict() if accounting else None)
     store.storage.write_json(store.produce_path, state)
 
-
-def record_counts(store: RunStore, accounting: Accounting) -> None:
-    """Copy the counts into the run manifest (`counts`), where status tools look first."""
-    counts = accounting.to_dict()
-    update_counts(store, {k: counts[k] for k in ("read", "enqueued", "duplicates", "rejected", "rejected_by_reason",
-                                                 "shards", "left_out", "take", "samples", "modes", "mode_rules",
-                                                 "input_mode_overridden") if k in counts})

@@ -33,7 +33,6 @@ from producer.accounting import (
     Accounting,
     RejectLog,
     read_produce_state,
-    record_counts,
     write_produce_state,
 )
 from producer.enqueue import ShardSender
@@ -228,7 +227,6 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
     acc.check_identity(int(setting(settings, "samples_per_prompt")))
     write_produce_state(store, producer_settings=psettings, accounting=acc, complete=True, queue=opts.queue,
                         started=started)
-    record_counts(store, acc)
     return ProduceResult(run_id, "produced", acc, paths, storage_url=storage_url)
 
 

@@ -7,7 +7,7 @@ then `N` of them (or `round(FRACTION x rows)`) are drawn without replacement fro
 run seed and the file's sha256, so the draw depends on the file's bytes and the seed, not on where the file
 lives or in which order the inputs were given. Rows not drawn are `left out`: never parsed, never a reject
 or a duplicate, counted per file, and `read = enqueued + duplicates + rejected + left out` holds. A count above
-the file's rows takes every row, and the manifest's counts say so (`rows`, `taken`). Files no `--take` names
+the file's rows takes every row, and the producer's summary's counts say so (`rows`, `taken`). Files no `--take` names
 are read whole. The selection is one byte per row of a taken file.
 """
 

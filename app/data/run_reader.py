@@ -68,7 +68,7 @@ class RunReader:
             return None
 
     def expected_shards(self) -> list[str]:
-        """Every shard the producer made (from produce.json, else the manifest counts) plus any with markers."""
+        """Every shard the producer made (app.documents.run_counts) plus any with markers."""
         counts = run_counts(self.produce_state(), self.manifest)
         names = {shard_id(k) for k in range(int(counts.get("shards") or 0))}
         return sorted(names | self.store.done_shards() | self.dead_generate_shards())

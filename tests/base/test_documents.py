@@ -134,3 +134,17 @@ def test_an_attempt_record_is_written_as_before_and_read_typed(tmp_path):
     store.storage.write_bytes(store.attempt_path("shard-000005", "a2"), b'{"attempt": "a2", "pid": "7"}')
     with pytest.raises(MalformedDocument, match=r"attempts/shard-000005/a2.json: 'pid' is str, not int$"):
         ledger.attempt_errors(store, "shard-000005")
+
+
+def test_the_counts_have_one_home_and_an_older_runs_manifest_copy_still_reads():
+    from app.documents import Manifest, ProduceSummary, run_counts
+
+    new = Manifest.new("regen-run/1", "r", "2026-12-05T00:00:00+00:00", {"model": "m"}, {})
+    assert "counts" not in new  # write-once: the producer's summary holds the counts
+    summary = ProduceSummary.new("r", True, "t0", "t1", "regen", {}, {"shards": 3, "samples": 10})
+    assert run_counts(summary, new) == {"shards": 3, "samples": 10}
+    older = Manifest.parse(orjson.dumps({"run_id": "r", "settings": {}, "counts": {"shards": 2}}), "r/run.json")
+    assert run_counts(None, older) == {"shards": 2}  # written before: the manifest's copy
+    assert run_counts(ProduceSummary.new("r", False, "t0", None, "regen", {}, None), older) == {"shards": 2}
+    # both present (an older run): the producer's summary wins, as every reader took it
+    assert run_counts(summary, older) == {"shards": 3, "samples": 10}

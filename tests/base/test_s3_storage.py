@@ -190,8 +190,8 @@ def test_produce_writes_its_run_to_s3_and_enqueues_s3_urls(s3_root, tmp_path):
     assert real.exit_code == 0, real.output
     store = RunStore(Storage(s3_root), "s3run")
     manifest = store.storage.read_json(store.manifest_path)
-    assert manifest["run_id"] == "s3run" and manifest["counts"]["shards"] == 3
-    assert store.storage.read_json(store.produce_path)["complete"] is True
+    produced = store.storage.read_json(store.produce_path)
+    assert manifest["run_id"] == "s3run" and produced["counts"]["shards"] == 3 and produced["complete"] is True
     messages = decode_queue(client, "regen-s3-test")
     assert len(messages) == 3 and {m["kwargs"]["storage"] for m in messages} == {s3_root}
     client.flushdb()

@@ -63,8 +63,8 @@ def test_each_sample_is_sent_in_its_drawn_or_own_mode_and_the_manifest_counts_th
     # both modes occur among the drawn ones, and the two samples of a prompt are drawn apart
     assert {s["thinking"] for _, s in sent if s["mode_rule"] == "mix"} == {True, False}
     store = RunStore(Storage(opts.storage), "mix")
-    manifest = store.storage.read_json(store.manifest_path)
-    counts, settings = manifest["counts"], manifest["settings"]
+    settings = store.storage.read_json(store.manifest_path)["settings"]
+    counts = store.storage.read_json(store.produce_path)["counts"]
     assert counts["samples"] == 20 and counts["enqueued"] == 10
     assert counts["modes"] == dict(Counter("thinking" if s["thinking"] else "non_thinking" for _, s in sent))
     assert counts["mode_rules"] == {"input": 6, "mix": 14}
@@ -126,7 +126,8 @@ def test_resume_with_a_larger_k_sends_exactly_the_new_samples(producer_redis, op
     assert all(s["sample_index"] == 1 for _, s in added)
     assert {shard for shard, _ in added}.isdisjoint({shard for shard, _ in first})
     manifest = store.storage.read_json(store.manifest_path)
-    assert manifest["settings"]["samples_per_prompt"] == 2 and manifest["counts"]["samples"] == 20
+    assert manifest["settings"]["samples_per_prompt"] == 2
+    assert store.storage.read_json(store.produce_path)["counts"]["samples"] == 20
     # the new samples' modes are the ones a K=2 run of the same seed draws
     producer_redis.delete(QUEUE)
     produce(options([path], run_id="k2", thinking_mix=0.5, seed=3, samples_per_prompt=2))
@@ -168,7 +169,7 @@ def test_take_draws_the_same_rows_for_the_same_seed_and_accounts_for_the_rest(pr
     manifest = store.storage.read_json(store.manifest_path)
     assert manifest["settings"]["take"] == [{"glob": "tools.jsonl", "count": 5},
                                             {"glob": f"{tmp_path}/share*.jsonl", "fraction": 0.5}]
-    assert manifest["counts"]["left_out"] == 18
+    assert store.storage.read_json(store.produce_path)["counts"]["left_out"] == 18
 
 
 def test_the_pilots_sample_draws_from_the_rows_the_runs_take_draws(producer_redis, options, tmp_path):
@@ -256,7 +257,7 @@ def test_the_summary_shows_the_samples_per_mode_and_the_rows_left_out(producer_r
                  "--queue", QUEUE, "--samples-per-prompt", "3")
     assert again.exit_code == 0, again.output
     store = RunStore(Storage(str(tmp_path / "s")), "summary")
-    assert store.storage.read_json(store.manifest_path)["counts"]["samples"] == 18
+    assert store.storage.read_json(store.produce_path)["counts"]["samples"] == 18
     refused = _cli("produce", "--resume", "summary", "--storage", str(tmp_path / "s"), "--broker", PRODUCER_REDIS,
                    "--thinking-mix", "0.2")
     assert refused.exit_code == 2 and "drop --thinking-mix" in refused.output

@@ -51,7 +51,8 @@ def test_produce_enqueues_one_message_per_shard_with_the_samples(producer_redis,
     assert result.accounting.to_dict()["shards_sent"] == 3
     state = json.loads((tmp_path / "store/r1/produce.json").read_text())
     assert state["complete"] is True and state["counts"]["enqueued"] == 10
-    assert json.loads((tmp_path / "store/r1/run.json").read_text())["counts"]["shards"] == 3
+    assert state["counts"]["shards"] == 3
+    assert "counts" not in json.loads((tmp_path / "store/r1/run.json").read_text())  # the manifest is write-once
 
 
 def test_small_shards_are_sent_uncompressed(producer_redis, options, tmp_path):
@@ -144,7 +145,7 @@ def test_bad_lines_of_every_kind_become_rejects_and_good_lines_are_enqueued(prod
     assert acc.read == acc.enqueued + acc.duplicates + acc.rejected
     samples = [s for m in decode_queue(producer_redis) for s in m["kwargs"]["samples"]]
     assert [s["source"]["line"] for s in samples] == [1, 12]
-    counts = json.loads((tmp_path / "store/r1/run.json").read_text())["counts"]
+    counts = json.loads((tmp_path / "store/r1/produce.json").read_text())["counts"]
     assert counts["rejected_by_reason"]["no_conversation"] == 2 and counts["duplicates"] == 1
 
 
