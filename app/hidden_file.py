@@ -44,6 +44,7 @@ import zstandard
 from app import states_codec
 from app.byte_planes import join_bytes, join_layers, split_bytes  # noqa: F401 (join_bytes: importers of this module use it)
 from app.errors import PermanentError
+from app.manifest import COMPRESSION_LEVEL
 
 MAGIC = b"RGHS\x00\x01\x00\x00"
 FOOTER_MAGIC = b"RGHSIDX1"
@@ -98,7 +99,7 @@ def encode_sample(
     token_ids: np.ndarray,
     states_u16: np.ndarray,
     layers: list[int],
-    level: int = 3,
+    level: int = COMPRESSION_LEVEL,
     compress_low: bool = False,
     stored: str = "bf16",
 ) -> EncodedSample:

@@ -11,10 +11,12 @@ from collections.abc import Iterable, Iterator
 import orjson
 import zstandard
 
+from app.manifest import COMPRESSION_LEVEL
+
 _OPTS = orjson.OPT_SERIALIZE_NUMPY
 
 
-def dumps_jsonl_zst(rows: Iterable[dict], level: int = 3) -> bytes:
+def dumps_jsonl_zst(rows: Iterable[dict], level: int = COMPRESSION_LEVEL) -> bytes:
     raw = b"".join(orjson.dumps(r, option=_OPTS) + b"\n" for r in rows)
     return zstandard.ZstdCompressor(level=level, write_checksum=True).compress(raw)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE
+from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_REGENERATE
 from app.speculative import has_mtp_head
 
 PILOT_VERSION = 1
@@ -276,7 +276,7 @@ def commands(pilots: list[dict], plan: dict, pilot_paths: list[str], storage: st
         produce.append("--no-thinking")
     if int(s.get("samples_per_prompt") or 1) > 1:
         produce.append(f"--samples-per-prompt {s['samples_per_prompt']}")
-    if s.get("regenerate", "last") != "last":
+    if s.get("regenerate", DEFAULT_REGENERATE) != DEFAULT_REGENERATE:
         produce.append(f"--regenerate {s['regenerate']}")
     for key, value in (s.get("sampling") or {}).items():  # as measured: temperature, ..., sample_temperatures
         produce.append(f"--{key.replace('_', '-')} {value}")

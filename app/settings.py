@@ -36,6 +36,8 @@ from app.errors import ConfigError
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_QUEUE = "regen"
 DEFAULT_CAPTURE_QUEUE = "regen.capture"
+# Which assistant turns a run regenerates (`--regenerate`; producer.normalise.REGENERATE_MODES): the last.
+DEFAULT_REGENERATE = "last"
 # Samples per shard (one Celery message): `regen produce --shard-size`; workers size their task slots by it.
 DEFAULT_SHARD_SIZE = 64
 # Redis re-delivers an unacked message after this many seconds *even if it is still running* (docs/measured-facts.md), so it

@@ -33,6 +33,7 @@ import orjson
 
 from app.errors import PermanentError
 from app.ids import sample_id
+from app.settings import DEFAULT_REGENERATE
 
 REJECT_REASONS = (
     "malformed_json",
@@ -271,7 +272,7 @@ def _check_and_measure(messages: list[dict], tools_chars: int) -> int:
     return total
 
 
-def normalise(row: object, *, file: str, line: int, regenerate: str = "last", max_prompt_chars: int = 0) -> dict:
+def normalise(row: object, *, file: str, line: int, regenerate: str = DEFAULT_REGENERATE, max_prompt_chars: int = 0) -> dict:
     """One parsed row -> one sample dict (see the module docstring); raises Rejected.
 
     `max_prompt_chars` (0 = no cap) is a cheap character cap on the prompt; exact token limits are the worker's.

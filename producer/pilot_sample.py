@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from app.settings import DEFAULT_REGENERATE
 from producer.estimate import Reservoir
 from producer.normalise import Rejected, normalise, parse_line
 from producer.readers import InputReader, ReadFailure, expand_inputs, file_sha256
@@ -44,7 +45,7 @@ def take_selections(items: list[str], paths: list[str], seed: int) -> dict[str, 
     return {path: select(path, file_sha256(path), rule, seed) for path, rule in matched.items()}
 
 
-def sample_inputs(inputs: list[str], size: int, seed: int, regenerate: str = "last",
+def sample_inputs(inputs: list[str], size: int, seed: int, regenerate: str = DEFAULT_REGENERATE,
                   max_prompt_chars: int = 0, take: list[str] | None = None) -> InputSample:
     """Read every input once; a uniform sample (Algorithm R, `seed`) of up to `size` of the lines that become
     samples, and the counts. `take`: the run's `--take` rules; rows they leave out are never sampled."""

@@ -26,7 +26,7 @@ from app.manifest import (
     setting,
 )
 from app.model_info import read_model_info, zero_embedding_ids
-from app.settings import DEFAULT_SHARD_SIZE
+from app.settings import DEFAULT_QUEUE, DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
 from app.speculative import check_speculative, ignored_with_capture, parse_speculative
 from app.states_codec import STATES_DTYPES, promised_bound, resolve
 from app.vllm_args import split_item
@@ -48,7 +48,7 @@ class ProduceOptions:
     storage: str | None = None
     model: str | None = None
     broker: str | None = None
-    queue: str = "regen"
+    queue: str = DEFAULT_QUEUE
     max_pending: int | None = None
     compress: str = "auto"
     shard_size: int = DEFAULT_SHARD_SIZE
@@ -63,7 +63,7 @@ class ProduceOptions:
     layers: str = "dflash"
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
     max_prompt_chars: int | None = None
-    regenerate: str = "last"
+    regenerate: str = DEFAULT_REGENERATE
     dry_run: bool = False
     resume: bool = False
     only_shards: frozenset[str] | None = None  # with resume: send only these shards (regen retry-dead)

@@ -32,7 +32,8 @@ from rich.table import Table
 from app.cli.options import broker_option, storage_option, vllm_arg_option
 from app.errors import ConfigError
 from app.peak_memory import PeakMemory, memory_kind
-from app.settings import DEFAULT_SHARD_SIZE
+from app.settings import DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
+from producer.normalise import REGENERATE_MODES
 
 REFERENCE_ROOM = 1.5  # a reference forward needs the checkpoint in bf16 plus activations: room for this much of it
 
@@ -244,7 +245,7 @@ def _load_pilots(paths: list[str]) -> list[dict]:
 @click.option("--take", "take", multiple=True, metavar="GLOB=N|FRACTION",
               help="As the run will have it (see `regen produce`): the sample and the forecast draw from the rows "
                    "the run's --take draws (seeded with --seed).")
-@click.option("--regenerate", type=click.Choice(["last", "all"]), default="last", show_default=True)
+@click.option("--regenerate", type=click.Choice(REGENERATE_MODES), default=DEFAULT_REGENERATE, show_default=True)
 @click.option("--temperature", type=float, default=None, help="Sampling, as the run will have it [default: the run's].")
 @click.option("--top-p", type=float, default=None)
 @click.option("--top-k", type=int, default=None)
@@ -304,7 +305,7 @@ def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, la
 
 
 def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, layers,
-                 max_tokens, thinking, regenerate, thinking_mix=None, samples_per_prompt=1, take=(), shard_size,
+                 max_tokens, thinking, regenerate, thinking_mix=None, samples_per_prompt, take=(), shard_size,
                  max_model_len,
                  vllm_args, only, keep_runs, timeout, sampling: dict, reference_samples: int = 2) -> tuple[dict, str]:
     """`sampling`: temperature, top_p, top_k, min_p, max_prompt_tokens, sample_temperatures, where given (the

@@ -23,7 +23,7 @@ from rich.table import Table
 from app.cli.options import broker_option, model_option, storage_option
 from app.errors import ConfigError
 from app.manifest import CAPTURE_MODES
-from app.settings import DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
+from app.settings import DEFAULT_QUEUE, DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
 from app.states_codec import STATES_DTYPES
 from producer.enqueue import COMPRESS_MODES
 from producer.normalise import REGENERATE_MODES
@@ -100,7 +100,7 @@ def _broker_options(f):
               help=STATES_DTYPE_HELP)
 @click.option("--max-prompt-chars", type=click.IntRange(min=0), default=None,
               help="Reject prompts longer than this many characters [default: 8 x --max-prompt-tokens].")
-@click.option("--regenerate", type=click.Choice(REGENERATE_MODES), default="last", show_default=True,
+@click.option("--regenerate", type=click.Choice(REGENERATE_MODES), default=DEFAULT_REGENERATE, show_default=True,
               help="last: the final assistant turn; all: every assistant turn, in order.")
 @click.option("--pause-stub-rate", type=click.FloatRange(0, 1), default=0.20, show_default=True,
               help="Pause the run when this share of a worker's recent samples are stubs or empty (1 = never).")

@@ -140,3 +140,48 @@ def test_every_variable_the_code_names_is_documented():
     names = {n for p in CODE for n in re.findall(r"\bREGEN_[A-Z0-9_]+\b", p.read_text())}
     documented = set(re.findall(r"`(REGEN_[A-Z0-9_]+)`", (ROOT / "docs" / "configuration.md").read_text()))
     assert len(names) > 15 and names <= documented, sorted(names - documented)
+
+
+# Settings whose default belongs to one definition (app.settings' DEFAULT_*, app.manifest's COMPRESSION_LEVEL
+# and RunSettings): a parameter or class field of the same name elsewhere takes it from there or has none.
+DEFINITIONS = ("app/settings.py", "app/manifest.py")
+ONE_DEFAULT = ("level", "compression_level", "regenerate", "samples_per_prompt", "shard_size", "queue",
+               "capture_queue", "thinking_mix")
+# The queue names, spelled only where they are defined.
+DEFINED_STRINGS = {"regen.capture": "app/settings.py"}
+
+
+def spelled_defaults(path: str, source: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        pairs = []
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            a = node.args
+            positional = a.posonlyargs + a.args
+            pairs += zip(positional[len(positional) - len(a.defaults):], a.defaults, strict=True)
+            pairs += [(k, d) for k, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d is not None]
+            pairs = [(arg.arg, d) for arg, d in pairs]
+        elif isinstance(node, ast.ClassDef):
+            pairs += [(s.target.id, s.value) for s in node.body
+                      if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name) and s.value is not None]
+        for name, default in pairs:
+            if name in ONE_DEFAULT and path not in DEFINITIONS and isinstance(default, ast.Constant) and default.value is not None:
+                found.append(f"{path}:{default.lineno} {name}={default.value!r}")
+        if isinstance(node, ast.Constant) and node.value in DEFINED_STRINGS and DEFINED_STRINGS[node.value] != path:
+            found.append(f"{path}:{node.lineno} {node.value!r}")
+    return found
+
+
+def test_no_module_spells_a_default_defined_elsewhere():
+    found = [f for p in CODE for f in spelled_defaults(str(p.relative_to(ROOT)), p.read_text())]
+    assert not found, found
+
+
+def test_the_defaults_check_sees_a_second_spelling():
+    snippet = ("def write(rows, level: int = 3): ...\n"
+               "class Options:\n    regenerate: str = 'last'\n    queue: str = DEFAULT_QUEUE\n"
+               "CAPTURE = 'regen.capture'\n")
+    assert [f.split(" ", 1)[1] for f in spelled_defaults("workers/x.py", snippet)] == [
+        "level=3", "regenerate='last'", "'regen.capture'"]
+    assert spelled_defaults("app/settings.py", "DEFAULT_CAPTURE_QUEUE = 'regen.capture'\n") == []
+    assert spelled_defaults("app/manifest.py", "class RunSettings:\n    samples_per_prompt: int = 1\n") == []
