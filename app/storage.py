@@ -38,7 +38,7 @@ from collections.abc import Iterator
 import fsspec
 import orjson
 
-from app.documents import DoneMarker
+from app.documents import AttemptRecord, DoneMarker
 from app.errors import ConfigError, InvalidId
 from app.ids import validate_id
 from app.packages import REQUIREMENTS
@@ -310,6 +310,11 @@ class RunStore:
 
     def attempt_path(self, key: str, attempt: str) -> str:
         return f"{self.attempts_dir(key)}/{attempt}.json"
+
+    def attempt_record(self, key: str, attempt: str) -> AttemptRecord:
+        """One attempt's record, typed (FileNotFoundError when it has none)."""
+        path = self.attempt_path(key, attempt)
+        return AttemptRecord.parse(self.storage.read_bytes(path), path)
 
     def archive_dir(self, key: str, stamp: str) -> str:
         """Where `regen retry-dead` keeps a dead letter and its attempts once it re-sends the shard."""

@@ -2,6 +2,7 @@
 
 - the shared base (`app/*.py`) imports only the base;
 - `producer/`, `workers/`, `app/data/` and `app/ops/` import the base and themselves, never each other;
+- `app/pilot/` assembles the producer's reader, the workers' device facts and the run readers into the pilot;
 - `app/cli/` is the only place that imports them all;
 - no two modules import each other, directly or through others: every import statement counts, those inside
   functions (lazy imports) and under `if TYPE_CHECKING:` included, because a loop a lazy import hides is still
@@ -15,6 +16,7 @@ import ast
 import io
 import re
 import tokenize
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,8 @@ MAY_IMPORT = {
     "workers": {"base", "workers"},
     "data": {"base", "data"},
     "ops": {"base", "ops"},
-    "cli": {"base", "producer", "workers", "data", "ops", "cli"},
+    "pilot": {"base", "producer", "workers", "data", "pilot"},
+    "cli": {"base", "producer", "workers", "data", "ops", "pilot", "cli"},
 }
 
 
@@ -41,7 +44,7 @@ def modules() -> dict[str, Path]:
 
 
 def floor(module: str) -> str:
-    for prefix, name in (("app.cli", "cli"), ("app.data", "data"), ("app.ops", "ops")):
+    for prefix, name in (("app.cli", "cli"), ("app.data", "data"), ("app.ops", "ops"), ("app.pilot", "pilot")):
         if module == prefix or module.startswith(prefix + "."):
             return name
     return "base" if module.split(".")[0] == "app" else module.split(".")[0]
@@ -75,6 +78,34 @@ def test_every_import_runs_downward_or_within_its_floor():
               for m in sorted(known) for target, line in imports(known[m], known)
               if floor(target) not in MAY_IMPORT[floor(m)]]
     assert not upward, "\n".join(upward)
+
+
+# How high each floor stands: an import between floors goes to a lower one.
+RANK = {"base": 0, "producer": 1, "workers": 1, "data": 1, "ops": 1, "pilot": 2, "cli": 3}
+
+
+def floor_graph() -> dict[str, Counter]:
+    """floor -> {floor it imports: import statements}, between floors only."""
+    known = modules()
+    graph: dict[str, Counter] = {f: Counter() for f in RANK}
+    for m, path in known.items():
+        for target, _ in imports(path, known):
+            if floor(target) != floor(m):
+                graph[floor(m)][floor(target)] += 1
+    return graph
+
+
+def test_the_import_graph_between_floors_runs_downward(capsys):
+    graph = floor_graph()
+    lines = [f"{f:>8} -> " + (", ".join(f"{t} ({n})" for t, n in sorted(graph[f].items(), key=lambda x: RANK[x[0]]))
+                              or "-") for f in sorted(RANK, key=RANK.get)]
+    with capsys.disabled():
+        print("\nimports between the floors (import statements):\n" + "\n".join(lines))
+    assert set(RANK) == set(MAY_IMPORT)
+    assert not graph["base"], graph["base"]  # the ground floor imports nothing above it
+    upward = [f"{f} -> {t}" for f, targets in graph.items() for t in targets if RANK[t] >= RANK[f]]
+    assert not upward, upward
+    assert graph["cli"]["pilot"] and graph["pilot"]["producer"] and graph["pilot"]["data"]  # the graph was read
 
 
 # Imports that close a loop, each with why it is still here. Empty is the goal: an entry is a known defect.

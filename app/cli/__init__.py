@@ -39,7 +39,7 @@ def main() -> None:
 def _register() -> None:
     from app.cli.data import commands as data_commands
     from app.cli.ops import commands as ops_commands
-    from app.cli.pilot import pilot  # runs `regen run` per candidate and reads the runs back: assembled here
+    from app.cli.pilot import pilot  # runs `regen run` per candidate and reads the runs back (app.pilot)
     from app.cli.produce import commands as producer_commands
     from app.cli.run import run  # drives both the producer and the workers, so it is assembled here
     from app.cli.selfcheck import selfcheck  # engines (workers) judged by transformers (data)

@@ -34,12 +34,17 @@ def status(run_id, storage, broker, as_json, watch, interval, inspect_timeout, s
 
     from app.ops.run_report import collect
     from app.ops.status_view import render
+    from app.pilot.forecast import compare_with_pilots
+    from app.storage import RunStore, Storage
 
     url = current().broker_for(broker).url
     scanners: dict = {}
 
     def snapshot() -> dict:
-        return collect(storage, run_id, url, inspect_timeout, stale_after, scanners)
+        report = collect(storage, run_id, url, inspect_timeout, stale_after, scanners)
+        if run_id:  # linked by `regen produce --pilot`
+            compare_with_pilots(report, RunStore(Storage(storage), run_id))
+        return report
 
     if as_json and not watch:
         sys.stdout.buffer.write(orjson.dumps(snapshot(), option=orjson.OPT_INDENT_2) + b"\n")

@@ -1,95 +1,29 @@
 """`regen pilot`: measure this host on a sample of the real input, in each candidate setting, and forecast the job.
 
-How each candidate is measured: a real `regen run` of the sample (produce -> broker -> this host's workers with
-their engines -> shards on storage) in a scratch folder, in a process of its own, one candidate after another.
-Why the whole run and not the engine alone: what the run will do on this host is the fleet's path, with its task
-slots, Celery's prefetch, the encoder threads, the staged capture's second pass and its queue, and the writes to
-storage; the engine alone would measure none of those, and task slots would mean nothing. The engines' start-up
-is outside the measured window (it starts with the first task, app.data.pilot_measure), so a fleet per
-candidate costs start-up time, not accuracy. The figures come from the runs' own markers and records; only peak
-memory is polled from outside (the run's process tree's RSS on the CPU; device memory used, by nvidia-smi, on GPUs,
-since the engine's CUDA context lives in vLLM's engine-core process, not in one this command can ask).
-
-The measurements go to `<storage>/pilots/<name>.json` (atomic), so `regen pilot --forecast-only A.json B.json`
-recomputes the fleet's forecast from every host's file, and `regen produce --pilot FILE` links them to a run for
-`regen status`.
+The command parses, calls the pilot (app.pilot: the sample, the candidates' runs, their measurement and the
+forecast) and prints its tables: one column per candidate setting, then the fleet's forecast and the
+recommended produce and worker lines.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
 
 import click
 from rich.console import Console
 from rich.table import Table
 
 from app.cli.options import broker_option, storage_option, vllm_arg_option
-from app.errors import ConfigError
-from app.peak_memory import PeakMemory, memory_kind
+from app.pilot.forecast import capture_failure, commands, forecast, load_pilot_file, rates
+from app.pilot.host import measure_host
+from app.pilot.measure import CODEC_DTYPES
 from app.settings import DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
+from producer.estimate import human_bytes
 from producer.normalise import REGENERATE_MODES
-
-REFERENCE_ROOM = 1.5  # a reference forward needs the checkpoint in bf16 plus activations: room for this much of it
-
-
-def _host_devices(cpu: bool, gpus: str | None) -> dict:
-    from workers.process.devices import detect_gpus
-
-    if cpu:
-        return {"kind": "cpu", "class": "cpu", "count": 1, "names": ["cpu"], "indices": None}
-    found = detect_gpus()
-    if gpus:
-        wanted = {g.strip() for g in gpus.split(",") if g.strip()}
-        found = [d for d in found if d.index in wanted]
-    if not found:
-        raise ConfigError("no GPU found (nvidia-smi); use --cpu to run the pilot on the CPU")
-    return {"kind": "cuda", "class": found[0].device_class, "count": len(found), "names": [d.name for d in found],
-            "indices": [d.index for d in found]}
-
-
-def _run_candidate(candidate, run_args: list[str], scratch: str, devices: dict, log_path: str) -> tuple[int, int]:
-    """One candidate's `regen run` in a process of its own: (exit status, peak memory bytes)."""
-    cmd = [sys.executable, "-m", "app.cli", "run", *run_args, *candidate.run_args()]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=scratch, stdout=log, stderr=subprocess.STDOUT)
-        with PeakMemory(proc.pid, devices["indices"]) as memory:
-            rc = proc.wait()
-    return rc, memory.peak
-
-
-def reference_check(run_storage: str, run_id: str, model: str, n: int) -> dict:
-    """`regen verify --reference n` on the candidate's finished run: its engines are gone, so the checkpoint is
-    loaded after them, in transformers on this host's GPU where torch sees one (else its CPU), where it fits that
-    device's free memory; what it found, or why it was skipped."""
-    import psutil
-    import torch
-
-    from app.data.run_reader import RunReader
-    from app.data.verify import verify_run
-    from workers.process.devices import weights_bytes
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    free = torch.cuda.mem_get_info()[0] if device == "cuda" else psutil.virtual_memory().available
-    need = int(weights_bytes(model) * REFERENCE_ROOM)
-    if need > free:
-        return {"skipped": f"the checkpoint needs ~{_human(need)}, {_human(free)} free on the {device}"}
-    report = verify_run(RunReader(run_storage, run_id), reference=n, sample=n, reference_device=device)
-    bad = [p for p in report.problems if p.kind.startswith("reference") and p.severity == "error"]
-    out = {"samples": n, "ok": not bad, "problem": f"{bad[0].sample}: {bad[0].detail}" if bad else None}
-    out.update({k: v for k, v in (report.reference or {}).items() if isinstance(v, int | float | str)})
-    return out
 
 
 def _capture_rows(entry: dict) -> dict[str, str]:
     """What a candidate proved of its capture: the capture check's re-captures, the reference check."""
-    from app.pilot import capture_failure
-
     m, rows = entry.get("measured") or {}, {}
     check = m.get("capture_check")
     if check is not None:
@@ -106,15 +40,7 @@ def _capture_rows(entry: dict) -> dict[str, str]:
     return rows
 
 
-def _tail(path: str, lines: int = 6) -> str:
-    with open(path, "rb") as fh:
-        text = fh.read()[-4000:].decode(errors="replace")
-    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
-
-
 def _human(n: float | None) -> str:
-    from producer.estimate import human_bytes
-
     return "n/a" if n is None else human_bytes(n)
 
 
@@ -128,9 +54,6 @@ def _duration(seconds: float | None) -> str:
 
 def setting_rows(entry: dict) -> dict[str, str]:
     """One candidate's figures as the table shows them (metric -> text)."""
-    from app.data.pilot_measure import CODEC_DTYPES
-    from app.pilot import rates
-
     c, m = entry["candidate"], entry.get("measured")
     rows = {"capture": c["capture"], "task slots": str(c["task_slots"]),
             "max_num_seqs": str(c.get("max_num_seqs") or "preset"), "speculative": c.get("speculative") or "-"}
@@ -191,7 +114,7 @@ def forecast_table(plan: dict) -> Table:
     for other in plan["other_settings"]:
         table.add_row(f"  (run setting {other['run_setting']}: fleet samples/s)", f"{other['fleet_samples_per_s']:,.3f}")
     modes = plan.get("modes") or {}
-    if len(modes) > 1:  # a mixed run: the job per mode (app.pilot says how each figure is split)
+    if len(modes) > 1:  # a mixed run: the job per mode (app.pilot.forecast says how each figure is split)
         for mode, m in modes.items():
             what = mode.replace("_", "-")
             hours = m["device_hours"]
@@ -204,8 +127,6 @@ def forecast_table(plan: dict) -> Table:
 
 
 def print_forecast(console: Console, pilots: list[dict], paths: list[str], storage: str) -> dict:
-    from app.pilot import commands, forecast
-
     plan = forecast(pilots)
     console.print(forecast_table(plan))
     lines = commands(pilots, plan, paths, storage=storage)
@@ -218,8 +139,6 @@ def print_forecast(console: Console, pilots: list[dict], paths: list[str], stora
 
 
 def _load_pilots(paths: list[str]) -> list[dict]:
-    from app.pilot import load_pilot_file
-
     return [load_pilot_file(path) for path in paths]
 
 
@@ -288,7 +207,7 @@ def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, la
     if not model:
         raise click.UsageError("--model is required (or --forecast-only with pilot JSON files)")
     others = _load_pilots(list(host_results))
-    measured = measure_host(console, inputs=list(inputs), model=model, name=name, storage=storage, broker=broker,
+    measured = measure_host(lambda line: console.print(line, soft_wrap=True, markup=False), inputs=list(inputs), model=model, name=name, storage=storage, broker=broker,
                             cpu=cpu, gpus=gpus, sample_size=sample_size, seed=seed, layers=layers,
                             max_tokens=max_tokens, thinking=thinking, thinking_mix=thinking_mix,
                             samples_per_prompt=samples_per_prompt, take=list(take), regenerate=regenerate,
@@ -303,118 +222,4 @@ def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, la
         raise click.ClickException("no candidate setting completed; see the logs named above")
     print_forecast(console, [pilot_json, *others], [path, *(os.path.abspath(p) for p in host_results)], storage)
 
-
-def measure_host(console: Console, *, inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, layers,
-                 max_tokens, thinking, regenerate, thinking_mix=None, samples_per_prompt, take=(), shard_size,
-                 max_model_len,
-                 vllm_args, only, keep_runs, timeout, sampling: dict, reference_samples: int = 2) -> tuple[dict, str]:
-    """`sampling`: temperature, top_p, top_k, min_p, max_prompt_tokens, sample_temperatures, where given (the
-    run's otherwise)."""
-    from app.data.pilot_measure import measure_run
-    from app.ids import validate_id
-    from app.ledger import pause_state
-    from app.model_info import read_model_info
-    from app.pilot import PILOT_VERSION, PILOTS_DIR, candidates, capture_failure, mtp_available
-    from app.storage import RunStore, Storage
-    from producer.pilot_sample import sample_inputs
-    from producer.readers import expand_inputs
-    from producer.run_setup import ProduceOptions
-    from workers.process.devices import preset_for, task_slots_for
-
-    store = Storage(storage)
-    if not store.is_local:
-        raise ConfigError("--storage: the pilot's scratch runs need a local folder (its JSON can be copied anywhere)")
-    name = validate_id(name or socket.gethostname(), "pilot name")
-    info = read_model_info(model)
-    devices = _host_devices(cpu, gpus)
-    seqs = int(preset_for(devices["class"], {})["max_num_seqs"])
-
-    def slots_for(max_num_seqs: int) -> int:
-        return task_slots_for(max_num_seqs, shard_size, devices["class"])
-
-    chosen = candidates(slots=slots_for(seqs), max_num_seqs=seqs, slots_for=slots_for, mtp=mtp_available(model),
-                        only=[n.strip() for n in only.split(",") if n.strip()] if only else None)
-    files = expand_inputs(inputs)
-    # the producer's own character cap on prompts, so the sample holds no line `regen produce` would reject
-    char_cap = ProduceOptions(**({"max_prompt_tokens": sampling["max_prompt_tokens"]}
-                                 if "max_prompt_tokens" in sampling else {})).prompt_char_cap
-    sample = sample_inputs(files, sample_size, seed, regenerate=regenerate, max_prompt_chars=char_cap,
-                           take=list(take))
-    if not sample.lines:
-        raise ConfigError(f"{', '.join(inputs)}: no line becomes a sample ({sample.rejected:,} rejected, "
-                          f"{sample.duplicates:,} duplicates): nothing to measure")
-    console.print(f"pilot {name}: {len(sample.lines)} of {sample.samples:,} samples; candidates "
-                  f"{', '.join(c.name for c in chosen)}")
-    scratch = store.path(f"{PILOTS_DIR}/{name}.work")
-    os.makedirs(scratch, exist_ok=True)
-    sample_path = os.path.join(scratch, "sample.jsonl")
-    sample.write_jsonl(sample_path)
-    run_storage = os.path.join(scratch, "storage")
-    shutil.rmtree(run_storage, ignore_errors=True)  # a fresh run per candidate, whatever an earlier pilot left
-    base = [sample_path, "--model", os.path.abspath(model), "--storage", run_storage, "--layers", layers,
-            "--max-tokens", str(max_tokens), "--shard-size", str(shard_size), "--seed", str(seed),
-            "--regenerate", regenerate, "--timeout", str(timeout),
-            *(["--thinking-mix", str(thinking_mix)] if thinking_mix is not None
-              else ["--thinking" if thinking else "--no-thinking"]),
-            *(["--samples-per-prompt", str(samples_per_prompt)] if samples_per_prompt > 1 else [])]
-    base += ["--cpu"] if cpu else (["--gpus", ",".join(devices["indices"])])
-    if broker:
-        base += ["--broker", broker]
-    if max_model_len:
-        base += ["--max-model-len", str(max_model_len)]
-    for key, value in sampling.items():
-        base += ["--" + key.replace("_", "-"), str(value)]
-    for arg in vllm_args:
-        base += ["--vllm-arg", arg]
-    results = []
-    for candidate in chosen:
-        log_path = os.path.join(scratch, f"{candidate.name}.log")
-        console.print(f"candidate {candidate.name}: regen run {' '.join(candidate.run_args())} (log {log_path})",
-                      soft_wrap=True, markup=False)
-        started = time.monotonic()
-        rc, peak = _run_candidate(candidate, [*base, "--run", candidate.name], scratch, devices, log_path)
-        entry = {"candidate": candidate.to_json(), "seconds_with_start_up": round(time.monotonic() - started, 3)}
-        paused = pause_state(RunStore(Storage(run_storage), candidate.name))
-        if paused and paused.details.get("check") == "capture":  # the capture check paused the candidate's run
-            entry["capture_failed"] = paused.reason
-        if rc != 0:
-            entry["error"] = f"regen run exited {rc}: {_tail(log_path)}"
-            console.print(f"candidate {candidate.name} failed: {entry['error']}", soft_wrap=True, markup=False)
-        else:
-            try:
-                measured = measure_run(run_storage, candidate.name, devices["count"])
-            except (ValueError, OSError, KeyError) as exc:
-                entry["error"] = f"measuring its run: {exc}"
-            else:
-                measured["peak_memory_bytes"] = peak or None
-                measured["peak_memory_what"] = memory_kind(devices["indices"])
-                entry["measured"] = measured
-                if reference_samples and measured["layers"]:
-                    entry["reference"] = reference_check(run_storage, candidate.name, model, reference_samples)
-        failure = capture_failure(entry)
-        if failure:
-            console.print(f"candidate {candidate.name}: capture failed, not recommended: {failure}",
-                          soft_wrap=True, markup=False)
-        results.append(entry)
-    pilot_json = {
-        "version": PILOT_VERSION, "name": name, "host": socket.gethostname(),
-        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "device": devices,
-        "model": info.to_manifest(),
-        "inputs": {"files": [os.path.abspath(f) for f in files], "read": sample.read, "samples": sample.samples,
-                   "rejected": sample.rejected, "duplicates": sample.duplicates,
-                   **({"left_out": sample.left_out, "take": list(take)} if take else {})},
-        "sample": {"size": len(sample.lines), "seed": seed},  # also the runs' seed (and their --take's)
-        "settings": {"layers": layers, "max_tokens": max_tokens, "shard_size": shard_size, "thinking": thinking,
-                     **({"thinking_mix": thinking_mix} if thinking_mix is not None else {}),
-                     **({"samples_per_prompt": samples_per_prompt} if samples_per_prompt > 1 else {}),
-                     "regenerate": regenerate, "max_model_len": max_model_len, "vllm_args": vllm_args,
-                     "sampling": sampling},
-        "candidates": results,
-    }
-    rel = f"{PILOTS_DIR}/{name}.json"
-    store.write_json(rel, pilot_json)
-    if not keep_runs:
-        shutil.rmtree(run_storage, ignore_errors=True)
-    return pilot_json, store.path(rel)
 

@@ -142,7 +142,7 @@ def produce_command(ctx: click.Context, inputs, run_id, resume_run, pilot_files,
         raise ConfigError("give INPUTS to produce, or --resume RUN")
     options["vllm_args"] = list(options.get("vllm_args") or ())
     options = mix_options(options, ctx.get_parameter_source("thinking") == click.core.ParameterSource.COMMANDLINE)
-    from app.pilot import load_pilot_file
+    from app.pilot.forecast import load_pilot_file
 
     pilots = [load_pilot_file(path) for path in pilot_files]  # a bad file fails here, before anything is sent
     if run_id is not None and not run_id.strip():  # compose passes ${REGEN_RUN:-}: unset in .env
@@ -150,7 +150,7 @@ def produce_command(ctx: click.Context, inputs, run_id, resume_run, pilot_files,
     opts = ProduceOptions(inputs=list(inputs), run_id=run_id, resume=bool(resume_run), **options)
     result = _run(opts)
     if pilots and result.status != "dry_run":
-        from app.pilot import link_pilots
+        from app.pilot.forecast import link_pilots
         from app.storage import RunStore, Storage
 
         link_pilots(RunStore(Storage(opts.storage), result.run_id), pilots)

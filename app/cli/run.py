@@ -84,7 +84,7 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
 
     Every `regen produce` option that decides the data (`--regenerate`, sampling, seed, prompt limits, the
     pause threshold) is an option here too, with the same meaning and default."""
-    from app.pilot import link_pilots, load_pilot_file
+    from app.pilot.forecast import link_pilots, load_pilot_file
     from app.vllm_args import worker_vllm_args
     from producer.produce import produce
     from producer.run_setup import ProduceOptions

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from app import ledger
-from app.documents import CaptureMarker, DeadLetter, ProduceSummary, run_counts
+from app.documents import CaptureMarker, DeadLetter, DoneMarker, ProduceSummary, run_counts
 from app.hidden_file import HiddenFileReader
 from app.ids import shard_id
 from app.jsonl_zst import iter_jsonl_zst
@@ -36,8 +36,8 @@ class ShardInfo:
     """A done shard: its id and completion marker (and, for staged runs, the capture marker if present)."""
 
     shard_id: str
-    marker: dict
-    captured: dict | None = None
+    marker: DoneMarker
+    captured: CaptureMarker | None = None
 
     @property
     def ok(self) -> int | None:
@@ -115,7 +115,7 @@ class RunReader:
     # -- records ------------------------------------------------------------------------------------------
     def records(self, info: ShardInfo) -> Iterator[dict]:
         """The shard's records in order, streamed (ok and worker-rejected alike)."""
-        with self.storage.open(info.marker["files"]["records"]["path"]) as fh:
+        with self.storage.open(info.marker.records_file["path"]) as fh:
             yield from iter_jsonl_zst(fh)
 
     def iter_records(self, status: str | None = None) -> Iterator[tuple[ShardInfo, dict]]:
@@ -128,8 +128,8 @@ class RunReader:
     def hidden_path(self, info: ShardInfo) -> str | None:
         """The file holding this shard's states: the done marker's (inline) or the capture marker's (staged)."""
         if self.capture_mode == "staged":
-            return (info.captured or {}).get("hidden", {}).get("path")
-        return ((info.marker.get("files") or {}).get("hidden") or {}).get("path")
+            return info.captured.hidden_file["path"] if info.captured is not None else None
+        return (info.marker.hidden_file or {}).get("path")
 
     def hidden_reader(self, info: ShardInfo) -> HiddenFileReader | None:
         """A cached reader of the shard's hidden file; None when the shard has none (capture off / pending)."""

@@ -1,6 +1,7 @@
 """`regen status`'s report: each run's storage-derived status (app.ops.status.summarise) with the broker's view
-laid over it (queue lengths, unacked messages, live workers: app.ops.fleet.overlay) and the pilot's forecast
-beside a run that was produced with one; or, without a run, one line per run under the root.
+laid over it (queue lengths, unacked messages, live workers: app.ops.fleet.overlay); or, without a run, one
+line per run under the root. The pilot's forecast beside a run produced with one is the command's to add
+(app.pilot.forecast.compare_with_pilots): the pilot is a floor above this one.
 """
 
 from __future__ import annotations
@@ -40,11 +41,6 @@ def collect(storage_root: str, run_id: str | None, broker_url: str, inspect_time
         fleet.overlay(s, broker_url, lengths, unacked, live if not w_error else None, errors, now)
         s["broker"]["dead_messages"] = rejected
     if run_id:
-        from app.pilot import run_comparison, run_pilots
-
-        pilots = run_pilots(RunStore(storage, run_id))  # linked by `regen produce --pilot`
-        if pilots:
-            statuses[0]["pilot"] = run_comparison(pilots, statuses[0])
         return {"storage": mask_url(storage.url), **statuses[0]}
     return {"storage": mask_url(storage.url), "broker": {"url": mask_url(broker_url), "queued": lengths,
                                                           "unacked": unacked, "dead_messages": rejected,

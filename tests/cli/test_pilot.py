@@ -21,10 +21,10 @@ from click.testing import CliRunner
 from app.cli import main
 from app.hidden_file import HiddenFileReader
 from app.jsonl_zst import loads_jsonl_zst
-from app.pilot import commands, forecast, samples_per_s
+from app.pilot.forecast import commands, forecast, samples_per_s
+from app.pilot.sample import sample_inputs
 from app.storage import RunStore, Storage
 from producer.estimate import human_bytes
-from producer.pilot_sample import sample_inputs
 from tests.support.engines import vllm_or_fail
 from tests.support.redis_db import PILOT_BROKER, redis_or_fail
 from tests.support.runs import prompts_file
@@ -57,7 +57,7 @@ def test_the_sample_is_seeded_and_counts_what_produce_would_enqueue(tmp_path, ti
 
 
 def test_the_candidates_are_data_and_mtp_is_tried_only_where_the_checkpoint_has_a_head(tiny_model):
-    from app.pilot import candidates, mtp_available
+    from app.pilot.forecast import candidates, mtp_available
 
     def slots_for(seqs):
         return seqs // 8 + 2
@@ -115,7 +115,7 @@ def test_the_fleet_takes_the_run_setting_fastest_on_all_hosts_together_and_each_
 
 def test_a_candidate_whose_capture_failed_is_shown_as_such_and_never_recommended():
     from app.cli.pilot import setting_rows
-    from app.pilot import capture_failure
+    from app.pilot.forecast import capture_failure
 
     fast, slow = _measured("a", "inline", 9.0), _measured("a", "staged", 3.0)
     fast["measured"]["capture_check"] = {"checked": 6, "failed": 1, "failures": ["shard-000000 s1: layer 2 ..."],
@@ -178,8 +178,8 @@ def hybrid_pilot(tiny_hybrid, tmp_path_factory):
 
 
 def _expected_candidates(pilot: dict) -> list[str]:
-    """The default candidates, and staged + MTP where the checkpoint has an MTP head (app/pilot.mtp_available)."""
-    from app.pilot import mtp_available
+    """The default candidates, and staged + MTP where the checkpoint has an MTP head (app.pilot.forecast.mtp_available)."""
+    from app.pilot.forecast import mtp_available
 
     return DEFAULT_CANDIDATES + (["staged-mtp2"] if mtp_available(pilot["model"]["path"]) else [])
 

@@ -175,7 +175,7 @@ def test_take_draws_the_same_rows_for_the_same_seed_and_accounts_for_the_rest(pr
 def test_the_pilots_sample_draws_from_the_rows_the_runs_take_draws(producer_redis, options, tmp_path):
     """`regen pilot --take` samples the mix the run will generate: only rows the run's `--take` (same seed) draws,
     and the count it forecasts from is the run's enqueued count."""
-    from producer.pilot_sample import sample_inputs
+    from app.pilot.sample import sample_inputs
 
     a = write_jsonl(tmp_path / "tools.jsonl", [sharegpt_row(i, "tool") for i in range(12)])
     b = write_jsonl(tmp_path / "sharegpt.jsonl", [sharegpt_row(i, "chat") for i in range(20)])

@@ -142,8 +142,8 @@ def test_text_exports_keep_each_sample_in_its_own_mode_and_name_its_prompt(mixed
 def test_the_pilots_measurement_and_forecast_split_by_mode(mixed_run, e2e_storage, tmp_path):
     """What `regen pilot` measures of a mixed run, per mode, and the forecast it makes of the whole job from it
     (a pilot's runs are `regen run`s with the run's --thinking-mix; this run stands in for one)."""
-    from app.data.pilot_measure import measure_run
-    from app.pilot import forecast
+    from app.pilot.forecast import forecast
+    from app.pilot.measure import measure_run
 
     records = ok(mixed_run[2])
     measured = measure_run(str(e2e_storage), RUN, devices=1)

@@ -34,7 +34,7 @@ def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_i
     The capture check (workers.shard.capture_check) re-captures its chosen samples in a batch of their own,
     after this batch of the whole shard: the same prefill in another batch composition."""
     marker = store.done_marker(shard_id)
-    records = loads_jsonl_zst(store.storage.read_bytes(marker["files"]["records"]["path"]))
+    records = loads_jsonl_zst(store.storage.read_bytes(marker.records_file["path"]))
     layers = manifest["settings"]["layers"]["vllm_ids"]
     level = compression_level(manifest["settings"])
     stored = states_dtype(manifest["settings"])

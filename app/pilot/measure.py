@@ -2,7 +2,7 @@
 
 Why from storage: the pilot's runs are real `regen run`s, so their done and capture markers, attempt records and
 records hold every figure the pilot reports, written by the same workers a production run uses. Nothing is
-timed from outside except peak memory (a poll of the run's processes, app.cli.pilot).
+timed from outside except peak memory (a poll of the run's processes, app.pilot.peak_memory).
 
 - The window is from the first generate task's start to the last marker (done, and in a staged run captured):
   the engines' start-up is outside it, since a task starts only once its worker's engine is up.
@@ -10,7 +10,7 @@ timed from outside except peak memory (a poll of the run's processes, app.cli.pi
   overlap, so task-seconds exceed the window; the share says how the engine's time splits between the passes.
 - The capture check (workers.shard.capture_check) ran in the candidate's run as in any run (each engine's
   first samples, then one in 100): its re-checks and failures per engine mode come from the markers, and a
-  candidate whose capture failed is never recommended (app.pilot).
+  candidate whose capture failed is never recommended (app.pilot.forecast).
 - Bytes per sample by states dtype are the codec's real output: the run's own states (read back as bf16),
   encoded again by app.hidden_file.encode_sample for each dtype, on up to `codec_samples` samples, scaled per
   token to the run's context tokens (the states of a sample cover `input_ids[:-1]`).
@@ -25,6 +25,7 @@ import numpy as np
 
 from app import ledger
 from app.data.engine_modes import ModeCounts, check_failure, shard_mode
+from app.data.run_reader import RunReader
 from app.hidden_file import encode_sample
 from app.modes import record_mode, run_modes
 from app.quality import is_stub
@@ -33,11 +34,6 @@ from app.storage import Storage
 
 CODEC_DTYPES = ("bf16", "fp8-e4m3")  # the lossless default and the lossy opt-in
 BF16_BYTES = 2
-
-
-def _attempt(reader, key: str, attempt: str) -> dict:
-    """The attempt record that made a stage's marker (its `started` is on the shared clock, as the marker's end)."""
-    return reader.storage.read_json(reader.store.attempt_path(key, attempt))
 
 
 def _epoch(value) -> float | None:
@@ -55,8 +51,6 @@ def percentile(values: list[int], q: float) -> float:
 
 def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64) -> dict:
     """The measurements of a finished run (see the module docstring); JSON-ready."""
-    from app.data.run_reader import RunReader
-
     with RunReader(Storage(storage), run_id) as reader:
         max_tokens = int(reader.settings["sampling"]["max_tokens"])
         layers = len(reader.layers or [])
@@ -71,26 +65,26 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
         for info in reader.shards():
             m = info.marker
             engine_mode, checked, failed = shard_mode(m, info.captured)
-            engine_modes.add(engine_mode, int(m.get("ok", 0)), checked, failed)
+            engine_modes.add(engine_mode, m.ok, checked, failed)
             failure = check_failure(info.shard_id, m, info.captured)
             if failure:
                 failures.append(f"{info.shard_id} {failure[0]}: {failure[1]}")
             # both ends on the fleet's shared clock: the attempt's start and the marker's finish (the marker's
             # task_started is the host's own clock, and may be off by the host's drift)
-            start = _epoch(_attempt(reader, info.shard_id, m["attempt"])["started"])
-            end = _epoch(m["finished"])
+            start = _epoch(reader.store.attempt_record(info.shard_id, m.attempt).started)
+            end = _epoch(m.finished)
             starts.append(start)
             ends.append(end)
             generate_s += end - start
             totals.add(m)
             if info.captured is not None:
-                attempt = _attempt(reader, ledger.stage_key(info.shard_id, ledger.CAPTURE), info.captured["attempt"])
-                captured_end = _epoch(info.captured["finished"])
-                capture_s += captured_end - _epoch(attempt["started"])
+                attempt = reader.store.attempt_record(ledger.stage_key(info.shard_id, ledger.CAPTURE), info.captured.attempt)
+                captured_end = _epoch(info.captured.finished)
+                capture_s += captured_end - _epoch(attempt.started)
                 ends.append(captured_end)
-                stored_bytes += int(info.captured["hidden"]["bytes"])
-            elif (m.get("files") or {}).get("hidden"):
-                stored_bytes += int(m["files"]["hidden"]["bytes"])
+                stored_bytes += int(info.captured.hidden_file["bytes"])
+            elif m.hidden_file:
+                stored_bytes += int(m.hidden_file["bytes"])
             for rec in reader.records(info):
                 if rec.get("status") != "ok":
                     continue

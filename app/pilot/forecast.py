@@ -1,9 +1,9 @@
 """The pilot's settings and arithmetic: which candidate settings a host tries, the rates its measurements give,
 and the forecast of the whole job on a fleet of hosts, each measured by its own `regen pilot`.
 
-Why a module of its own in the base: `regen pilot` computes the forecast from its measurements, `regen pilot
---forecast-only` recomputes it from the JSON files hosts wrote, and `regen status` compares a run's real rate
-with it; all three must use one arithmetic. Every figure of the forecast is a product or quotient of measured
+Why one module: `regen pilot` computes the forecast from its measurements, `regen pilot --forecast-only`
+recomputes it from the JSON files hosts wrote, and `regen status` compares a run's real rate with it; all three
+must use one arithmetic. Every figure of the forecast is a product or quotient of measured
 ones (nothing assumed), so a test recomputes it from the JSON:
 
 - a candidate's samples/s = its samples done / its window (first task start to last marker);
@@ -25,6 +25,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import orjson
+
+from app.errors import ConfigError
 from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_REGENERATE
 from app.speculative import has_mtp_head
 
@@ -86,8 +89,6 @@ def candidates(*, slots: int, max_num_seqs: int, slots_for, mtp: bool, mtp_token
         by_name = {c.name: c for c in out}
         unknown = [n for n in only if n not in by_name]
         if unknown:
-            from app.errors import ConfigError
-
             raise ConfigError(f"--candidates: no candidate {', '.join(unknown)} on this host "
                               f"(known: {', '.join(by_name)})")
         out = [by_name[n] for n in only]
@@ -169,8 +170,6 @@ def best_per_host(pilots: list[dict], setting: str) -> list[tuple[dict, dict] | 
 
 def check_comparable(pilots: list[dict]) -> None:
     """Hosts' pilots combine only when they measured the same job: model, layers, sampling and input."""
-    from app.errors import ConfigError
-
     first = pilots[0]
     for other in pilots[1:]:
         for key in ("model", "settings", "inputs"):
@@ -198,8 +197,6 @@ def forecast(pilots: list[dict]) -> dict:
             continue
         options.append((sum(samples_per_s(m) for _, m in best), setting, best))
     if not options:
-        from app.errors import ConfigError
-
         raise ConfigError("no run setting was measured on every host: nothing to forecast")
     fleet_rate, setting, best = max(options, key=lambda o: o[0])
     samples *= int(pilots[0].get("settings", {}).get("samples_per_prompt") or 1)
@@ -318,10 +315,6 @@ def run_comparison(pilots: list[dict], status: dict) -> dict:
 # -- the JSON files --------------------------------------------------------------------------------------------
 def load_pilot_file(path: str) -> dict:
     """A pilot JSON file, checked to be one; a ConfigError naming the file otherwise."""
-    import orjson
-
-    from app.errors import ConfigError
-
     try:
         with open(path, "rb") as fh:
             pilot = orjson.loads(fh.read())
@@ -344,3 +337,12 @@ def run_pilots(store) -> list[dict] | None:
         return store.storage.read_json(store.rel(RUN_PILOT))["pilots"]
     except FileNotFoundError:
         return None
+
+
+def compare_with_pilots(report: dict, store) -> dict:
+    """`regen status`'s report of a run, with its pilots' forecast beside its real rate (`pilot`) where the run
+    was produced with pilots (`regen produce --pilot`)."""
+    pilots = run_pilots(store)
+    if pilots:
+        report["pilot"] = run_comparison(pilots, report)
+    return report
