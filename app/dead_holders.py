@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 from app.celery_app import CAPTURE_TASK, GENERATE_TASK, redis_client
 from app.clock import shared_now
+from app.documents import AttemptRecord
 from app.ledger import CAPTURE, GENERATE, attempt_errors, is_dead, is_finished, stage_key, sweep_temporaries
 from app.liveness import attempt_state, lease_seconds
 from app.settings import mask_text
@@ -135,7 +136,7 @@ def died_holding(records: list[dict], now: float, stale_after: float | None) -> 
     return records[newest]
 
 
-def dead_holder(store: RunStore, key: str, now: float, stale_after: float | None) -> dict | None:
+def dead_holder(store: RunStore, key: str, now: float, stale_after: float | None) -> AttemptRecord | dict | None:
     """What holds `key` when its holder died: its newest attempt when that one's process died holding it and
     none is alive (`died_holding`), `{}` when it has no attempt at all (a fetch its holder never began, judged
     by how long it has been held), None when the key is finished, dead-lettered, running or being retried."""
@@ -219,8 +220,8 @@ class DeadHolderCheck:
             if not client.set(claim, "1", nx=True, ex=CLAIM_TTL_S):
                 continue  # another checker re-sent it for this death
             self.restore(tag)
-            found = {"shard": key, "run": run_id, "worker": holder.get("worker"), "host": holder.get("host"),
-                     "last_heartbeat": holder.get("heartbeat") or holder.get("started")}
+            found = {"shard": key, "run": run_id, "worker": holder.worker if holder else None,
+                     "host": holder.host if holder else None, "last_heartbeat": holder.heartbeat if holder else None}
             if holder:
                 log.warning("re-sent %s of run %s: every attempt died (last held by %s on host %s, last heartbeat "
                             "%s)", key, run_id, found["worker"], found["host"], found["last_heartbeat"])

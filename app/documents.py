@@ -149,6 +149,11 @@ class AttemptRecord(Document):
         return self.get("worker")
 
     @property
+    def host(self) -> str | None:
+        """The host the attempt's process ran on (records before host identity have none)."""
+        return self.get("host")
+
+    @property
     def started(self) -> str | None:
         return self.get("started")
 
