@@ -5,19 +5,19 @@ beside a run that was produced with one; or, without a run, one line per run und
 
 from __future__ import annotations
 
+from app import dead_messages
+from app.clock import shared_now
+from app.manifest import load
+from app.ops import fleet
+from app.ops.status import RunScanner, list_runs, summarise
+from app.pilot import run_comparison, run_pilots
 from app.settings import mask_url
+from app.storage import RunStore, Storage
 
 
 def collect(storage_root: str, run_id: str | None, broker_url: str, inspect_timeout: float,
             stale_after: float, scanners: dict | None = None) -> dict:
     """One run's full status (RUN given) or the one-line-per-run overview; a JSON-ready dict."""
-    from app import dead_messages
-    from app.clock import shared_now
-    from app.manifest import load
-    from app.ops import fleet
-    from app.ops.status import RunScanner, list_runs, summarise
-    from app.storage import RunStore, Storage
-
     scanners = {} if scanners is None else scanners
     storage = Storage(storage_root)
     runs = [run_id] if run_id else list_runs(storage)
@@ -40,8 +40,6 @@ def collect(storage_root: str, run_id: str | None, broker_url: str, inspect_time
         fleet.overlay(s, broker_url, lengths, unacked, live if not w_error else None, errors, now)
         s["broker"]["dead_messages"] = rejected
     if run_id:
-        from app.pilot import run_comparison, run_pilots
-
         pilots = run_pilots(RunStore(storage, run_id))  # linked by `regen produce --pilot`
         if pilots:
             statuses[0]["pilot"] = run_comparison(pilots, statuses[0])
