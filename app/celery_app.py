@@ -20,6 +20,8 @@ Redis connection (queue lengths, the dead-message list) the status views and the
 
 from __future__ import annotations
 
+import os
+
 from celery import Celery
 
 from app.settings import DEFAULT_QUEUE, BrokerSettings
@@ -69,8 +71,6 @@ def filesystem_transport_options(url: str) -> dict:
 
     The folder is the URL's path: `filesystem:///var/tmp/regen-broker`.
     """
-    import os
-
     folder = url[len("filesystem://") :] or "./.regen-broker"
     os.makedirs(folder, exist_ok=True)
     return {"data_folder_in": folder, "data_folder_out": folder, "processed_folder": folder,

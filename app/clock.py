@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 
+from app.celery_app import redis_client
 from app.settings import current, mask_text
 
 log = logging.getLogger("regen.clock")
@@ -45,7 +46,6 @@ class SharedClock:
         """Ask Redis for its time now; return this host's offset from it in seconds (None: no answer)."""
         if self.url is None:
             return None
-        from app.celery_app import redis_client
 
         try:
             client = redis_client(self.url, timeout=2.0)

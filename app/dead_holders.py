@@ -40,12 +40,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from app.celery_app import CAPTURE_TASK, GENERATE_TASK, redis_client
+from kombu import compression
+from kombu.serialization import loads
+from kombu.utils.json import loads as kombu_json
+
+from app.celery_app import CAPTURE_TASK, GENERATE_TASK, create_app, redis_client
 from app.clock import shared_now
 from app.documents import AttemptRecord
 from app.ledger import CAPTURE, GENERATE, attempt_errors, is_dead, is_finished, stage_key, sweep_temporaries
 from app.liveness import attempt_state, lease_seconds
-from app.settings import mask_text
+from app.settings import current, mask_text
 from app.storage import RunStore, Storage
 
 log = logging.getLogger("regen.dead_holders")
@@ -73,10 +77,6 @@ class Held:
 def decode_held(tag: str, raw: bytes) -> Held | None:
     """The shard task an unacked hash entry holds (`[message, exchange, routing key]`, as kombu writes it); None
     for anything else (another task, an unreadable body)."""
-    from kombu import compression
-    from kombu.serialization import loads
-    from kombu.utils.json import loads as kombu_json
-
     try:
         message = kombu_json(raw.decode() if isinstance(raw, bytes) else raw)[0]  # bytes travel as typed JSON
         headers = message.get("headers") or {}
@@ -248,9 +248,6 @@ class DeadHolderCheck:
         """Move the message back to the head of its queue: kombu's own restore transaction, on one connection
         for the whole check (a connection per message made a check that re-sends a dead host's 36 shards take
         ~25 s on a loaded 2-core box: docs/performance.md)."""
-        from app.celery_app import create_app
-        from app.settings import current
-
         if self.app is None:
             self.app = create_app(current().broker_for(self.broker_url))
         if self._connection is None:

@@ -22,6 +22,7 @@ import socket
 
 import orjson
 
+from app.celery_app import redis_client
 from app.settings import mask_text
 
 LIST_KEY = "regen.dead-messages"
@@ -52,8 +53,6 @@ def record(broker_url: str | None, queue: str | None, reason: str, raw: bytes | 
     if not _is_redis(broker_url):
         return
     try:
-        from app.celery_app import redis_client
-
         client = redis_client(broker_url)
         with client.pipeline(transaction=True) as pipe:
             pipe.lpush(LIST_KEY, orjson.dumps(entry, default=str))
@@ -70,8 +69,6 @@ def count(broker_url: str) -> int | None:
     if not _is_redis(broker_url):
         return None
     try:
-        from app.celery_app import redis_client
-
         client = redis_client(broker_url)
         value = client.get(COUNT_KEY)
         client.close()
@@ -85,8 +82,6 @@ def recent(broker_url: str, n: int = 10) -> list[dict]:
     if not _is_redis(broker_url):
         return []
     try:
-        from app.celery_app import redis_client
-
         client = redis_client(broker_url)
         items = client.lrange(LIST_KEY, 0, n - 1)
         client.close()

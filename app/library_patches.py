@@ -26,6 +26,10 @@ import importlib.metadata
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+import orjson
+from kombu import compression
+from kombu.serialization import registry
+from kombu.utils.json import JSONEncoder
 from packaging.specifiers import SpecifierSet
 
 from app.errors import ConfigError
@@ -76,10 +80,6 @@ def register_fast_codecs() -> None:
       for a 4% larger message. Any zstd decoder reads either level.
     A missing zstd (Python 3.11 needs `backports.zstd`) fails here, before anything is read or sent.
     """
-    import orjson
-    from kombu import compression
-    from kombu.serialization import registry
-
     if "application/zstd" not in compression.encoders():
         raise ConfigError("zstd compression is unavailable: pip install 'backports.zstd' (kombu needs it on 3.11)")
     if ORJSON_SERIALIZER in registry.name_to_type:
@@ -108,9 +108,7 @@ def use_orjson_envelope() -> None:
     message with any kombu; only this process's publishes are affected. If a kombu release moves the hook, the
     stdlib path simply stays in place.
     """
-    import orjson
     from kombu.transport import redis as redis_transport
-    from kombu.utils.json import JSONEncoder
 
     if getattr(redis_transport, "dumps", None) is None or getattr(redis_transport.dumps, "regen_orjson", False):
         return

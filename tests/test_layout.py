@@ -7,7 +7,11 @@
 - no two modules import each other, directly or through others: every import statement counts, those inside
   functions (lazy imports) and under `if TYPE_CHECKING:` included, because a loop a lazy import hides is still
   two modules that cannot be read, moved or tested apart;
-- no module imports another's private (`_name`) names: what two modules share is public where it is defined.
+- no module imports another's private (`_name`) names: what two modules share is public where it is defined;
+- imports sit at the top of their module; one inside a function is of a module listed in `LAZY`, each entry with
+  the measured reason it stays lazy (a slow, optional or platform-specific import, or a module of the project's that
+  imports one at its top), so `regen --help`, the producer and the Celery worker before its engine starts never
+  import vLLM or torch.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import ast
 import io
 import re
+import subprocess
+import sys
 import tokenize
 from collections import Counter
 from pathlib import Path
@@ -158,6 +164,138 @@ def test_no_module_imports_another_modules_private_names():
 def test_the_rules_tell_a_module_that_may_import_everything_from_one_that_may_not(module, allowed):
     assert ("workers" in MAY_IMPORT[floor(module)]) is allowed
 
+
+
+# -- imports at the top --------------------------------------------------------------------------------------
+# The modules an import inside a function may name, each with why it is not at the top of its module. Times are a
+# fresh process's `python -X importtime` on the dev box, where `import app.cli` takes ~0.45 s in all. A key covers
+# its submodules: "kombu.transport.redis" covers `from kombu.transport import redis` and `from
+# kombu.transport.redis import Channel`. Anything else is imported at the top of its module.
+LAZY = {
+    # heavy libraries: the CLI (`--help`, produce, status, verify), the producer and the Celery worker before its
+    # engine starts must not pay for them
+    "vllm": "5.1 s to import; only an engine (and the checks of its arguments and version) needs it",
+    "torch": "2.0 s; only engines, torch-written exports, `regen verify --reference` and the tiny test models",
+    "transformers": "1.5 s; tokenizers for engines and estimates, the reference model, the tiny test models",
+    "tokenizers": "imported beside transformers in the same functions (workers.tiny_model builds a tokenizer)",
+    "safetensors.torch": "imports torch (2.0 s)",
+    "datasets": "1.1 s, and optional (extra `data`): only the speculators export assembles a dataset",
+    "matplotlib": "0.3 s, optional (extra `data`): only `regen stats --html`; `matplotlib.use('Agg')` runs before "
+                  "pyplot is imported",
+    "pyarrow": "0.28 s, optional (extra `data`): only `regen export --format parquet`",
+    "prometheus_client": "0.06 s, optional (extra `monitor`): only `regen metrics` serves it",
+    "flower": "flower.views takes 0.17 s and is optional (extra `monitor`): only the Flower process patches it, "
+              "and app.library_patches is imported by the producer too",
+    "redis": "0.24 s (0.12 s on top of app.cli): the CLI, the producer and `regen status` import app.celery_app "
+             "and app.embedded_broker; only a Redis broker needs the client",
+    "kombu.transport.redis": "imports redis (0.15 s on top of app.cli); app.library_patches is imported by the "
+                             "producer, which needs it only when publishing to Redis",
+    # optional or platform-specific
+    "psutil": "not a dependency (the `dev` extra): only app.peak_memory's samples use it",
+    "ijson": "not a dependency: only `.json` array inputs are streamed with it",
+    "pynvml": "not a dependency (CUDA hosts have it): read inside `contextlib.suppress` for the driver version",
+    "compression": "`compression.zstd` exists on Python 3.14+ only; 3.11 falls back to backports.zstd",
+    "backports": "backports.zstd, the fallback where `compression.zstd` is missing (Python < 3.14)",
+    "ctypes": "platform-specific: glibc's malloc_trim, looked up once (None off glibc)",
+    "fcntl": "platform-specific (POSIX): the capture file's lock, read where a capture is collected",
+    # the project's modules that import a heavy library at their top
+    "app.data.reference": "imports torch at its top (2.0 s): `regen selfcheck` and `regen verify --reference` "
+                          "need it, `regen --help` and a plain `regen verify` must not",
+    "app.ops.metrics": "imports prometheus_client (optional, extra `monitor`) at its top: only `regen metrics`",
+    "workers.engine.capture_connector": "imports vllm and torch at its top: the engine's capture connector, "
+                                        "imported by the worker only when it builds a capturing engine",
+}
+# A process's `__main__` module whose imports all stay inside its `main()`, each with why.
+LAZY_MAINS = {
+    "workers/worker_main.py": "the `__main__` of every worker process (`python -m workers.worker_main`): "
+                              "multiprocessing's spawn re-runs its top in each child it starts (the CPU engine's "
+                              "host process, workers.engine.process), where imports at the top would load Celery, "
+                              "kombu, redis and psutil (~0.33 s, ~390 modules) that an engine never uses",
+}
+# What `import` of each start-up module must leave out of sys.modules (measured: none of these today).
+LIGHT = {
+    "app.cli": ("vllm", "torch", "transformers", "tokenizers", "datasets", "matplotlib", "pyarrow", "redis",
+                "prometheus_client", "flower"),
+    "producer.produce": ("vllm", "torch", "transformers", "datasets", "redis"),
+    "workers.celery_worker": ("vllm", "torch", "transformers", "datasets"),
+    "workers.worker_main": ("vllm", "torch", "transformers", "datasets", "celery", "kombu", "redis"),  # LAZY_MAINS
+}
+
+
+def covered(name: str, keys) -> bool:
+    return any(name == key or name.startswith(key + ".") for key in keys)
+
+
+def function_imports(source: str) -> list[tuple[list[str], int]]:
+    """(the dotted names it imports, line) for each import statement inside a function of `source`, nested
+    functions and methods included; `from a.b import c` names `a.b.c` (a module or a name of a.b: either may be
+    listed)."""
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if in_function and isinstance(child, ast.Import):
+                found.append(([a.name for a in child.names], child.lineno))
+            elif in_function and isinstance(child, ast.ImportFrom):
+                base = "." * child.level + (child.module or "")
+                found.append(([f"{base}.{a.name}" for a in child.names], child.lineno))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(ast.parse(source), False)
+    return sorted(found, key=lambda f: f[1])
+
+
+def unlisted_lazy_imports(source: str, lazy=LAZY) -> list[tuple[str, int]]:
+    """(name, line) for each name imported inside a function that no `lazy` key covers."""
+    return [(name, line) for names, line in function_imports(source) for name in names
+            if not covered(name, lazy) and not covered(name.rpartition(".")[0], lazy)]
+
+
+def test_imports_inside_functions_are_only_of_the_listed_modules():
+    known = modules()
+    wrong = [f"{path.relative_to(ROOT)}:{line} imports {name} inside a function: move it to the top, or list it "
+             f"in LAZY with its measured reason" for m, path in sorted(known.items())
+             if path.relative_to(ROOT).as_posix() not in set(LAZY_MAINS)
+             for name, line in unlisted_lazy_imports(path.read_text())]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_lazy_entry_is_still_imported_inside_a_function():
+    used = {name for path in modules().values() for names, _ in function_imports(path.read_text())
+            for name in names}
+    stale = [key for key in LAZY if not any(covered(n, [key]) or covered(n.rpartition(".")[0], [key])
+                                            for n in used)]
+    assert not stale, stale
+
+
+def test_the_lazy_import_check_sees_an_unlisted_import():
+    source = """
+import json
+
+def f():
+    import torch
+    from kombu.transport import redis
+    from app.storage import Storage
+    return json, torch, redis, Storage
+
+class C:
+    def m(self):
+        def inner():
+            import numpy as np
+            return np
+        return inner
+"""
+    assert unlisted_lazy_imports(source) == [("app.storage.Storage", 7), ("numpy", 13)]
+    assert unlisted_lazy_imports(source, {**LAZY, "app.storage": "a test's reason", "numpy": "a test's reason"}) == []
+    assert unlisted_lazy_imports("import numpy\n") == []  # at the top: nothing to list
+
+
+@pytest.mark.parametrize("module", sorted(LIGHT))
+def test_a_start_up_module_imports_no_heavy_library(module):
+    code = f"import sys, {module}; print(' '.join(m for m in {LIGHT[module]!r} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [], f"import {module} imported {done.stdout.strip()}"
 
 # -- prose that names code -----------------------------------------------------------------------------------
 DOTTED = re.compile(r"(?<![\w./-])((?:app|workers|producer)(?:\.[a-z_][a-z_0-9]*)+)(?:\.([A-Za-z_]\w*))?")

@@ -15,13 +15,22 @@ import functools
 import logging
 import os
 import sys
+import threading
 
 from celery import Celery
 from celery.signals import worker_process_init, worker_process_shutdown, worker_ready, worker_shutdown
 
 from app.celery_app import create_app
+from app.liveness import clock_skew_warning
 from app.settings import Settings, install
+from workers.process import dead_holder_watch
+from workers.process.bench_task import register_bench
+from workers.process.context import WorkerContext
+from workers.process.engine_watch import watch_engine
+from workers.process.heap import freeze_startup_heap
+from workers.process.inflight import sweep_dead_attempts
 from workers.process.message_guard import install as guard_messages
+from workers.shard.delivery import shards_held, visibility_timeout
 from workers.shard.tasks import register
 
 log = logging.getLogger("regen.worker")
@@ -34,8 +43,6 @@ def build_worker_app(settings: Settings) -> Celery:
     guard_messages(celery)
     register(celery)
     if settings.bench_tasks:  # the fleet bench's in-worker baseline (workers.process.bench_task)
-        from workers.process.bench_task import register_bench
-
         register_bench(celery)
     connect_worker_signals(celery)
     return celery
@@ -61,8 +68,6 @@ def __getattr__(name: str) -> Celery:
 
 
 def _build_engine(**_):
-    from workers.process.context import WorkerContext
-
     try:
         WorkerContext.get()
     except BaseException as exc:  # an engine that cannot start must not consume shards
@@ -73,8 +78,6 @@ def _build_engine(**_):
 
 def _freeze_heap(**_):
     """Once the consumer runs, this process's start-up heap is frozen out of full collections (workers.process.heap)."""
-    from workers.process.heap import freeze_startup_heap
-
     log.info("worker process: %d start-up objects frozen out of garbage collection", freeze_startup_heap())
 
 
@@ -83,15 +86,6 @@ def _start_watchers(celery: Celery, **_):
     (workers.process.inflight; in a thread: storage may be slow to answer), the re-send of shards held by
     dead processes while this worker has a free task slot (workers.process.dead_holder_watch), and a warning
     when this host's clock is off the fleet's shared one by more than a lease (app.liveness)."""
-    import threading
-
-    from app.liveness import clock_skew_warning
-    from workers.process import dead_holder_watch
-    from workers.process.context import WorkerContext
-    from workers.process.engine_watch import watch_engine
-    from workers.process.inflight import sweep_dead_attempts
-    from workers.shard.delivery import shards_held, visibility_timeout
-
     skew = clock_skew_warning()
     if skew:
         log.warning("%s", skew)
@@ -105,7 +99,5 @@ def _start_watchers(celery: Celery, **_):
 
 
 def _close_engine(**_):
-    from workers.process.context import WorkerContext
-
     if WorkerContext.current is not None:
         WorkerContext.current.close()

@@ -1,18 +1,32 @@
 """Commands that read a run's data: `regen verify`, `regen stats`, `regen export`.
 
-All three read through app.data.run_reader and need neither a broker nor a GPU; the heavy modules (numpy work,
-matplotlib, pyarrow, torch for `--reference`) are imported inside the commands so `regen --help` stays fast.
+All three read through app.data.run_reader and need neither a broker nor a GPU; the heavy packages (matplotlib,
+pyarrow, datasets, torch for `--reference`) are imported only inside the functions that use them, so
+`regen --help` stays fast.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 import orjson
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
 
 from app.cli.options import STORAGE_HELP, storage_option
 from app.data import export_formats
+from app.data.engine_modes import modes_table
+from app.data.export import Exporter, ExportOptions
+from app.data.fanout import Part
+from app.data.run_reader import RunReader
+from app.data.stats import collect, modes_summary, plots, print_terminal, render_html, states_summary
+from app.data.verify import verify_run
+from app.data.verify_reference import reference_line
+from app.errors import ConfigError
+from app.packages import require
 
 _storage = storage_option(required=True, help=STORAGE_HELP)
 
@@ -30,9 +44,6 @@ def _part_option(what: str):
 
 
 def _part(spec: str | None):
-    from app.data.fanout import Part
-    from app.errors import ConfigError
-
     try:
         return Part.parse(spec)
     except ConfigError as exc:
@@ -40,8 +51,6 @@ def _part(spec: str | None):
 
 
 def _console(stderr: bool = False):
-    from rich.console import Console
-
     return Console(stderr=stderr, highlight=False)
 
 
@@ -73,10 +82,6 @@ def verify_cmd(run_id: str, storage: str, reference: int, reference_device: str,
     Exit status 0 only when every check holds and the run is complete; otherwise the first line says how many
     samples are missing and why, and the problems are listed by shard and sample.
     """
-    from app.data.run_reader import RunReader
-    from app.data.verify import verify_run
-    from app.packages import require
-
     part = _part(part_spec)
     if reference and not part.whole:
         raise click.UsageError("--reference recomputes a few samples of the whole run: run it without --part")
@@ -111,10 +116,6 @@ def verify_cmd(run_id: str, storage: str, reference: int, reference_device: str,
 
 
 def _print_verify(report, strict: bool) -> None:
-    from rich.table import Table
-
-    from app.data.engine_modes import modes_table
-
     out = _console()
     if report.headline():
         out.print(f"[red]verify: {report.headline()}[/red]")
@@ -123,8 +124,6 @@ def _print_verify(report, strict: bool) -> None:
     for key, value in [*acc.items(), *((f"shards {k}", v) for k, v in report.shards.items())]:
         summary.add_row(key.replace("_", " "), str(value))
     if report.reference:
-        from app.data.verify_reference import reference_line
-
         summary.add_row("reference", reference_line(report.reference))
     if report.sampled:
         s = report.sampled
@@ -175,12 +174,6 @@ def export_cmd(run_id: str, storage: str, fmt: str, out: str, exclude_flags: str
     """Export RUN's ok records (done shards): text rows (ShareGPT, SpecForge JSONL), Parquet, trainer-ready
     hidden states (SpecForge DFlash / EAGLE-3, speculators), or ids and loss masks only for trainers that run the
     target themselves (SpecForge online, speculators on_missing=generate)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-    from rich.table import Table
-
-    from app.data.export import Exporter, ExportOptions
-    from app.data.run_reader import RunReader
-
     part = _part(part_spec)
     flags = tuple(f.strip() for f in exclude_flags.split(",") if f.strip())
     exporter = Exporter(RunReader(storage, run_id), out,
@@ -226,12 +219,6 @@ def stats_cmd(run_id: str, storage: str, html_path: str | None, as_json: bool, p
 
     Reads only done shards, so it works while the run is in progress.
     """
-    from pathlib import Path
-
-    from app.data.run_reader import RunReader
-    from app.data.stats import collect, modes_summary, plots, print_terminal, render_html, states_summary
-    from app.packages import require
-
     part = _part(part_spec)
     if html_path:
         require("matplotlib", "regen stats --html")

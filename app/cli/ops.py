@@ -11,9 +11,16 @@ import sys
 import time
 
 import click
+import orjson
+from rich.console import Console
+from rich.live import Live
 
 from app.cli.options import BROKER_HELP, STORAGE_HELP, broker_option, storage_option
+from app.ops.run_report import collect
+from app.ops.status_view import render
+from app.pilot.forecast import compare_with_pilots
 from app.settings import DEFAULT_VISIBILITY_TIMEOUT, current, mask_url
+from app.storage import RunStore, Storage
 
 
 @click.command("status")
@@ -29,14 +36,6 @@ from app.settings import DEFAULT_VISIBILITY_TIMEOUT, current, mask_url
               help="An attempt older than this without marker or error counts as stale, not running.")
 def status(run_id, storage, broker, as_json, watch, interval, inspect_timeout, stale_after):
     """Progress of RUN (or one line per run under the storage root): shards, tokens/s, ETA, workers."""
-    import orjson
-    from rich.console import Console
-
-    from app.ops.run_report import collect
-    from app.ops.status_view import render
-    from app.pilot.forecast import compare_with_pilots
-    from app.storage import RunStore, Storage
-
     url = current().broker_for(broker).url
     scanners: dict = {}
 
@@ -53,7 +52,6 @@ def status(run_id, storage, broker, as_json, watch, interval, inspect_timeout, s
     if not watch:
         console.print(render(snapshot()))
         return
-    from rich.live import Live
 
     with Live(render(snapshot()), console=console, auto_refresh=False) as live:
         try:

@@ -23,11 +23,14 @@ from rich.table import Table
 from app.cli.options import broker_option, model_option, storage_option
 from app.errors import ConfigError
 from app.manifest import CAPTURE_MODES
+from app.pilot.forecast import link_pilots, load_pilot_file
 from app.settings import DEFAULT_QUEUE, DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
 from app.states_codec import STATES_DTYPES
+from app.storage import RunStore, Storage
 from producer.enqueue import COMPRESS_MODES
 from producer.normalise import REGENERATE_MODES
 from producer.produce import ProduceResult, produce
+from producer.retry_dead import retry_dead
 from producer.run_setup import (
     DEFAULT_MAX_PROMPT_TOKENS,
     DEFAULT_MAX_TOKENS,
@@ -142,7 +145,6 @@ def produce_command(ctx: click.Context, inputs, run_id, resume_run, pilot_files,
         raise ConfigError("give INPUTS to produce, or --resume RUN")
     options["vllm_args"] = list(options.get("vllm_args") or ())
     options = mix_options(options, ctx.get_parameter_source("thinking") == click.core.ParameterSource.COMMANDLINE)
-    from app.pilot.forecast import load_pilot_file
 
     pilots = [load_pilot_file(path) for path in pilot_files]  # a bad file fails here, before anything is sent
     if run_id is not None and not run_id.strip():  # compose passes ${REGEN_RUN:-}: unset in .env
@@ -150,9 +152,6 @@ def produce_command(ctx: click.Context, inputs, run_id, resume_run, pilot_files,
     opts = ProduceOptions(inputs=list(inputs), run_id=run_id, resume=bool(resume_run), **options)
     result = _run(opts)
     if pilots and result.status != "dry_run":
-        from app.pilot.forecast import link_pilots
-        from app.storage import RunStore, Storage
-
         link_pilots(RunStore(Storage(opts.storage), result.run_id), pilots)
 
 
@@ -246,8 +245,6 @@ def _report(out: Console, result: ProduceResult) -> None:
 @_broker_options
 def retry_dead_command(run_id, shards, **options) -> None:
     """Archive RUN's dead letters (kept under archive/ with their errors) and re-send those shards."""
-    from producer.retry_dead import retry_dead
-
     out = Console()
     result = retry_dead(ProduceOptions(run_id=run_id, resume=True, **options), list(shards))
     if not result.archived:

@@ -25,12 +25,27 @@ from app.cli.options import (
     task_slots_option,
     vllm_arg_option,
 )
+from app.cli.produce import RUN_SETTING_FLAGS, mix_options, produce_command
 from app.embedded_broker import broker_for_run
 from app.ledger import pause_state
 from app.ops.run_watch import LostShardWatch, dead_shard_ids, progress_counts
+from app.pilot.forecast import link_pilots, load_pilot_file
 from app.run_totals import RunTotals
 from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, mask_url
 from app.storage import RunStore, Storage
+from app.vllm_args import data_changing, parse_vllm_args, split_item, worker_vllm_args
+from producer.produce import produce
+from producer.run_setup import ProduceOptions
+from workers.engine.limits import unsupported
+from workers.process.plan import (
+    manifest_engine_args,
+    run_speculative,
+    settings_from_run,
+    speculative_staged_configs,
+    staged_split,
+    worker_configs,
+)
+from workers.process.supervisor import Supervisor
 
 
 def print_run_totals(store: RunStore, console: Console, seconds: float) -> dict:
@@ -84,22 +99,7 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
 
     Every `regen produce` option that decides the data (`--regenerate`, sampling, seed, prompt limits, the
     pause threshold) is an option here too, with the same meaning and default."""
-    from app.pilot.forecast import link_pilots, load_pilot_file
-    from app.vllm_args import worker_vllm_args
-    from producer.produce import produce
-    from producer.run_setup import ProduceOptions
-    from workers.process.plan import (
-        manifest_engine_args,
-        run_speculative,
-        settings_from_run,
-        speculative_staged_configs,
-        staged_split,
-        worker_configs,
-    )
-    from workers.process.supervisor import Supervisor
-
     console = Console(stderr=True)
-    from app.vllm_args import data_changing, parse_vllm_args, split_item
 
     parse_vllm_args(vllm_args)  # a typo fails here, before anything is produced
     pilots = [load_pilot_file(path) for path in pilot_files]
@@ -108,12 +108,10 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
     worker_args = [a for a in vllm_args if a not in pinned_args]
     if cpu and top_k is None and capture != "off":
         top_k = 0
-    from workers.engine.limits import unsupported
 
     why = unsupported("cpu" if cpu else "cuda", {"top_k": top_k}, capture != "off")
     if why:  # before anything is produced: the local workers could only crash on every shard
         raise click.UsageError(f"--cpu --top-k {top_k}: {why}")
-    from app.cli.produce import mix_options
 
     settings = mix_options(settings, thinking_given=click.get_current_context().get_parameter_source("thinking")
                            == click.core.ParameterSource.COMMANDLINE)
@@ -204,8 +202,6 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
 def _take_produce_settings() -> None:
     """Give `regen run` every option of `regen produce` that becomes a run setting and that it does not define
     itself (by name or by flag), as the same click objects: one definition, so the two cannot drift apart."""
-    from app.cli.produce import RUN_SETTING_FLAGS, produce_command
-
     own = {p.name for p in run.params}
     own_flags = {flag for p in run.params for flag in p.opts}
     run.params.extend(p for p in produce_command.params

@@ -22,7 +22,11 @@ from pathlib import Path
 
 import click
 
+from app.data.selfcheck_judge import Verdict, judge
+from app.packages import require
 from app.process_env import child_env
+from workers.engine.selfcheck import MODES, mode
+from workers.tiny_model import build_tiny_qwen3, build_tiny_qwen3_5
 
 LAYERS = {"dense": [1, 2, 4], "hybrid": [1, 2, 4]}  # the hybrid's 1 and 2 are linear attention, 4 full attention
 
@@ -36,8 +40,6 @@ def _device(device: str) -> str:
 
 
 def _build_models(folder: Path, which: list[str]) -> dict[str, str]:
-    from workers.tiny_model import build_tiny_qwen3, build_tiny_qwen3_5
-
     out = {}
     if "dense" in which:
         out["dense"] = build_tiny_qwen3(str(folder / "dense"), massive=400.0)
@@ -59,11 +61,8 @@ def _build_models(folder: Path, which: list[str]) -> dict[str, str]:
 @click.option("--json", "as_json", is_flag=True, help="Print the verdicts as JSON.")
 def selfcheck(device: str, modes: str | None, models: str, workdir: str | None, timeout: int, as_json: bool) -> None:
     """Prove hidden-state capture on this host: every engine mode against transformers, one verdict each."""
-    from app.packages import require
-
     require("vllm", "regen selfcheck")
     require("torch", "regen selfcheck")
-    from workers.engine.selfcheck import MODES, mode
 
     device = _device(device)
     chosen = [mode(n.strip()) for n in modes.split(",")] if modes else [m for m in MODES if m.device == device]
@@ -89,7 +88,6 @@ def selfcheck(device: str, modes: str | None, models: str, workdir: str | None, 
 
 def _run(folder: Path, model_paths: dict[str, str], chosen, device: str, timeout: int, quiet: bool) -> list:
     from app.data.reference import ReferenceCapture
-    from app.data.selfcheck_judge import Verdict, judge
 
     verdicts = []
     for name, path in model_paths.items():

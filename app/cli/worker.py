@@ -17,8 +17,14 @@ from app.cli.options import (
     task_slots_option,
     vllm_arg_option,
 )
+from app.cli.produce import reconcile_command
 from app.errors import ConfigError
+from app.layers import parse_layers
+from app.ledger import clear_pause
+from app.model_info import read_model_info
 from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, current
+from app.storage import RunStore, Storage
+from app.vllm_args import worker_vllm_args
 from workers.process.plan import (
     manifest_engine_args,
     refuse_unrunnable,
@@ -27,6 +33,8 @@ from workers.process.plan import (
     settings_from_run,
     worker_configs,
 )
+from workers.process.supervisor import Supervisor
+from workers.tiny_model import build_tiny_qwen3, build_tiny_qwen3_5
 
 log = logging.getLogger("regen.worker")
 
@@ -80,10 +88,6 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
            max_model_len, gpu_memory_utilization, kv_cache_gib, tensor_parallel_size, task_slots, encode_threads,
            engine_host, vllm_arg, log_dir, stand_in):
     """Start one Celery worker process per GPU (or one on the CPU) and supervise them."""
-    from app.layers import parse_layers
-    from app.model_info import read_model_info
-    from workers.process.supervisor import Supervisor
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     broker_settings = current().broker_for(broker)
     layer_ids = None
@@ -100,7 +104,6 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
         raise ConfigError("give --model PATH or --run RUN")
     if layers:
         layer_ids = list(parse_layers(layers, read_model_info(model).num_layers).vllm)
-    from app.vllm_args import worker_vllm_args
 
     vllm_args = worker_vllm_args(vllm_arg, capture=bool(layer_ids), run_id=run_id,
                                  pinned=manifest_engine_args(storage, run_id) if run_id else None)
@@ -136,8 +139,6 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
               help="With --arch qwen3_5: add a one-layer MTP head (mtp.* weights), for --speculative mtp.")
 def tiny_model(out_dir, num_layers, arch, multimodal, mtp):
     """Build a tiny random Qwen3 or Qwen3.5 (real tokenizer and thinking chat template) for demos and tests."""
-    from workers.tiny_model import build_tiny_qwen3, build_tiny_qwen3_5
-
     if arch == "qwen3_5":
         click.echo(build_tiny_qwen3_5(out_dir, num_layers=num_layers, multimodal=multimodal, mtp=mtp))
     elif multimodal or mtp:
@@ -153,15 +154,11 @@ def tiny_model(out_dir, num_layers, arch, multimodal, mtp):
 @click.option("--queue", default=DEFAULT_QUEUE, show_default=True)
 def resume_run(run_id, storage, broker, queue):
     """Clear a run's pause and re-send every shard that has no completion marker."""
-    from app.ledger import clear_pause
-    from app.storage import RunStore, Storage
-
     pause = clear_pause(RunStore(Storage(storage), run_id))
     if pause:
         click.echo(f"run {run_id}: pause cleared (was: {pause.get('reason')})")
     else:
         click.echo(f"run {run_id}: not paused")
-    from app.cli.produce import reconcile_command
 
     click.get_current_context().invoke(reconcile_command, run_id=run_id, storage=storage, broker=broker,
                                        queue=queue, max_pending=None)

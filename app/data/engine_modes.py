@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rich.table import Table
+
 UNKNOWN = "unknown"
 
 
@@ -102,8 +104,6 @@ class ModeCounts:
 
 def modes_table(counts: ModeCounts, title: str):
     """`counts` as the rich table `regen stats` and `regen verify` print."""
-    from rich.table import Table
-
     table = Table(title=title)
     for col in counts.header():
         table.add_column(col, justify="left" if col == "engine mode" else "right")

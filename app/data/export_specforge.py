@@ -22,6 +22,9 @@ import dataclasses
 import numpy as np
 
 from app.data.export_trainers import StateExport
+from app.data.final_norm import FinalNorm
+from app.errors import RegenError
+from app.model_info import read_model_info
 
 GROUP = 2000
 
@@ -113,16 +116,12 @@ class SpecForgeEagle3(_SpecForge):
 
     def __init__(self, reader, out, layers_spec, model_path: str | None = None):
         super().__init__(reader, out, layers_spec)
-        from app.data.final_norm import FinalNorm
-        from app.model_info import read_model_info
 
         path = model_path or self.model.get("path") or ""
         self.norm = FinalNorm(path)
         want = self.model.get("fingerprint")
         have = read_model_info(path).fingerprint
         if want and have != want:
-            from app.errors import RegenError
-
             raise RegenError(f"{path} is not the checkpoint run {reader.run_id!r} was made with (fingerprint "
                              f"{have} != {want}): the final norm must come from the run's target")
 

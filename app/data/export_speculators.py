@@ -17,11 +17,14 @@ cache, so two exports of the same shards are the same bytes.
 
 from __future__ import annotations
 
+import shutil
 import struct
+import tempfile
 
 import numpy as np
 import orjson
 
+from app.data.export_plan import digest
 from app.data.export_trainers import StateExport
 
 
@@ -88,12 +91,7 @@ class Speculators(StateExport):
                     yield {k: row[k] for k in ("id", "input_ids", "loss_mask", "seq_len")}
 
     def finish(self, done: set[str], samples: int) -> None:
-        import shutil
-        import tempfile
-
         import datasets
-
-        from app.data.export_plan import digest
 
         super().finish(done, samples)
         datasets.disable_progress_bars()  # the exporter shows its own progress

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from app.errors import ConfigError, RegenError
-from app.layers import parse_layers
+from app.layers import eagle3_preset, parse_layers
 
 
 @dataclass(frozen=True)
@@ -101,8 +101,6 @@ def choose_layers(fmt: str, run_id: str, captured: list[int] | None, num_layers:
 
 def eagle3_aux(num_layers: int) -> list[int]:
     """The eagle3 preset's auxiliary layers (app.layers), without the final layer."""
-    from app.layers import eagle3_preset
-
     return [v for v in eagle3_preset(num_layers) if v != num_layers]
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 
+from safetensors import safe_open
+
 from app.architecture import text_config
 from app.errors import RegenError
 
@@ -29,7 +31,6 @@ class FinalNorm:
 
     def __init__(self, model_path: str):
         import torch
-        from safetensors import safe_open
 
         cfg_path = os.path.join(model_path, "config.json")
         if not os.path.isfile(cfg_path):
@@ -61,8 +62,6 @@ class FinalNorm:
 
 def _find_norm(model_path: str) -> tuple[str, str]:
     """(tensor name, safetensors file) of the final norm's weight."""
-    from safetensors import safe_open
-
     index = os.path.join(model_path, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as fh:

@@ -20,10 +20,13 @@ import io
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from rich.table import Table
+
 from app.data.engine_modes import ModeCounts, modes_table, shard_mode
 from app.data.fanout import WHOLE, Part, open_reader, ordered_map, worker_reader
 from app.data.run_reader import RunReader
 from app.modes import record_mode, run_modes
+from app.quality import is_stub
 from app.states_bound import LayerErrors, promise
 
 
@@ -151,8 +154,6 @@ def read_shard(reader: RunReader, info, lossy: bool) -> ShardRead:
 
 
 def add_shard(st: RunStats, shard: ShardRead) -> None:
-    from app.quality import is_stub
-
     st.shards_done += 1
     for entry in shard.entries:
         st.states_errors.add(entry)
@@ -300,8 +301,6 @@ def states_summary(st: RunStats) -> dict:
 
 
 def print_terminal(st: RunStats, console) -> None:
-    from rich.table import Table
-
     summary = Table(title=f"run {st.run_id}" + (f", part {st.part}" if st.part else ""), show_header=False)
     for k, v in _summary_rows(st):
         summary.add_row(k, v)

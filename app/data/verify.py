@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,11 +38,13 @@ from app.data.fanout import WHOLE, Part, open_reader, ordered_map, worker_reader
 from app.data.run_reader import RunReader, ShardInfo
 from app.data.verify_checks import Problem, ShardResult, check_mode, check_states
 from app.data.verify_reference import reference_check
+from app.data.verify_sampled import check_index_entry, decode_sample
 from app.hidden_file import CorruptHiddenFile, HiddenFileReader
 from app.ids import shard_id as shard_name
 from app.jsonl_zst import iter_jsonl_zst
 from app.layers import ascending_problem
 from app.manifest import setting
+from app.records import turn_sample_id
 
 
 @dataclass
@@ -268,10 +271,6 @@ def _name_leftovers(res: ShardResult, reader: RunReader, shard: str) -> None:
 
 def _check_records(res: ShardResult, reader: RunReader, info: ShardInfo, raw: bytes,
                    hreader: HiddenFileReader | None, decode: bool = True) -> None:
-    import io
-
-    from app.data.verify_sampled import check_index_entry
-
     m = info.marker
     hidden_size = (reader.settings.get("model") or {}).get("hidden_size")
     rejected: Counter = Counter()
@@ -322,8 +321,6 @@ def _check_records(res: ShardResult, reader: RunReader, info: ShardInfo, raw: by
 def check_turns(res: ShardResult, turns: dict[str, list[dict]]) -> None:
     """A multi-turn conversation's records are its turns 0, 1, ... in order, ids `{conversation}-t{turn}`, and
     only the last may be rejected (a rejected turn ends the conversation)."""
-    from app.records import turn_sample_id
-
     for conv, recs in turns.items():
         if len(recs) == 1 and "turn" not in recs[0]:
             continue
@@ -435,8 +432,6 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
                                     severity=gap if short_by_missing else "error"))
     sampled = None
     if sample is not None:
-        from app.data.verify_sampled import decode_sample
-
         sampled = decode_sample(reader, [r for r in results if r.state == "done"], sample)
     modes = ModeCounts()
     for info in infos:  # the engine that made each shard's states, and what its capture check found

@@ -10,6 +10,8 @@ import numpy as np
 
 from app.data.run_reader import RunReader
 from app.hidden_file import CorruptHiddenFile, HiddenFileReader
+from app.modes import prompt_ends_in_mode, record_mode, record_thinking
+from app.quality import STATE_PROBLEMS, StaleRows, implausible_states, layer_detail, states_problem
 from app.states_bound import promise, sample_problem
 from app.states_compare import zero_rows_allowed
 
@@ -44,8 +46,6 @@ def check_mode(res: ShardResult, rec: dict, settings: dict) -> bool:
     """A mixed run's record against its mode: its prompt ids must end as the target's template ends that mode's
     generation prompt (the tails the producer measured, app.modes; Qwen3: a non-thinking prompt ends in the
     empty think block), and its reasoning must be what the mode allows (none without thinking). True: clean."""
-    from app.modes import prompt_ends_in_mode, record_mode, record_thinking
-
     tails = settings.get("mode_prompt_tails")
     if not tails:
         return True
@@ -68,8 +68,6 @@ def check_states(res: ShardResult, rec: dict, hreader: HiddenFileReader, pos: in
                   hidden_size: int | None) -> bool:
     """Decode sample `pos` of the hidden file and check it against its record and the run (ids, layers,
     width, finite and plausible values, a lossy sample's recorded error); problems go to `res`. True: clean."""
-    from app.quality import STATE_PROBLEMS, StaleRows, implausible_states, layer_detail, states_problem
-
     sid = rec["sample_id"]
     try:
         tokens, states = hreader.read(pos)

@@ -16,6 +16,9 @@ from __future__ import annotations
 import math
 import random
 
+from app.data.verify_checks import check_states
+from app.hidden_file import HiddenFileReader
+
 
 def check_index_entry(res, rec: dict, entry: dict, reader, hidden_size: int | None) -> bool:
     """What a hidden file's index says about one ok record's sample, without reading its states."""
@@ -71,9 +74,6 @@ def choose(results, sample: float, seed: int = 0) -> list[tuple[object, str]]:
 
 def decode_sample(reader, results, sample: float) -> dict:
     """Decode and check the chosen samples' states (problems go to their shard's result); what was read."""
-    from app.data.verify_checks import check_states
-    from app.hidden_file import HiddenFileReader
-
     hidden_size = (reader.settings.get("model") or {}).get("hidden_size")
     chosen = choose(results, sample)
     by_shard: dict[str, tuple[object, list[str]]] = {}

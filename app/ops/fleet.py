@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import re
 
-from app.celery_app import redis_client
-from app.settings import mask_text
+from app.celery_app import create_app, redis_client
+from app.ops.status import blank_worker, iso
+from app.settings import BrokerSettings, mask_text, mask_url
 
 PRIORITY_SEP = "\x06\x16"
 PRIORITY_STEPS = (3, 6, 9)  # kombu's default steps besides 0, which uses the bare queue name
@@ -55,9 +56,6 @@ def _shard_of(request: dict) -> tuple[str | None, str | None]:
 
 def live_workers(url: str, timeout: float = 1.0) -> tuple[dict[str, dict], str | None]:
     """({worker: {online, tasks: [{run, shard, since}]}}, error) for the workers that answer within `timeout`."""
-    from app.celery_app import create_app
-    from app.settings import BrokerSettings
-
     try:
         redis_client(url).ping()
     except Exception as exc:
@@ -89,9 +87,6 @@ def overlay(status: dict, broker_url: str, lengths: dict[str, int], unacked: int
     its `last_seen` is now. `live` None
     means the workers were not asked; then `online` is None (unknown) for every worker.
     """
-    from app.ops.status import blank_worker, iso
-    from app.settings import mask_url
-
     status["broker"] = {"url": mask_url(broker_url), "queued": lengths, "unacked": unacked,
                         "error": "; ".join(errors) or None}
     status["shards"]["queued"] = lengths.get(status.get("queue") or "")

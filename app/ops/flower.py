@@ -33,9 +33,12 @@ which Flower's Redis client needs for TLS.
 from __future__ import annotations
 
 import logging
+import ssl
 
 from celery import Celery
 from kombu import Queue
+from kombu.transport.redis import Channel
+from kombu.utils.url import parse_url
 
 from app.celery_app import create_app, redis_client
 from app.library_patches import FLOWER_QUEUES, check_versions, extend_flower_queue_listing
@@ -52,8 +55,6 @@ def task_queue_names(url: str, timeout: float = 2.0) -> list[str]:
     kombu keeps a set `_kombu.binding.<exchange>` whose members are `routing_key SEP pattern SEP queue`; a
     Celery task queue is bound to an exchange of its own name. Celery's other bindings (the `celeryev` event
     queues, the `celery.pidbox` control queues) are bound to shared exchanges and are left out."""
-    from kombu.transport.redis import Channel
-
     prefix = Channel.keyprefix_queue % ("",)
     client = redis_client(url, timeout)
     try:
@@ -85,9 +86,6 @@ def tls_options(url: str) -> dict | None:
     default without them (no certificate check; kombu warns). None for other URLs."""
     if not url.startswith("rediss://"):
         return None
-    import ssl
-
-    from kombu.utils.url import parse_url
 
     return parse_url(url).get("ssl") or {"ssl_cert_reqs": ssl.CERT_NONE}
 

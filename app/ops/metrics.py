@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import threading
 
+from app import dead_messages
 from app.clock import shared_now
 from app.errors import ConfigError
 from app.ids import validate_id
+from app.manifest import load
+from app.ops.fleet import queue_lengths
+from app.ops.status import RunScanner, list_runs, summarise
+from app.storage import RunStore, Storage
 
 try:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -28,8 +33,6 @@ class RegenCollector(Collector):
 
     def __init__(self, storage_root: str, broker_url: str, runs: list[str] | None = None,
                  queues: list[str] | None = None):
-        from app.storage import Storage
-
         if GaugeMetricFamily is None:
             raise ConfigError("regen metrics needs prometheus_client: pip install prometheus_client")
         self.runs = [validate_id(r, "run id") for r in runs or []]
@@ -41,10 +44,6 @@ class RegenCollector(Collector):
         self._statuses(shared_now(broker_url))  # a missing run or an unreadable root fails now, not on every scrape
 
     def _statuses(self, now: float) -> list[dict]:
-        from app.manifest import load
-        from app.ops.status import RunScanner, list_runs, summarise
-        from app.storage import RunStore
-
         out = []
         for run in self.runs or list_runs(self.storage):
             if run not in self._scanners:
@@ -55,8 +54,6 @@ class RegenCollector(Collector):
         return out
 
     def collect(self):
-        from app.ops.fleet import queue_lengths
-
         with self._lock:
             statuses = self._statuses(shared_now(self.broker_url))
         queues = sorted({*self.queues, *(q for s in statuses for q in (s.get("queue"),
@@ -72,8 +69,6 @@ class RegenCollector(Collector):
             yield GaugeMetricFamily("regen_broker_unacked", "Messages fetched by workers but not yet acked",
                                     value=unacked)
         if not error:
-            from app import dead_messages
-
             rejected = dead_messages.count(self.broker_url)
             if rejected is not None:
                 yield CounterMetricFamily("regen_dead_messages", "Messages workers could not decode or run "

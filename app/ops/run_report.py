@@ -6,19 +6,18 @@ line per run under the root. The pilot's forecast beside a run produced with one
 
 from __future__ import annotations
 
+from app import dead_messages
+from app.clock import shared_now
+from app.manifest import load
+from app.ops import fleet
+from app.ops.status import RunScanner, list_runs, summarise
 from app.settings import mask_url
+from app.storage import RunStore, Storage
 
 
 def collect(storage_root: str, run_id: str | None, broker_url: str, inspect_timeout: float,
             stale_after: float, scanners: dict | None = None) -> dict:
     """One run's full status (RUN given) or the one-line-per-run overview; a JSON-ready dict."""
-    from app import dead_messages
-    from app.clock import shared_now
-    from app.manifest import load
-    from app.ops import fleet
-    from app.ops.status import RunScanner, list_runs, summarise
-    from app.storage import RunStore, Storage
-
     scanners = {} if scanners is None else scanners
     storage = Storage(storage_root)
     runs = [run_id] if run_id else list_runs(storage)

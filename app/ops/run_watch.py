@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import time
 
+from app.clock import shared_now
+from app.dead_holders import DeadHolderCheck
 from app.ledger import split_key
+from app.ops import fleet
+from app.ops.status import RunScanner, summarise
 from app.settings import BrokerSettings
 from app.storage import RunStore
 
@@ -42,9 +46,6 @@ class LostShardWatch:
     `resent_dead`."""
 
     def __init__(self, store: RunStore, broker_url: str, resend):
-        from app.dead_holders import DeadHolderCheck
-        from app.ops.status import RunScanner
-
         self.store, self.broker_url, self.resend = store, broker_url, resend
         self.scanner = RunScanner(store)
         self.seen: int | None = None
@@ -53,10 +54,6 @@ class LostShardWatch:
         self.resent_dead: list[dict] = []
 
     def lost(self) -> int | None:
-        from app.clock import shared_now
-        from app.ops import fleet
-        from app.ops.status import summarise
-
         stale_after = BrokerSettings.from_env(self.broker_url).visibility_timeout
         status = summarise(self.scanner.scan(), shared_now(self.broker_url), stale_after)
         queues = [q for q in (status.get("queue"), status.get("capture", {}).get("queue")) if q]

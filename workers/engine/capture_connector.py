@@ -15,12 +15,15 @@ from __future__ import annotations
 import os
 
 import torch
+import vllm
 from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     PendingSave,
     extract_from_kv_cache,
 )
+
+from app.errors import ConfigError
 
 SUPPORTED_VLLM = ((0, 32), (0, 33))
 
@@ -57,12 +60,8 @@ class CpuCapableHiddenStatesConnector(ExampleHiddenStatesConnector):
 
 
 def check_vllm_version() -> None:
-    import vllm
-
     major_minor = tuple(int(x) for x in vllm.__version__.split(".")[:2])
     if major_minor not in SUPPORTED_VLLM:
-        from app.errors import ConfigError
-
         raise ConfigError(
             f"vLLM {vllm.__version__} is not a version the capture connector was written for "
             f"({', '.join('.'.join(map(str, v)) for v in SUPPORTED_VLLM)}); pin vllm accordingly"

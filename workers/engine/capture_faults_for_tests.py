@@ -29,6 +29,8 @@ import threading
 import numpy as np
 import orjson
 
+from app.settings import current
+
 log = logging.getLogger("regen.faults_for_tests")
 
 FAULTS = ("shift", "swap", "zero", "foreign", "stale")
@@ -118,7 +120,5 @@ def _injector(path: str) -> CaptureFaultsForTests:
 
 def process_injector() -> CaptureFaultsForTests | None:
     """This process's injector, or None (everywhere but the tests: `REGEN_FAULT_INJECTION_FOR_TESTS` unset)."""
-    from app.settings import current
-
     path = current().fault_injection_for_tests
     return _injector(path) if path else None

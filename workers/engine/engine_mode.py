@@ -15,6 +15,7 @@ name, compute capability, driver and CUDA versions are read there too, where the
 from __future__ import annotations
 
 import contextlib
+import logging
 import platform
 import subprocess
 
@@ -127,7 +128,5 @@ def read_mode(engine) -> dict:
     try:
         return engine.call(held_mode)
     except Exception as exc:  # noqa: BLE001 - an engine without a VllmConfig still runs; its mode is unknown
-        import logging
-
         logging.getLogger("regen.engine").warning("engine mode unreadable: %r", exc)
         return {"model_runner": "unknown", "error": f"{type(exc).__name__}: {exc}"}

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from app.errors import EngineDead, PermanentError
 from app.process_env import prepare_vllm_env
+from app.vllm_args import effective_values, parse_vllm_args
 from workers.engine.capture_file import attach_capture, still_being_written
 from workers.engine.interface import Engine
 from workers.engine.jobs import BatchJob, ExclusiveCall, one_by_one
@@ -30,6 +31,7 @@ from workers.engine.options import EngineOptions
 from workers.engine.request import EngineSpan, GenRequest, GenResult, check_capture_requests
 from workers.engine.scheduling import name_thread
 from workers.engine.self_test import run_self_test
+from workers.engine.settings import check_hybrid_capture_vllm
 
 log = logging.getLogger("regen.engine")
 ENGINE_THREAD = "regen-engine"  # the engine thread's OS-level name; its OpenMP threads inherit it
@@ -80,7 +82,6 @@ class InProcessEngine(Engine):
         options = self.options
         if options.capture_layers:
             from workers.engine.capture_connector import check_vllm_version
-            from workers.engine.settings import check_hybrid_capture_vllm
 
             check_vllm_version()
             check_hybrid_capture_vllm(options.model)
@@ -88,8 +89,6 @@ class InProcessEngine(Engine):
         self.llm = LLM(**llm_kwargs(options))
         self.engine = self.llm.llm_engine
         if options.vllm_args:
-            from app.vllm_args import effective_values, parse_vllm_args
-
             held = effective_values(self.llm.llm_engine.vllm_config, parse_vllm_args(options.vllm_args))
             log.info("vLLM settings from --vllm-arg, as the engine holds them: %s",
                      ", ".join(f"{k}={v}" for k, v in held.items()))

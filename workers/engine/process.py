@@ -28,6 +28,7 @@ import ctypes
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
 import threading
 from collections.abc import Callable
@@ -300,8 +301,6 @@ def _run_call(engine: InProcessEngine, send, key: int, payload) -> None:
 
 def _portable(exc: BaseException) -> BaseException:
     """`exc` if it survives pickling, else a RuntimeError with its text (vLLM's errors may hold live objects)."""
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(exc))
     except Exception:

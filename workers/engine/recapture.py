@@ -16,6 +16,7 @@ import numpy as np
 import xxhash
 
 from app.manifest import CaptureCheckSettings
+from app.states_compare import compare
 from workers.engine.request import GenRequest, GenResult
 
 PREFILL_ONLY = {"temperature": 1.0, "max_tokens": 1, "seed": 0}
@@ -72,8 +73,6 @@ def recheck(engine, items: list[Pending], layers: list[int]) -> list[CheckOutcom
 
 
 def _judge(item: Pending, again: GenResult | None, twice: GenResult | None, layers: list[int]) -> CheckOutcome:
-    from app.states_compare import compare
-
     def outcome(ok: bool, check: str, line: str, layer=None, token=None, error=float("inf"), bound=0.0):
         return CheckOutcome(item.position, item.sample_id, ok, check, line, layer, token, error, bound)
 

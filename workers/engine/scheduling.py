@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 
+from app.errors import ConfigError
 from app.settings import current
 
 log = logging.getLogger("regen.worker")
@@ -43,8 +44,6 @@ def side_threads_policy(device: str) -> str | None:
     if choice == "normal":
         return None
     if choice:
-        from app.errors import ConfigError
-
         raise ConfigError(f"{ENV}={choice!r}: expected 'idle', 'batch' or 'normal'")
     return BATCH if device == "cpu" else None
 

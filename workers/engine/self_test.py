@@ -26,7 +26,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from app.errors import EngineDead
+from app.manifest import THINKING_SAMPLING
+from app.states_compare import compare, row_problems
 from workers.engine.capture_faults_for_tests import process_injector
+from workers.engine.engine_mode import mode_key
+from workers.engine.limits import unsupported
+from workers.engine.recapture import Pending, recheck
 from workers.engine.request import GenRequest, GenResult
 
 if TYPE_CHECKING:
@@ -52,9 +57,6 @@ def run_self_test(engine: Engine) -> float:
 def start_sampling(sampling: dict | None, device: str, captures: bool) -> dict:
     """The sampling the test generates with: the run's (`top_k` included), or the default thinking-mode one; a
     setting the engine is known to crash on (workers.engine.limits) is left out only from that default."""
-    from app.manifest import THINKING_SAMPLING
-    from workers.engine.limits import unsupported
-
     if sampling is not None:
         chosen = dict(sampling)
     else:
@@ -78,8 +80,6 @@ def start_prompts(tokenizer, max_model_len: int, budget: int | None) -> dict[str
 
 def run_start_test(engine: Engine, sampling: dict | None, mode: dict | None) -> float:
     """Run the test on `engine` (either kind, see the module); the seconds it took. Raises SelfTestFailed."""
-    from workers.engine.engine_mode import mode_key
-
     key = mode_key(mode) if mode is not None else "not read"
     options = engine.options
     captures = options.capture_layers is not None
@@ -109,9 +109,6 @@ def run_start_test(engine: Engine, sampling: dict | None, mode: dict | None) -> 
 
 
 def _check_captures(engine: Engine, requests: list[GenRequest], got: dict[str, GenResult], fail) -> None:
-    from app.states_compare import compare, row_problems
-    from workers.engine.recapture import Pending, recheck
-
     layers = list(engine.options.capture_layers)
     stored: dict[str, tuple[list[int], np.ndarray]] = {}
     faults = process_injector()  # the test-only fault injector (capture_faults_for_tests.py): None but in tests

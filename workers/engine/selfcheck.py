@@ -27,6 +27,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from workers.engine.in_process import InProcessEngine
+from workers.engine.options import EngineOptions
+from workers.engine.request import GenRequest
+
 LONG_PROMPT = 2500
 SHARED_PREFIX = 200
 MAX_TOKENS = 12
@@ -107,10 +111,6 @@ def kv_cache_bytes(model_path: str, n_layers_captured: int) -> int:
 
 def capture(model_path: str, layers: list[int], m: Mode, out_path: str) -> None:
     """Run the requests inline, then staged, on this mode's engine; write every capture to `out_path` (npz)."""
-    from workers.engine.in_process import InProcessEngine
-    from workers.engine.options import EngineOptions
-    from workers.engine.request import GenRequest
-
     options = EngineOptions(model=model_path, device=m.device, capture_layers=tuple(layers),
                             max_model_len=LONG_PROMPT + 4 * MAX_TOKENS, max_num_seqs=16,
                             kv_cache_memory_bytes=kv_cache_bytes(model_path, len(layers)),

@@ -47,6 +47,7 @@ from workers.engine.jobs import BatchJob, one_by_one
 from workers.engine.options import EngineOptions
 from workers.engine.request import EngineSpan, GenRequest, GenResult, check_capture_requests
 from workers.engine.scheduling import name_thread
+from workers.engine.self_test import run_self_test
 
 PREFIX = "stand-in"
 THREAD_NAME = "regen-stand-in"  # the stand-in's engine thread (the harness leaves its CPU out of the fleet's)
@@ -238,8 +239,6 @@ class StandInEngine:
         return fn(StandInDevice(self.spec), *args)
 
     def self_test(self) -> float:
-        from workers.engine.self_test import run_self_test
-
         return run_self_test(self)
 
     def shutdown(self) -> None:

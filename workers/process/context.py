@@ -7,6 +7,7 @@ child's settings carry (app.settings).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import logging
@@ -19,12 +20,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from app.errors import ConfigError
+from app.manifest import software_versions
 from app.model_info import ModelInfo, read_model_info
 from app.quality import StubWindow
 from app.settings import Settings
 from app.settings import current as current_settings
+from app.speculative import describe_engine_config
+from workers.engine.capture_faults_for_tests import process_injector
+from workers.engine.engine_mode import mode_key, read_mode
+from workers.engine.in_process import InProcessEngine
+from workers.engine.llm_arguments import held_speculative
+from workers.engine.options import EngineOptions
+from workers.engine.process import PROCESS_NAME, EngineProcess
+from workers.engine.recapture import EngineChecks
 from workers.engine.scheduling import ENV as SIDE_THREADS_ENV
 from workers.engine.scheduling import POLICY_NAMES, lower_priority, name_thread, side_threads_policy
+from workers.engine.self_test import run_start_test
+from workers.engine.stand_in import StandInEngine
 
 if TYPE_CHECKING:
     from workers.engine.interface import Engine
@@ -56,8 +69,6 @@ class WorkerConfig:
     def from_settings(cls, settings: Settings) -> WorkerConfig:
         """The config `regen worker` handed this child process (`REGEN_WORKER_CONFIG`)."""
         if not settings.worker_config:
-            from app.errors import ConfigError
-
             raise ConfigError("REGEN_WORKER_CONFIG is not set: start workers with `regen worker`")
         return cls(**json.loads(settings.worker_config))
 
@@ -79,8 +90,6 @@ def scratch_root(need_bytes: int = 0) -> str:
     temp dir, with a warning, when /dev/shm has less free room than that, and a `REGEN_SCRATCH` without the room
     is refused at start-up with the figures.
     """
-    from app.errors import ConfigError
-
     explicit = current_settings().scratch
     if explicit:
         os.makedirs(explicit, exist_ok=True)
@@ -129,8 +138,6 @@ class WorkerContext:
         return cls.current
 
     def __init__(self, config: WorkerConfig):
-        from workers.engine.options import EngineOptions
-
         self.config = config
         self.model: ModelInfo = read_model_info(config.model)
         options = EngineOptions(
@@ -147,22 +154,15 @@ class WorkerContext:
         _remove_stale_scratch(os.path.dirname(options.scratch_dir))
         self.engine: Engine
         if config.stand_in:  # benchmarks and tests only: the real worker around an engine standing in for a GPU
-            from workers.engine.stand_in import StandInEngine
-
             self.engine = StandInEngine(options, config.stand_in)
             log.warning("engine: %s, standing in for a GPU (benchmarks and tests only)", self.engine.spec.text())
         elif options.host_process:
-            from workers.engine.process import PROCESS_NAME, EngineProcess
-
             engine_process = EngineProcess(options)
             log.info("engine runs in its own process, %s (pid %d); --no-engine-host keeps it in this one",
                      PROCESS_NAME, engine_process.pid)
             self.engine = engine_process
         else:
-            from workers.engine.in_process import InProcessEngine
-
             self.engine = InProcessEngine(options)
-        import atexit
 
         atexit.register(self.close)
         self.tokenizer = self.engine.tokenizer
@@ -174,23 +174,17 @@ class WorkerContext:
         self.windows: dict[str, StubWindow] = {}
         self.manifests: dict[str, dict] = {}
         self.closed = False
-        from workers.engine.engine_mode import mode_key, read_mode
-        from workers.engine.recapture import EngineChecks
 
         # Read from the built engine, not from the options: what attempt records and the checks' messages name.
         self.engine_mode = read_mode(self.engine)
         self.engine_mode_key = mode_key(self.engine_mode)
         log.info("engine mode: %s (%s)", self.engine_mode_key, self.engine_mode)
         self.capture_checks = EngineChecks()  # the capture check's counts (workers.engine.recapture)
-        from workers.engine.capture_faults_for_tests import process_injector
 
         self.faults_for_tests = process_injector()  # None but in the tests; it says so in the log at once
         if config.self_test:
-            from workers.engine.self_test import run_start_test
-
             seconds = run_start_test(self.engine, config.self_test_sampling, self.engine_mode)
             log.info("engine self-test passed in %.2fs", seconds)
-        from workers.engine.llm_arguments import held_speculative
 
         # Read from the built engine, not from the options: attempt records say what the engine ran with.
         self.speculative_config = self.engine.call(held_speculative)
@@ -210,9 +204,6 @@ class WorkerContext:
     @functools.cached_property
     def engine_record(self) -> dict:
         """What attempt records say about this worker's engine (app.ledger.record_attempt)."""
-        from app.manifest import software_versions
-        from app.speculative import describe_engine_config
-
         # `speculative`: the run setting ("mtp:2") this engine generated with, None without; `speculative_config`:
         # the engine's own (a capture engine's is vLLM's extract_hidden_states), both as the engine reports them.
         return {"vllm": None if self.config.stand_in else software_versions()["vllm"],

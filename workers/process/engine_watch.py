@@ -17,13 +17,13 @@ import os
 import signal
 import threading
 
+from workers.process.context import WorkerContext
+
 log = logging.getLogger("regen.worker")
 POLL_SECONDS = 0.5
 
 
 def _watch(stop: threading.Event) -> None:
-    from workers.process.context import WorkerContext
-
     while not stop.wait(POLL_SECONDS):
         ctx = WorkerContext.current
         if ctx is None or ctx.closed:

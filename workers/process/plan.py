@@ -6,8 +6,23 @@ from __future__ import annotations
 import logging
 import socket
 
+from app import manifest as manifest_mod
 from app.errors import ConfigError
+from app.layers import ascending_problem
+from app.model_info import read_text_config
 from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
+from app.speculative import ignored_with_capture
+from app.storage import RunStore, Storage
+from workers.engine.limits import unsupported
+from workers.engine.stand_in import StandInSpec
+from workers.process.context import WorkerConfig
+from workers.process.devices import (
+    choose_tensor_parallel,
+    detect_gpus,
+    encode_threads_for,
+    preset_for,
+    task_slots_for,
+)
 
 log = logging.getLogger("regen.worker")
 
@@ -24,19 +39,8 @@ def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: li
     `stand_in` (benchmarks and tests only): a stand-in engine's spec (workers.engine.stand_in); its
     `devices` worker processes each hold one engine standing in for a GPU, and no GPU is looked for.
     """
-    from workers.process.context import WorkerConfig
-    from workers.process.devices import (
-        choose_tensor_parallel,
-        detect_gpus,
-        encode_threads_for,
-        preset_for,
-        task_slots_for,
-    )
-
     host = socket.gethostname()
     if stand_in:
-        from workers.engine.stand_in import StandInSpec
-
         spec = StandInSpec.parse(stand_in)
         devices, tp = [(str(k), None, "stand-in") for k in range(spec.devices)], 1
     elif cpu:
@@ -91,10 +95,6 @@ def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: li
 def settings_from_run(storage: str, run_id: str, queues: str) -> tuple[str, list[int] | None, int, int]:
     """Model path, capture layers this worker's engine needs, a max_model_len and the shard size from a run
     manifest."""
-    from app import manifest as manifest_mod
-    from app.layers import ascending_problem
-    from app.storage import RunStore, Storage
-
     m = manifest_mod.load(RunStore(Storage(storage), run_id))["settings"]
     qs = {q.strip() for q in queues.split(",")}
     mode = m["capture_mode"]
@@ -113,9 +113,6 @@ def run_speculative(storage: str, run_id: str, capture_layers: list[int] | None,
     manifest's setting for a generation-only engine, None for a capture engine (capture is itself vLLM's
     speculative method; app.speculative). A capture engine that also consumes a generation queue (a worker
     on both staged queues) says so in the log, since the shards it generates run without it."""
-    from app import manifest as manifest_mod
-    from app.storage import RunStore, Storage
-
     setting = manifest_mod.load(RunStore(Storage(storage), run_id))["settings"].get("speculative")
     if setting and capture_layers:
         if {q.strip() for q in queues.split(",")} - {DEFAULT_CAPTURE_QUEUE}:
@@ -150,11 +147,6 @@ def speculative_staged_configs(generate: list[tuple], capture: list[tuple], cpu:
 def refuse_unrunnable(configs, storage: str, run_id: str) -> None:
     """A ConfigError (one line) when a planned worker's engine cannot run the run's settings
     (workers.engine.limits), before any engine starts."""
-    from app import manifest as manifest_mod
-    from app.speculative import ignored_with_capture
-    from app.storage import RunStore, Storage
-    from workers.engine.limits import unsupported
-
     settings = manifest_mod.load(RunStore(Storage(storage), run_id))["settings"]
     sampling = settings["sampling"]
     if why := ignored_with_capture(sampling, settings["capture_mode"]):  # every generating engine captures
@@ -167,23 +159,15 @@ def refuse_unrunnable(configs, storage: str, run_id: str) -> None:
 
 def run_sampling(storage: str, run_id: str) -> dict:
     """The run's sampling (its manifest's): what a worker started with --run tests its engine with at start."""
-    from app import manifest as manifest_mod
-    from app.storage import RunStore, Storage
-
     return dict(manifest_mod.load(RunStore(Storage(storage), run_id))["settings"]["sampling"])
 
 
 def manifest_engine_args(storage: str, run_id: str) -> dict:
     """The vLLM arguments a run's manifest gives every worker (`regen produce --vllm-arg`)."""
-    from app import manifest as manifest_mod
-    from app.storage import RunStore, Storage
-
     return dict(manifest_mod.load(RunStore(Storage(storage), run_id))["settings"].get("engine_args") or {})
 
 
 def _model_max_len(path: str) -> int | None:
     """The model's own context limit (vLLM refuses a larger max_model_len)."""
-    from app.model_info import read_text_config
-
     value = read_text_config(path).get("max_position_embeddings")
     return int(value) if value else None

@@ -39,6 +39,7 @@ from celery import Task
 from app import dead_messages
 from app.errors import Failure, classify
 from app.ledger import stage_key
+from app.settings import DEFAULT_VISIBILITY_TIMEOUT
 from app.storage import RunStore, Storage
 from workers.process.context import WorkerContext
 from workers.process.inflight import InFlight
@@ -53,8 +54,6 @@ Work = Callable[[WorkerContext, Delivery], str]  # a stage's work on a delivery 
 
 def visibility_timeout(app) -> float:
     """The broker's visibility timeout: a killed attempt's shard is redelivered no sooner."""
-    from app.settings import DEFAULT_VISIBILITY_TIMEOUT
-
     options = app.conf.broker_transport_options or {}
     return float(options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT))
 

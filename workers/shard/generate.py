@@ -16,7 +16,7 @@ import numpy as np
 
 from app.hidden_file import encode_sample
 from app.ids import seed_for
-from app.manifest import compression_level
+from app.manifest import QualitySettings, compression_level
 from app.modes import record_thinking, sampling_for
 from app.quality import (
     answer_token_count,
@@ -34,6 +34,7 @@ from workers.engine.capture_faults_for_tests import process_injector
 from workers.engine.recapture import PREFILL_ONLY, CheckPolicy, Pending
 from workers.engine.request import GenRequest, GenResult
 from workers.shard import capture_check
+from workers.shard.multiturn import regenerate_turns
 
 if TYPE_CHECKING:
     from workers.process.context import WorkerContext
@@ -219,8 +220,6 @@ def generate_records(ctx: WorkerContext, manifest: dict, run_id: str, shard_id: 
     (a `workers.shard.shard_output.HiddenFileStream`) as soon as they are encoded."""
     gen = ShardGeneration(ctx, manifest, run_id, shard_id, hidden_out)
     if manifest["settings"].get("regenerate") == "all":
-        from workers.shard.multiturn import regenerate_turns
-
         return regenerate_turns(gen, samples)
     requests = [req for i, sample in enumerate(samples)
                 if (req := gen.add(gen.base(sample, i, sample["messages"]))) is not None]
@@ -349,6 +348,4 @@ def shard_summary(records: list[dict], gen_seconds: float, ctx: WorkerContext) -
 
 
 def _quality(settings: dict):
-    from app.manifest import QualitySettings
-
     return QualitySettings(**settings.get("quality", {}))
