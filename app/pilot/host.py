@@ -39,7 +39,7 @@ from app.storage import RunStore, Storage
 from producer.estimate import human_bytes
 from producer.readers import expand_inputs
 from producer.run_setup import ProduceOptions
-from workers.process.devices import detect_gpus, preset_for, task_slots_for, weights_bytes
+from workers.process.devices import preset_for, select_gpus, task_slots_for, weights_bytes
 
 REFERENCE_ROOM = 1.5  # a reference forward needs the checkpoint in bf16 plus activations: room for this much of it
 
@@ -47,12 +47,7 @@ REFERENCE_ROOM = 1.5  # a reference forward needs the checkpoint in bf16 plus ac
 def _host_devices(cpu: bool, gpus: str | None) -> dict:
     if cpu:
         return {"kind": "cpu", "class": "cpu", "count": 1, "names": ["cpu"], "indices": None}
-    found = detect_gpus()
-    if gpus:
-        wanted = {g.strip() for g in gpus.split(",") if g.strip()}
-        found = [d for d in found if d.index in wanted]
-    if not found:
-        raise ConfigError("no GPU found (nvidia-smi); use --cpu to run the pilot on the CPU")
+    found = select_gpus(gpus, use="--cpu to run the pilot on the CPU")  # an index it does not see is refused
     return {"kind": "cuda", "class": found[0].device_class, "count": len(found), "names": [d.name for d in found],
             "indices": [d.index for d in found]}
 

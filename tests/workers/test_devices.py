@@ -209,3 +209,16 @@ def test_regen_worker_reports_a_bad_gpu_choice_in_one_line(fake_gpus, tiny_qwen3
     assert result.exit_code == 2
     assert result.output.strip().splitlines()[-1] == "regen: error: --gpus 0,5: no such GPU 5 (nvidia-smi sees 0, 1)"
     assert "Traceback" not in result.output
+
+
+def test_regen_pilot_refuses_a_gpu_nvidia_smi_does_not_see_as_the_worker_does(fake_gpus, tiny_qwen3, tmp_path):
+    """One selection of `--gpus` for the worker and the pilot (workers.process.devices.select_gpus): the pilot
+    once dropped an unknown index silently and measured the others."""
+    fake_gpus(H200, H200)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    result = CliRunner().invoke(main, ["pilot", str(prompts), "--model", str(tiny_qwen3), "--gpus", "0,5",
+                                       "--storage", str(tmp_path / "store")])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1] == "regen: error: --gpus 0,5: no such GPU 5 (nvidia-smi sees 0, 1)"
+    assert "Traceback" not in result.output and not (tmp_path / "store" / "pilots").exists()

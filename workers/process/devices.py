@@ -64,6 +64,23 @@ def detect_gpus() -> list[Device]:
     return devices
 
 
+def select_gpus(gpus: str | None, use: str = "--cpu to run on the CPU") -> list[Device]:
+    """The GPUs `--gpus` names (comma-separated indices; all when None), in that order; a ConfigError naming an
+    index nvidia-smi does not see, or saying there is none."""
+    found = detect_gpus()
+    if gpus:
+        wanted = [g.strip() for g in gpus.split(",") if g.strip()]
+        by_index = {d.index: d for d in found}
+        missing = [g for g in wanted if g not in by_index]
+        if missing:
+            raise ConfigError(f"--gpus {gpus}: no such GPU {', '.join(missing)} (nvidia-smi sees "
+                              f"{', '.join(by_index) or 'none'})")
+        found = [by_index[g] for g in wanted]
+    if not found:
+        raise ConfigError(f"no GPU found (nvidia-smi); use {use}")
+    return found
+
+
 def preset_for(device_class: str, overrides: dict) -> dict:
     values = dict(PRESETS.get(device_class, PRESETS["sm_other"]))
     values.update({k: v for k, v in overrides.items() if v is not None})

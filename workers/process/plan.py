@@ -18,9 +18,9 @@ from workers.engine.stand_in import StandInSpec
 from workers.process.context import WorkerConfig
 from workers.process.devices import (
     choose_tensor_parallel,
-    detect_gpus,
     encode_threads_for,
     preset_for,
+    select_gpus,
     task_slots_for,
 )
 
@@ -46,17 +46,7 @@ def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: li
     elif cpu:
         devices, tp = [("cpu", None, "cpu")], 1
     else:
-        found = detect_gpus()
-        if gpus:
-            wanted = [g.strip() for g in gpus.split(",") if g.strip()]
-            by_index = {d.index: d for d in found}
-            missing = [g for g in wanted if g not in by_index]
-            if missing:
-                raise ConfigError(f"--gpus {gpus}: no such GPU {', '.join(missing)} (nvidia-smi sees "
-                                  f"{', '.join(by_index) or 'none'})")
-            found = [by_index[g] for g in wanted]
-        if not found:
-            raise ConfigError("no GPU found (nvidia-smi); use --cpu to run on the CPU")
+        found = select_gpus(gpus)
         classes = sorted({d.device_class for d in found})
         if len(classes) > 1:  # presets and tensor-parallel groups assume one kind of GPU per worker set
             raise ConfigError(f"GPUs {', '.join(d.index for d in found)} mix {' and '.join(classes)}: start one "
