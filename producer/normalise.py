@@ -272,7 +272,8 @@ def _check_and_measure(messages: list[dict], tools_chars: int) -> int:
     return total
 
 
-def normalise(row: object, *, file: str, line: int, regenerate: str = DEFAULT_REGENERATE, max_prompt_chars: int = 0) -> dict:
+def normalise(row: object, *, file: str, line: int, regenerate: str = DEFAULT_REGENERATE,
+              max_prompt_chars: int = 0) -> dict:
     """One parsed row -> one sample dict (see the module docstring); raises Rejected.
 
     `max_prompt_chars` (0 = no cap) is a cheap character cap on the prompt; exact token limits are the worker's.

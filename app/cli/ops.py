@@ -38,12 +38,11 @@ def status(run_id, storage, broker, as_json, watch, interval, inspect_timeout, s
     """Progress of RUN (or one line per run under the storage root): shards, tokens/s, ETA, workers."""
     url = current().broker_for(broker).url
     scanners: dict = {}
+    store = RunStore(Storage(storage), run_id) if run_id else None  # its pilots: linked by `regen produce --pilot`
 
     def snapshot() -> dict:
         report = collect(storage, run_id, url, inspect_timeout, stale_after, scanners)
-        if run_id:  # linked by `regen produce --pilot`
-            compare_with_pilots(report, RunStore(Storage(storage), run_id))
-        return report
+        return compare_with_pilots(report, store) if store is not None else report
 
     if as_json and not watch:
         sys.stdout.buffer.write(orjson.dumps(snapshot(), option=orjson.OPT_INDENT_2) + b"\n")

@@ -207,7 +207,10 @@ def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, la
     if not model:
         raise click.UsageError("--model is required (or --forecast-only with pilot JSON files)")
     others = _load_pilots(list(host_results))
-    measured = measure_host(lambda line: console.print(line, soft_wrap=True, markup=False), inputs=list(inputs), model=model, name=name, storage=storage, broker=broker,
+    def say(line: str) -> None:
+        console.print(line, soft_wrap=True, markup=False)
+
+    measured = measure_host(say, inputs=list(inputs), model=model, name=name, storage=storage, broker=broker,
                             cpu=cpu, gpus=gpus, sample_size=sample_size, seed=seed, layers=layers,
                             max_tokens=max_tokens, thinking=thinking, thinking_mix=thinking_mix,
                             samples_per_prompt=samples_per_prompt, take=list(take), regenerate=regenerate,
@@ -221,5 +224,3 @@ def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, la
     if not any(c.get("measured") for c in pilot_json["candidates"]):
         raise click.ClickException("no candidate setting completed; see the logs named above")
     print_forecast(console, [pilot_json, *others], [path, *(os.path.abspath(p) for p in host_results)], storage)
-
-

@@ -87,15 +87,13 @@ def _tail(path: str, lines: int = 6) -> str:
     return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
 
 
-
-def measure_host(say: Callable[[str], None], *, inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, layers,
-                 max_tokens, thinking, regenerate, thinking_mix=None, samples_per_prompt, take=(), shard_size,
-                 max_model_len,
-                 vllm_args, only, keep_runs, timeout, sampling: dict, reference_samples: int = 2) -> tuple[dict, str]:
+def measure_host(say: Callable[[str], None], *, inputs, model, name, storage, broker, cpu, gpus, sample_size, seed,
+                 layers, max_tokens, thinking, regenerate, thinking_mix=None, samples_per_prompt, take=(),
+                 shard_size, max_model_len, vllm_args, only, keep_runs, timeout, sampling: dict,
+                 reference_samples: int = 2) -> tuple[dict, str]:
     """Measure every candidate on this host; (the pilot JSON, the path it was written to). `say` gets each line
     of progress. `sampling`: temperature, top_p, top_k, min_p, max_prompt_tokens, sample_temperatures, where
     given (the run's otherwise)."""
-
     store = Storage(storage)
     if not store.is_local:
         raise ConfigError("--storage: the pilot's scratch runs need a local folder (its JSON can be copied anywhere)")

@@ -78,7 +78,8 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
             generate_s += end - start
             totals.add(m)
             if info.captured is not None:
-                attempt = reader.store.attempt_record(ledger.stage_key(info.shard_id, ledger.CAPTURE), info.captured.attempt)
+                key = ledger.stage_key(info.shard_id, ledger.CAPTURE)
+                attempt = reader.store.attempt_record(key, info.captured.attempt)
                 captured_end = _epoch(info.captured.finished)
                 capture_s += captured_end - _epoch(attempt.started)
                 ends.append(captured_end)

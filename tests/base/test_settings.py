@@ -164,8 +164,8 @@ def spelled_defaults(path: str, source: str) -> list[str]:
         elif isinstance(node, ast.ClassDef):
             pairs += [(s.target.id, s.value) for s in node.body
                       if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name) and s.value is not None]
-        for name, default in pairs:
-            if name in ONE_DEFAULT and path not in DEFINITIONS and isinstance(default, ast.Constant) and default.value is not None:
+        for name, default in pairs if path not in DEFINITIONS else ():
+            if name in ONE_DEFAULT and isinstance(default, ast.Constant) and default.value is not None:
                 found.append(f"{path}:{default.lineno} {name}={default.value!r}")
         if isinstance(node, ast.Constant) and node.value in DEFINED_STRINGS and DEFINED_STRINGS[node.value] != path:
             found.append(f"{path}:{node.lineno} {node.value!r}")

@@ -166,7 +166,8 @@ def test_exported_rows_re_render_to_every_records_prompt_ids(runs, e2e_storage, 
             assert ids == rec["input_ids"][: rec["num_prompt_tokens"]]
             # a regenerated turn whose thinking was empty is context without `reasoning_content` (as the worker
             # rendered it), the row's last turn carries it empty: both say the same
-            assert conv[at]["value"] == rec["answer"] and (conv[at].get("reasoning_content") or "") == (rec["reasoning"] or "")
+            assert conv[at]["value"] == rec["answer"]
+            assert (conv[at].get("reasoning_content") or "") == (rec["reasoning"] or "")
         tool_calls += sum(len(t.get("tool_calls", [])) for t in conv)
     if run == "tools-last":
         assert tool_calls == 3  # call_a1, call_b2 and call_c3 of the fixture, kept with their ids
