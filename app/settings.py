@@ -204,10 +204,11 @@ def _shown(url: str) -> str:
     return re.sub(r":[^:@/]*@", ":***@", mask_url(url))
 
 
-def check_broker_url(url: str, name: str) -> str:
+def check_broker_url(url: str, name: str | None) -> str:
     """`url` when it is a broker URL regen can use: a scheme Celery knows, and for a network broker a host and a
-    port in 1..65535 (if given); else a one-line ConfigError naming `name` (the flag or the variable)."""
-    what = f"{name}={_shown(url)!r}" if name.isupper() else f"{name} {_shown(url)!r}"
+    port in 1..65535 (if given); else a one-line ConfigError naming the variable `name` (None: a flag's value,
+    which click names)."""
+    what = f"{name}={_shown(url)!r}" if name else repr(_shown(url))
     if not _URL_SCHEME.match(url):
         raise ConfigError(f"{what} is not a URL (e.g. redis://host:6379/0)")
     parts = urlsplit(url)
@@ -226,19 +227,19 @@ def check_broker_url(url: str, name: str) -> str:
     return url
 
 
-def check_storage_url(root: str, name: str) -> str:
+def check_storage_url(root: str) -> str:
     """`root` when it can be a storage root: a path, or a URL whose scheme fsspec knows, with its bucket or host;
-    else a one-line ConfigError naming `name`."""
+    else a one-line ConfigError."""
     if not root.strip():
-        raise ConfigError(f"{name} is empty: give a folder or a URL (s3://bucket/runs)")
+        raise ConfigError("empty: give a folder or a URL (s3://bucket/runs)")
     if "://" not in root:
         return root
     scheme, rest = root.split("://", 1)
     if scheme.lower() not in STORAGE_SCHEMES:
-        raise ConfigError(f"{name} {_shown(root)!r}: unknown storage scheme {scheme!r} (a folder, file://, s3://, "
-                          "gs://, az://, ...)")
+        raise ConfigError(f"{_shown(root)!r}: unknown storage scheme {scheme!r} (a folder, file://, s3://, gs://, "
+                          "az://, ...)")
     if scheme.lower() not in ("file", "local", "memory") and not rest.split("/", 1)[0]:
-        raise ConfigError(f"{name} {_shown(root)!r} names no bucket or host (e.g. {scheme}://bucket/runs)")
+        raise ConfigError(f"{_shown(root)!r} names no bucket or host (e.g. {scheme}://bucket/runs)")
     return root
 
 

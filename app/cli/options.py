@@ -27,6 +27,13 @@ STORAGE_HELP = "Storage root: a folder (NFS for several hosts) or an fsspec URL 
 BROKER_HELP = "Broker URL, e.g. redis://:PASSWORD@head:6379/0 [env REGEN_BROKER_URL; default redis://127.0.0.1:6379/0]."
 
 
+def _from_variable(param, ctx) -> str | None:
+    """The variable a value came from, where it came from one (its message names it, not only the flag)."""
+    if param is not None and ctx is not None and ctx.get_parameter_source(param.name) is ParameterSource.ENVIRONMENT:
+        return param.envvar if isinstance(param.envvar, str) else None
+    return None
+
+
 class BrokerURL(click.ParamType):
     """A broker URL: a known scheme, and a host and a valid port where the transport has them."""
 
@@ -34,7 +41,7 @@ class BrokerURL(click.ParamType):
 
     def convert(self, value, param, ctx):
         try:
-            return check_broker_url(value, param.opts[0] if param else "--broker")
+            return check_broker_url(value, _from_variable(param, ctx))
         except ConfigError as exc:
             self.fail(str(exc), param, ctx)
 
@@ -46,9 +53,10 @@ class StorageRoot(click.ParamType):
 
     def convert(self, value, param, ctx):
         try:
-            return check_storage_url(value, param.opts[0] if param else "--storage")
+            return check_storage_url(value)
         except ConfigError as exc:
-            self.fail(str(exc), param, ctx)
+            variable = _from_variable(param, ctx)
+            self.fail(f"{variable}: {exc}" if variable else str(exc), param, ctx)
 
 
 def storage_option(*, required: bool = False, default: str | None = None, help: str | None = None):
