@@ -20,7 +20,7 @@ import click as plain_click
 import rich_click as click
 
 from app.cli.data import commands as data_commands
-from app.cli.help_panels import option_groups
+from app.cli.help_panels import command_groups, option_groups
 from app.cli.ops import commands as ops_commands
 from app.cli.pilot import pilot  # runs `regen run` per candidate and reads the runs back (app.pilot)
 from app.cli.produce import commands as producer_commands
@@ -75,7 +75,7 @@ class RegenGroup(click.RichGroup):
 
 
 HELP = click.RichHelpConfiguration(
-    option_groups=option_groups(NAME), show_arguments=True, text_markup="plain", max_width=120,
+    option_groups=option_groups(NAME), command_groups=command_groups(NAME), show_arguments=True, text_markup="plain", max_width=120,
     # the metavar after the help text, not in a column of its own: the help keeps the width
     options_table_column_types=["required", "opt_short", "opt_long", "help"],
     options_table_help_sections=["help", "deprecated", "envvar", "default", "required", "metavar"])

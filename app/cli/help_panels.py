@@ -86,6 +86,21 @@ PANELS: dict[str, list[tuple[str, list[str]]]] = {
 }
 
 
+# `regen --help`: the commands by what they are for, in the order of a job.
+COMMANDS: list[tuple[str, list[str]]] = [
+    ("Plan and run a job", ["pilot", "produce", "worker", "run"]),
+    ("Watch", ["status", "metrics"]),
+    ("Check and hand over", ["verify", "stats", "export"]),
+    ("Recover", ["reconcile", "retry-dead", "resume-run"]),
+    ("Tools", ["selfcheck", "tiny-model"]),
+]
+
+
+def command_groups(group_name: str) -> dict[str, list[dict]]:
+    """rich-click's `command_groups` for the top-level help."""
+    return {group_name: [{"name": name, "commands": list(commands)} for name, commands in COMMANDS]}
+
+
 def option_groups(group_name: str) -> dict[str, list[dict]]:
     """rich-click's `option_groups`: `{"regen produce": [{"name": ..., "options": [...]}, ...]}`, help last."""
     return {f"{group_name} {command}": [*({"name": name, "options": list(options)} for name, options in panels),

@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from app.cli import main
+from app.cli.help_panels import COMMANDS as COMMAND_PANELS
 from app.cli.help_panels import PANELS, grouped
 
 COMMANDS = sorted(main.commands)
@@ -49,6 +50,15 @@ def test_the_help_shows_the_panels_and_no_ungrouped_options(name):
     assert "─ Options " not in result.output, f"regen {name} --help lists options outside the panels"
     for p in _options(main.commands[name]):
         assert p.opts[0] in result.output, p.opts[0]
+
+
+def test_the_top_level_help_lists_every_command_in_a_panel():
+    listed = [c for _, commands in COMMAND_PANELS for c in commands]
+    assert sorted(listed) == COMMANDS and len(listed) == len(set(listed))
+    result = CliRunner().invoke(main, ["--help"], terminal_width=120)
+    assert result.exit_code == 0 and "─ Commands " not in result.output
+    for title, _ in COMMAND_PANELS:
+        assert f"─ {title} " in result.output
 
 
 def test_one_name_per_concept_across_commands():
