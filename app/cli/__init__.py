@@ -75,7 +75,7 @@ class RegenGroup(click.RichGroup):
 
 
 HELP = click.RichHelpConfiguration(
-    option_groups=option_groups(NAME), command_groups=command_groups(NAME), show_arguments=True, text_markup="plain", max_width=120,
+    option_groups=option_groups(NAME), command_groups=command_groups(NAME), text_markup="plain", max_width=120,
     # the metavar after the help text, not in a column of its own: the help keeps the width
     options_table_column_types=["required", "opt_short", "opt_long", "help"],
     options_table_help_sections=["help", "deprecated", "envvar", "default", "required", "metavar"])

@@ -104,7 +104,7 @@ def command_groups(group_name: str) -> dict[str, list[dict]]:
 def option_groups(group_name: str) -> dict[str, list[dict]]:
     """rich-click's `option_groups`: `{"regen produce": [{"name": ..., "options": [...]}, ...]}`, help last."""
     return {f"{group_name} {command}": [*({"name": name, "options": list(options)} for name, options in panels),
-                                        {"name": HELP, "options": ["--help", "-h"]}]
+                                        {"name": HELP, "options": ["--help"]}]
             for command, panels in PANELS.items()}
 
 

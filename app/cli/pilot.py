@@ -158,7 +158,7 @@ def _load_pilots(paths: list[str]) -> list[dict]:
 @renamed("--samples", "--sample", "sample_size", type=click.IntRange(min=1), default=None, metavar="N",
          help="Prompts in the pilot's sample of the input [default: twice the host's batch, its engines x "
               "max_num_seqs, so every engine fills; a smaller one is warned about].")
-@click.option("--seed", type=click.IntRange(min=0, max=2**63 - 1), default=0, show_default=True,
+@click.option("--seed", type=click.IntRange(min=0, max=2**32 - 1), default=0, show_default=True,
               help="Seed of the sample (and of the runs).")
 @click.option("--layers", default="dflash", show_default=True, metavar="SPEC", help=LAYERS_HELP)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=4096, show_default=True,

@@ -112,7 +112,7 @@ def _broker_options(f, *, storage_required: bool = True):
               help="Draw N rows (or a FRACTION, written with a point: 0.5) of the inputs GLOB matches, seeded with "
                    "--seed; the rest are counted as left out. Repeatable; unmatched inputs are read whole.")
 @sampling_options
-@click.option("--seed", type=click.IntRange(min=0, max=2**63 - 1), default=0, show_default=True,
+@click.option("--seed", type=click.IntRange(min=0, max=2**32 - 1), default=0, show_default=True,
               help="Run seed; each prompt gets its own seed from it.")
 @click.option("--capture", type=click.Choice(CAPTURE_MODES), default="inline", show_default=True,
               help="Hidden-state capture: during generation, in a second prefill pass, or not at all.")
