@@ -353,3 +353,30 @@ def test_an_unset_regen_run_stops_the_gpu_services_in_one_line(argv, tmp_path):
                           cwd=tmp_path, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "regen: error: --run is empty: give the run id (with compose, set REGEN_RUN in .env)"
+
+
+def _apt_mirror(root: Path) -> subprocess.CompletedProcess:
+    """scripts/compose_check.sh's apt_mirror on a machine whose apt sources lie under `root`, under the script's
+    own `set -Eeuo pipefail`."""
+    script = (REPO / "scripts" / "compose_check.sh").read_text()
+    function = re.search(r"^apt_mirror\(\) \{.*?^\}", script, re.M | re.S)[0]
+    return subprocess.run(["bash", "-c", f"set -Eeuo pipefail\n{function}\napt_mirror {shlex.quote(str(root))}"],
+                          capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize(("files", "mirror"), [
+    # Debian 12 as installed: deb822 only, no /etc/apt/sources.list (the grep naming it exited 2 and, under
+    # pipefail, ended the compose check 3 s in with no message)
+    ({"sources.list.d/debian.sources": "Types: deb\nURIs: http://mirror.example/debian\nSuites: bookworm\n"
+                                       "Components: main\n\nTypes: deb\nURIs: http://deb.debian.org/debian-security\n"},
+     "http://mirror.example/debian"),
+    ({"sources.list": "deb http://ftp.example.org/debian bookworm main\n"}, "http://ftp.example.org/debian"),
+    ({}, ""),  # nothing found: the script falls back to deb.debian.org
+])
+def test_the_compose_checks_mirror_lookup_reads_deb822_and_one_line_sources(files, mirror, tmp_path):
+    for name, text in files.items():
+        (tmp_path / "etc" / "apt" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "etc" / "apt" / name).write_text(text)
+    proc = _apt_mirror(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == mirror
