@@ -10,6 +10,7 @@
 #   bash scripts/python_versions_check.sh            PYVER=3.13 bash scripts/python_versions_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+unset PYTHONPATH PYTHONHOME  # the virtualenv's interpreter must see the installed package, never the checkout
 REPO=$PWD
 PYVER=${PYVER:-3.12}
 say() { printf '[python %s] %s\n' "$PYVER" "$*" >&2; }
