@@ -28,6 +28,7 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -44,6 +45,9 @@ DEFAULT_SHARD_SIZE = 64
 # must exceed the longest shard. Four hours covers a 64-sample shard of long thinking traces on one GPU.
 DEFAULT_VISIBILITY_TIMEOUT = 4 * 3600
 
+# Storage URL schemes regen accepts (fsspec's names for them; s3fs is the `s3` extra, the others their packages).
+STORAGE_SCHEMES = ("file", "local", "memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "hdfs",
+                   "webhdfs", "sftp", "ssh", "oss", "oci")
 _URL_SCHEME = re.compile(r"[a-z][a-z0-9+.-]*://", re.I)
 _URL_PASSWORD = re.compile(r"(?P<scheme>[a-z0-9+.-]+://)(?P<user>[^:@/]*):(?P<password>[^@/]+)@", re.I)
 
@@ -187,10 +191,56 @@ def _worker_config(raw: str | None) -> str | None:
 
 
 def _broker_url(url: str) -> str:
+    return check_broker_url(url, "REGEN_BROKER_URL")
+
+
+# Brokers Celery reaches over the network (a host is required) and the two that live on this machine.
+NETWORK_BROKERS = ("redis", "rediss", "sentinel", "amqp", "amqps", "pyamqp", "sqs")
+LOCAL_BROKERS = ("filesystem", "memory")
+
+
+def _shown(url: str) -> str:
+    """`url` for a message: its password masked, even where it has no scheme for mask_url to find."""
+    return re.sub(r":[^:@/]*@", ":***@", mask_url(url))
+
+
+def check_broker_url(url: str, name: str | None) -> str:
+    """`url` when it is a broker URL regen can use: a scheme Celery knows, and for a network broker a host and a
+    port in 1..65535 (if given); else a one-line ConfigError naming the variable `name` (None: a flag's value,
+    which click names)."""
+    what = f"{name}={_shown(url)!r}" if name else repr(_shown(url))
     if not _URL_SCHEME.match(url):
-        shown = re.sub(r":[^:@/]*@", ":***@", url)  # a password, even without a scheme, never reaches a log line
-        raise ConfigError(f"REGEN_BROKER_URL={shown!r} is not a URL (e.g. redis://host:6379/0)")
+        raise ConfigError(f"{what} is not a URL (e.g. redis://host:6379/0)")
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in NETWORK_BROKERS + LOCAL_BROKERS:
+        raise ConfigError(f"{what}: unknown broker scheme {scheme!r} (redis://, rediss://, amqp://, ...)")
+    if scheme in NETWORK_BROKERS and scheme != "sqs":
+        if not parts.hostname:
+            raise ConfigError(f"{what} names no host (e.g. {scheme}://host:6379/0)")
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if port is not None and not 1 <= port <= 65535:
+            raise ConfigError(f"{what}: the port must be a number from 1 to 65535")
     return url
+
+
+def check_storage_url(root: str) -> str:
+    """`root` when it can be a storage root: a path, or a URL whose scheme fsspec knows, with its bucket or host;
+    else a one-line ConfigError."""
+    if not root.strip():
+        raise ConfigError("empty: give a folder or a URL (s3://bucket/runs)")
+    if "://" not in root:
+        return root
+    scheme, rest = root.split("://", 1)
+    if scheme.lower() not in STORAGE_SCHEMES:
+        raise ConfigError(f"{_shown(root)!r}: unknown storage scheme {scheme!r} (a folder, file://, s3://, gs://, "
+                          "az://, ...)")
+    if scheme.lower() not in ("file", "local", "memory") and not rest.split("/", 1)[0]:
+        raise ConfigError(f"{_shown(root)!r} names no bucket or host (e.g. {scheme}://bucket/runs)")
+    return root
 
 
 def _one_of(env: Mapping[str, str], name: str, allowed: tuple[str, ...]) -> str:

@@ -20,6 +20,7 @@ only. What the worker ran with is recorded on every attempt record.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 
 from app.errors import ConfigError
@@ -44,6 +45,31 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"--vllm-arg: vLLM's engine arguments: {message}")
 
 
+@contextlib.contextmanager
+def _a_device_for_the_parser():
+    """vLLM's parser computes its defaults by building every config, and `DeviceConfig()` raises "Failed to infer
+    device type" where vLLM finds no device: a head host with the CUDA build and no GPU (vllm/config/device.py).
+    There, while the parser is built, vLLM's platform is its own "unspecified" one with a device type: the
+    defaults it computes are never used (only the values given are read back) and no engine runs in this
+    process (workers start their engines in processes of their own, where the real platform is found)."""
+    from vllm import platforms
+    from vllm.platforms.interface import UnspecifiedPlatform
+
+    found = platforms.current_platform
+    if found.device_type:
+        yield
+        return
+
+    class ParseOnlyPlatform(UnspecifiedPlatform):
+        device_type = "cpu"
+
+    platforms.current_platform = ParseOnlyPlatform()
+    try:
+        yield
+    finally:
+        platforms.current_platform = found
+
+
 @functools.lru_cache(maxsize=1)
 def _parser():
     from vllm.engine.arg_utils import EngineArgs
@@ -53,7 +79,8 @@ def _parser():
         pass
 
     parser = Parser(allow_abbrev=False, add_help=False)
-    EngineArgs.add_cli_args(parser)
+    with _a_device_for_the_parser():
+        EngineArgs.add_cli_args(parser)
     return parser
 
 

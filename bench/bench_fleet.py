@@ -291,7 +291,7 @@ class Fleet:
         warm_shards = self._produce("warm")
         self.worker = subprocess.Popen(
             [sys.executable, "-m", "app.cli", "worker", "--cpu", "--run", "bench-warm", "--storage", self.storage,
-             "--name", self.name, "--queues", f"{self.prefix}-warm,{self.prefix}-direct"],
+             "--name", self.name, "--queue", f"{self.prefix}-warm,{self.prefix}-direct"],
             env=self.env, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
         self._wait_done("warm", warm_shards)
 

@@ -69,6 +69,7 @@ class ProduceResult:
     inputs: list[str]
     estimate: Estimate | None = None
     storage_url: str | None = None
+    layers: dict | None = None  # a dry run's resolved capture layers (the manifest's `layers`; None: capture off)
 
 
 def iter_samples(paths: list[str], opts: ProduceOptions, acc: Accounting, rejects: RejectLog, dedupe: Deduper,
@@ -162,7 +163,7 @@ def _dry_run(opts: ProduceOptions, run_id: str, paths: list[str], settings: dict
         response_counts=count_responses(reservoir.items),
         states_dtype=resolve_states_dtype(opts.states_dtype),
     )
-    return ProduceResult(run_id, "dry_run", acc, paths, estimate=estimate)
+    return ProduceResult(run_id, "dry_run", acc, paths, estimate=estimate, layers=layers)
 
 
 def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> ProduceResult:

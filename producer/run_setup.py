@@ -25,7 +25,7 @@ from app.manifest import (
     StatesStorage,
     setting,
 )
-from app.model_info import read_model_info, zero_embedding_ids
+from app.model_info import read_model_info, read_text_config, zero_embedding_ids
 from app.settings import DEFAULT_QUEUE, DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
 from app.speculative import check_speculative, ignored_with_capture, parse_speculative
 from app.states_codec import STATES_DTYPES, promised_bound, resolve
@@ -167,6 +167,7 @@ def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
     if not opts.model:
         raise ConfigError("--model is required (a local model folder with config.json and the tokenizer)")
     info = read_model_info(opts.model)
+    check_lengths(opts.max_tokens, opts.model)
     by_mode = mode_samplings(opts)
     mixed = opts.thinking_mix is not None
     thinking = opts.thinking if not mixed else opts.thinking_mix > 0
@@ -212,6 +213,15 @@ def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
         take=take,
         capture_check=CaptureCheckSettings(every=opts.capture_check_every),
     )
+
+
+def check_lengths(max_tokens: int, model_path: str, flag: str = "--max-tokens") -> None:
+    """Refuse a response cap longer than the model's context (config.json's max_position_embeddings, where it
+    gives one): no sample could reach it, and the engine's context is capped there anyway."""
+    context = read_text_config(model_path).get("max_position_embeddings")
+    if context and max_tokens > int(context):
+        raise ConfigError(f"{flag} {max_tokens:,} is longer than the model's context, {int(context):,} tokens "
+                          f"(max_position_embeddings in {model_path}/config.json)")
 
 
 def run_engine_args(items: list[str], capture: bool) -> dict:

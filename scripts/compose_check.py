@@ -1,24 +1,31 @@
 #!/usr/bin/env python3
-"""The compose check's scenario: compose.yaml's `cpu` profile run through a real container engine.
+"""The compose check's scenario: compose.yaml as the fleet is deployed, a head and worker hosts, on a real engine.
 
 Started by scripts/compose_check.sh once the engine, compose v2 and the `regen:cpu` image exist; only the
 standard library and the `docker` CLI are used on the host, so it runs on any machine with an engine. It brings up
-a project of its own (`docker compose -p regen-check`, its own .env, storage folder and free ports on 127.0.0.1)
+three compose projects from the repository's compose.yaml, each with its own .env, as three machines would:
+
+- the head (`-p regen-check-head`): redis, flower and metrics, and the producer (`producer-cpu`, run once per run);
+- two worker "hosts" (`-p regen-check-host-a`, `-p regen-check-host-b`): a CPU worker each (`worker-cpu0`, no
+  head service: `up --no-deps`), joining the head by URL (`REGEN_BROKER_URL` naming the head's Redis, as a GPU
+  host's .env does) on the head's network (a host's LAN: a compose override naming the head's network), with the
+  storage folder bind-mounted in all three (NFS on real hosts).
+
 and checks, printing each step with its figures:
 
-1. a run produced through `producer-cpu` and finished by two `worker-cpuN` containers; `regen verify` (in a
-   container) passes; every input line is in exactly one record (lost 0, duplicated 0);
-2. a second run produced while the workers are frozen (`docker compose pause`): Flower answers on its published
-   port only with its login, and its API lists the run's queue with the backlog; the metrics endpoint exports
-   the same queue length; every published port is bound to 127.0.0.1 and nothing answers on other addresses;
-3. `docker kill` of one worker mid-shard: the run completes (time from the kill), nothing lost or duplicated,
-   `regen status` shows the killed worker dead;
-4. `docker compose restart redis` mid-run (AOF on): the queue is still there after the restart, the run completes;
-5. `docker compose down` in the middle of a third run, then `up`: the run resumes from storage and completes,
-   and the two finished runs stay finished (no attempt added, no marker rewritten, nothing queued).
+1. a run produced on the head and finished by both hosts; `regen verify` (in a container) passes; every input
+   line is in exactly one record (lost 0, duplicated 0);
+2. a second run produced while both hosts' workers are frozen (`docker compose pause`): Flower answers on its
+   published port only with its login, and its API lists the run's queue with the backlog; the metrics endpoint
+   exports the same queue length; every published port is bound to 127.0.0.1 and nothing answers elsewhere;
+3. host B killed mid-shard (`docker compose kill` of its whole project: a power cut): the run completes on host A
+   (time from the kill), nothing lost or duplicated, `regen status` shows host B's worker dead;
+4. `docker compose restart redis` on the head mid-run (AOF on): the queue is still there, the run completes;
+5. every project taken `down` in the middle of a third run, then `up` (host B back too): the run resumes from
+   storage and completes, and the two finished runs stay finished (no attempt added, no marker rewritten).
 The workers serve every run with their model and layers, so they start twice in all (each start builds a vLLM
 engine, the slow part on a loaded machine).
-At the end the project is removed with its volumes (`down -v`); `--keep` leaves it up for a look.
+At the end the projects are removed with their volumes (`down -v`); `--keep` leaves them up for a look.
 """
 
 from __future__ import annotations
@@ -38,11 +45,11 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PROJECT = "regen-check"
+HEAD, HOSTS = "regen-check-head", {"a": "regen-check-host-a", "b": "regen-check-host-b"}
 WORK = Path(os.environ.get("REGEN_CHECK_DIR") or "/tmp/regen-compose-check")
-ENV_FILE = WORK / "check.env"
 STORAGE = WORK / "storage"
 INPUTS = WORK / "inputs"
+HOST_NETWORK = WORK / "hosts-network.yaml"  # compose override: a worker host's project on the head's network
 REPORT: list[str] = []
 T0 = time.monotonic()
 
@@ -65,40 +72,54 @@ def free_port() -> int:
 
 
 class Env:
-    """The project's .env: secrets made here, free ports, this check's storage and inputs."""
+    """A project's .env: the head's secrets made here and free ports; a host's the head's URL and its name."""
 
-    def __init__(self) -> None:
-        self.values = {
-            "REDIS_PASSWORD": secrets.token_hex(16), "FLOWER_USER": "regen", "FLOWER_PASSWORD": secrets.token_hex(12),
-            "REDIS_IMAGE": os.environ.get("REDIS_IMAGE", "redis:7"), "REGEN_CPU_IMAGE": "regen:cpu",
-            "REGEN_STORAGE_DIR": str(STORAGE), "REGEN_INPUT_DIR": str(INPUTS),
-            "REDIS_PORT": str(free_port()), "FLOWER_PORT": str(free_port()), "METRICS_PORT": str(free_port()),
-        }
+    def __init__(self, project: str, values: dict[str, str]) -> None:
+        self.project, self.values = project, values
+        self.file = WORK / f"{project}.env"
 
     def set(self, **kw: str) -> None:
         self.values.update(kw)
-        ENV_FILE.write_text("".join(f"{k}={v}\n" for k, v in self.values.items()))
-        ENV_FILE.chmod(0o600)
+        self.file.write_text("".join(f"{k}={v}\n" for k, v in self.values.items()))
+        self.file.chmod(0o600)
 
     def __getitem__(self, key: str) -> str:
         return self.values[key]
 
 
-ENV = Env()
+COMMON = {"REDIS_IMAGE": os.environ.get("REDIS_IMAGE", "redis:7"), "REGEN_CPU_IMAGE": "regen:cpu",
+          "REGEN_STORAGE_DIR": str(STORAGE), "REGEN_INPUT_DIR": str(INPUTS)}
+PASSWORD = secrets.token_hex(16)
+ENV = Env(HEAD, {**COMMON, "REDIS_PASSWORD": PASSWORD, "FLOWER_USER": "regen", "FLOWER_PASSWORD": secrets.token_hex(12),
+                 "REDIS_PORT": str(free_port()), "FLOWER_PORT": str(free_port()), "METRICS_PORT": str(free_port())})
+# A worker host knows the head by its URL (here the head's Redis container on the head's network, as a LAN name
+# would be) and needs no Flower login; REDIS_PASSWORD is the one variable compose requires of every project.
+HOST_ENV = {k: Env(p, {**COMMON, "REDIS_PASSWORD": PASSWORD, "REGEN_HOST": f"host-{k}",
+                       "REGEN_BROKER_URL": f"redis://:{PASSWORD}@{HEAD}-redis-1:6379/0"}) for k, p in HOSTS.items()}
 
 
-def dc(*args: str, check: bool = True, timeout: float = 900, quiet: bool = False) -> subprocess.CompletedProcess:
-    cmd = ["docker", "compose", "-p", PROJECT, "--env-file", str(ENV_FILE), "--profile", "cpu", *args]
+def dc(*args: str, project: str = HEAD, check: bool = True, timeout: float = 900,
+       quiet: bool = False) -> subprocess.CompletedProcess:
+    """`docker compose` on one project: the head, or a worker host (its project on the head's network)."""
+    env = ENV if project == HEAD else next(e for e in HOST_ENV.values() if e.project == project)
+    files = ["-f", str(REPO / "compose.yaml")] + ([] if project == HEAD else ["-f", str(HOST_NETWORK)])
+    cmd = ["docker", "compose", *files, "-p", project, "--env-file", str(env.file), "--profile", "cpu", *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        fail(f"`docker compose {' '.join(args)}` exited {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}")
+        fail(f"`docker compose -p {project} {' '.join(args)}` exited {proc.returncode}: "
+             f"{(proc.stderr or proc.stdout)[-1500:]}")
     if not quiet and proc.returncode == 0 and os.environ.get("REGEN_CHECK_VERBOSE"):
         print(proc.stdout[-2000:], proc.stderr[-2000:], file=sys.stderr)
     return proc
 
 
+def host_up(key: str) -> None:
+    """Host `key`'s worker, alone in its project (`--no-deps`: the head's services are another host's)."""
+    dc("up", "-d", "--no-deps", "worker-cpu0", project=HOSTS[key])
+
+
 def in_container(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
-    """A command in a fresh container of the CPU image with the project's broker and storage (a `run` of
+    """A command in a fresh container of the CPU image with the head's broker and the storage (a `run` of
     producer-cpu's service, so its environment and volumes, without starting anything else)."""
     return dc("run", "--rm", "--no-deps", "-T", "producer-cpu", *argv, check=check)
 
@@ -156,16 +177,6 @@ def wait_done(run: str, timeout: float) -> float:
     total = shard_total(run)
     wait_for(f"run {run} complete ({total} shards)", lambda: done_count(run) >= total, timeout)
     return time.monotonic() - started
-
-
-def producer_exit(run: str, timeout: float = 300) -> None:
-    def exited():
-        out = dc("ps", "-a", "--format", "json", "producer-cpu", quiet=True).stdout
-        rows = [json.loads(line) for line in out.splitlines() if line.strip().startswith("{")]
-        return rows and rows[0].get("State") == "exited" and rows[0]
-    row = wait_for("producer-cpu exits", exited, timeout)
-    if row.get("ExitCode") != 0:
-        fail(f"producer-cpu exited {row.get('ExitCode')}: {dc('logs', 'producer-cpu').stdout[-1500:]}")
 
 
 def status(run: str) -> dict:
@@ -235,10 +246,6 @@ def held_messages() -> tuple[int, int]:
     return llen("regen"), redis_cli("hlen", "unacked")
 
 
-def container(service: str) -> str:
-    return dc("ps", "-q", service, quiet=True).stdout.strip()
-
-
 def host_addresses() -> list[str]:
     try:
         out = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
@@ -248,28 +255,36 @@ def host_addresses() -> list[str]:
 
 
 def ready_marks() -> dict[str, int]:
-    """How often each CPU worker has logged Celery's `ready.` (its log on storage, appended across restarts)."""
+    """How often each host's worker has logged Celery's `ready.` (its log in the host's own folder on storage,
+    appended across restarts)."""
     out = {}
-    for n in ("cpu0", "cpu1"):
-        log = STORAGE / "logs" / f"{n}.log"
-        out[n] = log.read_text(errors="replace").count(" ready.") if log.exists() else 0
+    for key in HOSTS:
+        log = STORAGE / "logs" / f"host-{key}" / "cpu0.log"
+        out[key] = log.read_text(errors="replace").count(" ready.") if log.exists() else 0
     return out
 
 
-def wait_workers_ready(before: dict[str, int], timeout: float) -> float:
-    """Until every CPU worker has logged `ready.` once more than in `before` (its engine is built before it
+def wait_workers_ready(before: dict[str, int], timeout: float, hosts=tuple(HOSTS)) -> float:
+    """Until each of `hosts`' workers has logged `ready.` once more than in `before` (its engine is built before it
     consumes: from then on it takes shards)."""
     started = time.monotonic()
-    wait_for("workers ready", lambda: all(v > before[k] for k, v in ready_marks().items()), timeout, every=1)
+    wait_for(f"workers of host(s) {', '.join(hosts)} ready", lambda: all(ready_marks()[k] > before[k] for k in hosts),
+             timeout, every=1)
     return time.monotonic() - started
 
 
-def produce(run: str, path: str, args) -> None:
-    """`regen produce` in the producer-cpu service's container with its settings (the .env keeps naming the first
-    run: the workers, started with `--run check-a`, serve every run with its model and layers, unrestarted)."""
-    dc("run", "--rm", "-T", "producer-cpu", "regen", "produce", path, "--run", run, "--model", "/opt/regen/tiny-qwen3",
-       "--layers", "vllm:1,2,4", "--max-tokens", str(args.max_tokens), "--shard-size", str(args.shard_size),
-       "--top-k", "0")
+def produce(run: str, path: str, args) -> str:
+    """`regen produce` on the head, in a container of its producer-cpu service with its settings (the hosts'
+    workers, started with `--run check-a`, serve every run with its model and layers, unrestarted); its output."""
+    return dc("run", "--rm", "--no-deps", "-T", "producer-cpu", "regen", "produce", path, "--run", run, "--model",
+              "/opt/regen/tiny-qwen3", "--layers", "vllm:1,2,4", "--max-tokens", str(args.max_tokens),
+              "--shard-size", str(args.shard_size), "--top-k", "0").stdout
+
+
+def down_all(*, volumes: bool = False, check: bool = True) -> None:
+    extra = ["-v", "--remove-orphans"] if volumes else []
+    for project in (*HOSTS.values(), HEAD):
+        dc("down", *extra, project=project, check=check, quiet=True)
 
 
 def snapshot(run: str) -> tuple[int, dict[str, int]]:
@@ -285,38 +300,47 @@ def check_run(run: str, n: int) -> None:
 
 
 def scenario(args) -> None:
-    ENV.set(REGEN_CPU_RUN="check-a", REGEN_CPU_INPUTS=write_inputs("check-a", args.samples_a),
-            REGEN_CPU_MAX_TOKENS=str(args.max_tokens), REGEN_CPU_SHARD_SIZE=str(args.shard_size))
+    ENV.set(REGEN_CPU_RUN="check-a", REGEN_CPU_MAX_TOKENS=str(args.max_tokens),
+            REGEN_CPU_SHARD_SIZE=str(args.shard_size))
+    for env in HOST_ENV.values():
+        env.set(REGEN_CPU_RUN="check-a")
     STORAGE.mkdir(parents=True, exist_ok=True)
-    dc("down", "-v", "--remove-orphans", check=False)
-    step(f"project {PROJECT}: .env {ENV_FILE} (passwords made for this check), storage {STORAGE}, "
-         f"ports 127.0.0.1:{ENV['REDIS_PORT']} (redis), {ENV['FLOWER_PORT']} (flower), {ENV['METRICS_PORT']} (metrics)")
+    down_all(volumes=True, check=False)
+    HOST_NETWORK.write_text(f"networks:\n  default:\n    name: {HEAD}_default\n    external: true\n")
+    step(f"projects: head {HEAD} (.env {ENV.file}, passwords made for this check), hosts "
+         f"{', '.join(HOSTS.values())} (REGEN_BROKER_URL=redis://:***@{HEAD}-redis-1:6379/0, on the head's network); "
+         f"storage {STORAGE} in all three; ports 127.0.0.1:{ENV['REDIS_PORT']} (redis), {ENV['FLOWER_PORT']} "
+         f"(flower), {ENV['METRICS_PORT']} (metrics)")
 
-    # 1. produce through the producer service, two CPU workers finish it, verify in a container
+    # 1. the head up, a run produced there, both hosts join by URL and finish it; verify in a container
     t = time.monotonic()
-    marks = ready_marks()
-    dc("up", "-d")
-    producer_exit("check-a")
+    dc("up", "-d", "redis", "flower", "metrics")
+    produce("check-a", write_inputs("check-a", args.samples_a), args)
     total = shard_total("check-a")
-    step(f"1. `docker compose --profile cpu up -d`: producer-cpu produced check-a, {args.samples_a} samples in "
-         f"{total} shards ({time.monotonic() - t:.0f}s to the producer's exit)")
+    step(f"1. head up (redis, flower, metrics); producer-cpu produced check-a, {args.samples_a} samples in {total} "
+         f"shards ({time.monotonic() - t:.0f}s)")
+    marks = ready_marks()
+    for key in HOSTS:
+        host_up(key)
     ready = wait_workers_ready(marks, args.timeout)
-    step(f"   worker-cpu0 and worker-cpu1 ready (engines built) {ready:.0f}s later")
+    step(f"   hosts a and b up (`up -d --no-deps worker-cpu0` in each project): both workers ready (engines built) "
+         f"{ready:.0f}s later")
     took = wait_done("check-a", args.timeout)
     st = status("check-a")
     per_worker = {w["name"]: w["shards_done"] for w in st["workers"]}
     step(f"   check-a complete {took:.0f}s after the workers were ready: {st['samples']['done']} samples, "
          f"{st['shards']['done']}/{total} shards, by worker {per_worker}")
     if len([k for k in per_worker.values() if k]) < 2:
-        fail(f"expected both workers to finish shards of check-a: {per_worker}")
+        fail(f"expected both hosts' workers to finish shards of check-a: {per_worker}")
     check_run("check-a", args.samples_a)
 
-    # 2. a backlog (workers frozen): Flower (login, queue list), the metrics endpoint, the published ports
-    dc("pause", "worker-cpu0", "worker-cpu1")
+    # 2. a backlog (both hosts' workers frozen): Flower (login, queue list), the metrics endpoint, the ports
+    for project in HOSTS.values():
+        dc("pause", "worker-cpu0", project=project)
     produce("check-b", write_inputs("check-b", args.samples_b), args)
     total_b = shard_total("check-b")
     backlog = llen("regen")
-    step(f"2. workers paused (`docker compose pause`); producer-cpu produced check-b: {args.samples_b} samples in "
+    step(f"2. both hosts' workers paused (`docker compose pause`); check-b produced: {args.samples_b} samples in "
          f"{total_b} shards; queue `regen` in Redis: {backlog}")
     fp, mp = ENV["FLOWER_PORT"], ENV["METRICS_PORT"]
     base = f"http://127.0.0.1:{fp}"
@@ -351,17 +375,19 @@ def scenario(args) -> None:
     if any(c != 0 for c in outside.values()):
         fail(f"Flower answers on a non-loopback address: {outside}")
 
-    # 3. docker kill of one worker mid-shard
-    dc("unpause", "worker-cpu0", "worker-cpu1")
-    held = wait_for("worker-cpu1 mid-shard",
-                    lambda: done_count("check-b") >= 2 and running_attempts("check-b", "cpu1@"), args.timeout, every=0.2)
-    subprocess.run(["docker", "kill", container("worker-cpu1")], check=True, capture_output=True)
+    # 3. host b loses power mid-shard: every container of its project killed at once
+    for project in HOSTS.values():
+        dc("unpause", "worker-cpu0", project=project)
+    held = wait_for("host b's worker mid-shard",
+                    lambda: done_count("check-b") >= 2 and running_attempts("check-b", "cpu0@host-b"), args.timeout,
+                    every=0.2)
+    dc("kill", project=HOSTS["b"])
     t_kill = time.monotonic()
     done_at_kill = done_count("check-b")
-    step(f"3. workers unpaused; `docker kill` of worker-cpu1 while it held {', '.join(held)} "
-         f"({done_at_kill}/{total_b} shards done)")
+    step(f"3. workers unpaused; `docker compose -p {HOSTS['b']} kill` (host b's power cut) while its worker held "
+         f"{', '.join(held)} ({done_at_kill}/{total_b} shards done)")
 
-    # 4. docker compose restart redis mid-run
+    # 4. docker compose restart redis on the head, mid-run
     half = max(done_at_kill + 1, total_b // 2)
     wait_for("check-b half done", lambda: done_count("check-b") >= half, args.timeout, every=0.5)
     (waiting0, unacked0), done0 = held_messages(), done_count("check-b")
@@ -370,53 +396,54 @@ def scenario(args) -> None:
     wait_for("redis healthy", lambda: "healthy" in dc("ps", "--format", "{{.Status}}", "redis", quiet=True).stdout,
              120)
     (waiting1, unacked1), done1 = held_messages(), done_count("check-b")
-    step(f"4. `docker compose restart redis` at {done0}/{total_b} shards done ({time.monotonic() - t:.0f}s to healthy): "
-         f"before, {waiting0} waiting + {unacked0} fetched; after, {waiting1} + {unacked1} with {done1 - done0} "
-         f"shards finished meanwhile")
+    step(f"4. `docker compose restart redis` on the head at {done0}/{total_b} shards done "
+         f"({time.monotonic() - t:.0f}s to healthy): before, {waiting0} waiting + {unacked0} fetched; after, "
+         f"{waiting1} + {unacked1} with {done1 - done0} shards finished meanwhile")
     if waiting1 + unacked1 + (done1 - done0) < waiting0 + unacked0:
         fail("messages were lost in the Redis restart")
     wait_done("check-b", args.timeout)
-    step(f"   check-b complete {time.monotonic() - t_kill:.0f}s after the kill (worker-cpu0 alone since)")
-    st = wait_for("regen status shows worker-cpu1 dead",
-                  lambda: (lambda s: s if any(w["name"].startswith("cpu1@") and w["state"] == "dead"
+    step(f"   check-b complete {time.monotonic() - t_kill:.0f}s after the kill (host a alone since)")
+    st = wait_for("regen status shows host b's worker dead",
+                  lambda: (lambda s: s if any(w["name"].startswith("cpu0@host-b") and w["state"] == "dead"
                                              for w in s["workers"]) else None)(status("check-b")), 300, every=3)
     states = {w["name"]: w["state"] for w in st["workers"]}
     step(f"   regen status check-b: shards {st['shards']['done']}/{total_b} done, dead-lettered "
          f"{len(st['dead'])}, workers {states}")
     check_run("check-b", args.samples_b)
 
-    # 5. down mid-run, then up: the run resumes from storage; the finished runs stay finished
+    # 5. every project down mid-run, then up (host b back too): the run resumes; finished runs stay finished
     produce("check-c", write_inputs("check-c", args.samples_c), args)
     total_c = shard_total("check-c")
     wait_for("check-c partly done", lambda: done_count("check-c") >= max(1, total_c // 4), args.timeout, every=0.5)
     finished = {run: snapshot(run) for run in ("check-a", "check-b")}
     t = time.monotonic()
-    dc("stop")  # what `down` does first; the exit codes stay readable until the containers are removed
-    rows = [json.loads(r) for r in dc("ps", "-a", "--format", "json", "worker-cpu0", quiet=True).stdout.splitlines()
-            if r.strip().startswith("{")]
+    dc("stop", project=HOSTS["a"])  # what `down` does first; the exit code stays readable until it is removed
+    rows = [json.loads(r) for r in dc("ps", "-a", "--format", "json", "worker-cpu0", project=HOSTS["a"],
+                                      quiet=True).stdout.splitlines() if r.strip().startswith("{")]
     exit_code = rows[0].get("ExitCode") if rows else None
-    dc("down")
+    down_all()
     at_down = done_count("check-c")
     how = "warm: its running shards finished" if exit_code == 0 else f"exit {exit_code}: killed at the grace period"
-    step(f"5. check-c: {args.samples_c} samples in {total_c} shards on worker-cpu0; `docker compose down` at "
-         f"{at_down}/{total_c} done ({time.monotonic() - t:.0f}s; worker-cpu0 {how}); every container gone, "
-         f"the storage folder and the Redis volume kept")
+    step(f"5. check-c: {args.samples_c} samples in {total_c} shards on host a; `docker compose down` of all three "
+         f"projects at {at_down}/{total_c} done ({time.monotonic() - t:.0f}s; host a's worker {how}); every "
+         f"container gone, the storage folder and the head's Redis volume kept")
     marks = ready_marks()
-    dc("up", "-d")
-    producer_exit("check-a")
-    said = "already produced" in dc("logs", "producer-cpu", quiet=True).stdout
+    dc("up", "-d", "redis", "flower", "metrics")
+    for key in HOSTS:
+        host_up(key)
+    again_a = produce("check-a", "/inputs/check-a.jsonl", args)
+    said = "already produced" in again_a
     wait_done("check-c", args.timeout)
-    step(f"   `docker compose --profile cpu up -d`: producer-cpu says check-a is already produced ({said}); check-c "
+    step(f"   head and both hosts `up -d` again: the producer says check-a is already produced ({said}); check-c "
          f"complete {time.monotonic() - t:.0f}s after the down, {total_c - at_down} shards done since")
     check_run("check-c", args.samples_c)
     wait_workers_ready(marks, args.timeout)
-    time.sleep(5)
     again = {run: snapshot(run) for run in ("check-a", "check-b")}
     queue = llen("regen")
     for run in ("check-a", "check-b"):
         step(f"   finished {run} after the down and up: attempts {finished[run][0]} -> {again[run][0]}, "
              f"completion markers unchanged: {finished[run][1] == again[run][1]}")
-    step(f"   queue `regen` {queue}; both workers up again (worker-cpu1 too, which `docker kill` had stopped)")
+    step(f"   queue `regen` {queue}; both hosts' workers up again (host b's too, which the kill had stopped)")
     if not said or queue or finished != again:
         fail("a finished run did not stay finished")
     check_run("check-a", args.samples_a)
@@ -442,11 +469,13 @@ def main() -> int:
         rc = 0
     finally:
         if rc:
-            for service in ("producer-cpu", "worker-cpu0", "worker-cpu1", "redis", "flower", "metrics"):
-                tail = dc("logs", "--tail", "15", service, check=False, quiet=True)
-                print(f"--- {service} ---\n{tail.stdout[-1500:]}{tail.stderr[-500:]}", file=sys.stderr)
+            for project, services in ((HEAD, ("redis", "flower", "metrics")),
+                                      *((p, ("worker-cpu0",)) for p in HOSTS.values())):
+                for service in services:
+                    tail = dc("logs", "--tail", "15", service, project=project, check=False, quiet=True)
+                    print(f"--- {project} {service} ---\n{tail.stdout[-1500:]}{tail.stderr[-500:]}", file=sys.stderr)
         if not args.keep:
-            dc("down", "-v", "--remove-orphans", check=False, quiet=True)
+            down_all(volumes=True, check=False)
         if args.report:
             Path(args.report).write_text("\n".join(REPORT) + "\n")
     return rc

@@ -56,7 +56,14 @@ def _only_refs(value: str, separators: str = ":") -> bool:
 
 
 def _argv(command) -> list[str]:
-    return shlex.split(command) if isinstance(command, str) else list(command)
+    """The program's own argv: a service run through `sh -c "...; exec PROGRAM ARGS"` is read after `exec`, with
+    each `${VAR:-default}` as its default and a bare `${VAR}` as VAR."""
+    argv = shlex.split(command) if isinstance(command, str) else list(command)
+    if argv[:2] != ["sh", "-c"]:
+        return argv
+    script = argv[2].rsplit("exec ", 1)[1]
+    script = re.sub(r"\$\{([A-Z_]+)(?::[-?]([^}]*))?\}", lambda m: m[2] if m[2] is not None else m[1], script)
+    return shlex.split(script.replace("$$", "$"))
 
 
 def test_compose_yaml_is_the_generator_output_for_four_gpus():
@@ -75,6 +82,7 @@ def test_every_worker_is_pinned_to_its_own_gpu_and_sees_it_as_device_0(compose):
         devices.append(device)
         argv = _argv(service["command"])
         assert argv[:2] == ["regen", "worker"] and argv[argv.index("--gpus") + 1] == "0"
+        assert argv[argv.index("--run") + 1] == "" and argv[argv.index("--queue") + 1] == ""  # REGEN_RUN, REGEN_QUEUES
         assert service["ipc"] == "host" or service.get("shm_size")
         assert service["stop_grace_period"] == "2h"
         assert any(v.endswith(":/data/runs") for v in service["volumes"])
@@ -134,7 +142,8 @@ def test_flower_runs_regens_flower_app_on_the_workers_broker(compose):
     assert argv[:2] == ["celery", "-A"] and argv[3] == "flower"
     assert importlib.import_module(argv[2]).__name__ == "app.ops.flower"
     worker_broker = compose["services"]["worker-gpu0"]["environment"]["REGEN_BROKER_URL"]
-    assert flower["environment"]["REGEN_BROKER_URL"] == worker_broker
+    # a GPU host's workers: the head named by REGEN_BROKER_URL, else this project's Redis, the one Flower watches
+    assert worker_broker == "${REGEN_BROKER_URL:-" + flower["environment"]["REGEN_BROKER_URL"] + "}"
     assert not any(k.startswith("CELERY_") for k in flower["environment"])  # it would win over REGEN_BROKER_URL
 
 
@@ -149,9 +158,11 @@ def test_redis_never_evicts_persists_with_aof_needs_a_password_and_has_a_healthc
     assert redis["environment"]["REDIS_PASSWORD"].startswith("${REDIS_PASSWORD")
 
 
-def test_the_head_has_no_profile_and_every_other_service_one(compose):
-    """`--profile cpu up` must not start a GPU worker, nor `--profile gpu up` a CPU one; the head starts with both."""
-    expected = {"redis": None, "flower": None, "metrics": None, "producer": ["producer"], "producer-cpu": ["cpu"]}
+def test_the_head_gpu_hosts_and_the_laptop_each_have_a_profile(compose):
+    """`--profile gpu up` on a GPU host starts its workers and nothing of the head's; `--profile head up` the head
+    (broker, Flower, exporter, the run's producer); `--profile cpu up` a whole job on a laptop, no GPU worker."""
+    head = ["head", "cpu"]
+    expected = {"redis": head, "flower": head, "metrics": head, "producer": ["head"], "producer-cpu": ["cpu"]}
     expected.update({name: ["gpu"] for name in _workers(compose)})
     expected.update({name: ["cpu"] for name in _cpu_workers(compose)})
     assert {name: s.get("profiles") for name, s in compose["services"].items()} == expected
@@ -240,7 +251,7 @@ def _config(tmp_path, env: dict, *profiles: str) -> subprocess.CompletedProcess:
 
 def test_compose_v2_reads_every_profile_with_only_the_secrets_set(tmp_path):
     """What compose itself makes of the file (merge keys, interpolation, defaults), profile by profile."""
-    proc = _config(tmp_path, ENV, "gpu", "producer", "cpu")
+    proc = _config(tmp_path, ENV, "gpu", "head", "cpu")
     assert proc.returncode == 0, proc.stderr
     services = json.loads(proc.stdout)["services"]
     for g in range(4):
@@ -272,7 +283,68 @@ def test_env_example_names_every_required_variable():
     assert not re.search(r"^(REDIS_PASSWORD|FLOWER_PASSWORD)=\S", example, re.M)
 
 
-@pytest.mark.parametrize("argv", [["worker", "--gpus", "0", "--run", "", "--model", "/models/target"],
+def _services(tmp_path, env: dict, *profiles: str) -> dict:
+    proc = _config(tmp_path, env, *profiles)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["services"]
+
+
+def _parsed(service: dict) -> tuple[str, dict]:
+    """The service's regen command as regen's own command line parses it (types, bounds, choices): (command,
+    its parameters)."""
+    argv = _argv(service["command"])
+    assert argv[0] == "regen", argv
+    command = regen_cli.commands[argv[1]]
+    with command.make_context(argv[1], argv[2:], resilient_parsing=False) as ctx:
+        return argv[1], ctx.params
+
+
+def test_a_gpu_host_joins_any_head_by_url_with_no_head_service_and_no_flower_login(tmp_path):
+    """A GPU host's project: the workers only, on the head's URL and the shared storage, the run's queues by
+    default (REGEN_QUEUES to choose) and the host's worker options; compose needs no Flower login there."""
+    url = "redis://:p1@head.lan:6379/0"
+    env = {"REDIS_PASSWORD": "p1", "REGEN_BROKER_URL": url, "REGEN_RUN": "qwen36", "REGEN_STORAGE_DIR": "/nfs/regen",
+           "REGEN_WORKER_ARGS": "--task-slots 10 --max-num-seqs 256"}
+    services = _services(tmp_path, env, "gpu")
+    assert set(services) == {f"worker-gpu{g}" for g in range(4)}
+    for name, w in services.items():
+        assert w["environment"]["REGEN_BROKER_URL"] == url
+        assert all(dep["required"] is False for dep in w["depends_on"].values())  # no head in this project
+        assert {"type": "bind", "source": "/nfs/regen", "target": "/data/runs", "bind": {"create_host_path": True}} \
+            in w["volumes"]
+        command, params = _parsed(w)
+        assert command == "worker" and params["run_id"] == "qwen36" and params["queues"] == ("",)
+        assert params["task_slots"] == 10 and params["max_num_seqs"] == 256, name
+    staged = _services(tmp_path, {**env, "REGEN_QUEUES": "regen,regen.capture"}, "gpu")
+    assert _parsed(staged["worker-gpu0"])[1]["queues"] == ("regen,regen.capture",)
+
+
+def test_the_heads_producer_takes_the_runs_options(tmp_path):
+    """REGEN_PRODUCE_ARGS: the pilot's recommended produce line (less inputs, run, storage, model) reaches the
+    producer's command line, which regen produce parses as given."""
+    args = "--layers eagle3 --max-tokens 8192 --capture staged --thinking-mix 0.5 --take sharegpt*.jsonl=0.5 --seed 3"
+    services = _services(tmp_path, {**ENV, "REGEN_RUN": "qwen36", "REGEN_PRODUCE_ARGS": args}, "head")
+    assert set(services) == {"redis", "flower", "metrics", "producer"}
+    command, params = _parsed(services["producer"])
+    assert command == "produce" and params["run_id"] == "qwen36" and params["inputs"] == ("/inputs/*.jsonl",)
+    assert (params["layers"], params["max_tokens"], params["capture"], params["thinking_mix"], params["seed"]) == \
+        ("eagle3", 8192, "staged", 0.5, 3)
+    assert params["take"] == ("sharegpt*.jsonl=0.5",) and params["max_pending"] == 2000  # `set -f`: no globbing
+    assert services["producer"]["environment"]["REGEN_BROKER_URL"] == "redis://:p1@redis:6379/0"
+
+
+@pytest.mark.parametrize(("login", "starts"), [("u:p2", True), ("u:", False), (":p2", False), (":", False)])
+def test_flower_without_both_halves_of_its_login_refuses_to_start(login, starts, tmp_path):
+    """Flower's login is checked as it starts (a GPU host, which runs no Flower, sets none)."""
+    script = _services(tmp_path, ENV, "head")["flower"]["command"][2].replace("$$", "$")
+    assert script.endswith("; exec celery -A app.ops.flower flower --port=5555")
+    script = script.rsplit("exec ", 1)[0] + "echo flower would start"  # no Flower here: what would start it
+    proc = subprocess.run(["sh", "-c", script], capture_output=True, text=True, env={"FLOWER_BASIC_AUTH": login})
+    assert (proc.returncode, proc.stdout.strip() == "flower would start") == ((0, True) if starts else (78, False))
+    assert starts or proc.stderr.strip() == "regen: set FLOWER_USER and FLOWER_PASSWORD in .env"
+
+
+@pytest.mark.parametrize("argv", [["worker", "--gpus", "0", "--run", "", "--queue", "", "--model", "/models/target"],
                                   ["produce", "/inputs/*.jsonl", "--run", "", "--model", "/models/target"]])
 def test_an_unset_regen_run_stops_the_gpu_services_in_one_line(argv, tmp_path):
     """REGEN_RUN is not a required variable (compose would then refuse the cpu profile too): the services say it."""
@@ -281,3 +353,30 @@ def test_an_unset_regen_run_stops_the_gpu_services_in_one_line(argv, tmp_path):
                           cwd=tmp_path, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "regen: error: --run is empty: give the run id (with compose, set REGEN_RUN in .env)"
+
+
+def _apt_mirror(root: Path) -> subprocess.CompletedProcess:
+    """scripts/compose_check.sh's apt_mirror on a machine whose apt sources lie under `root`, under the script's
+    own `set -Eeuo pipefail`."""
+    script = (REPO / "scripts" / "compose_check.sh").read_text()
+    function = re.search(r"^apt_mirror\(\) \{.*?^\}", script, re.M | re.S)[0]
+    return subprocess.run(["bash", "-c", f"set -Eeuo pipefail\n{function}\napt_mirror {shlex.quote(str(root))}"],
+                          capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize(("files", "mirror"), [
+    # Debian 12 as installed: deb822 only, no /etc/apt/sources.list (the grep naming it exited 2 and, under
+    # pipefail, ended the compose check 3 s in with no message)
+    ({"sources.list.d/debian.sources": "Types: deb\nURIs: http://mirror.example/debian\nSuites: bookworm\n"
+                                       "Components: main\n\nTypes: deb\nURIs: http://deb.debian.org/debian-security\n"},
+     "http://mirror.example/debian"),
+    ({"sources.list": "deb http://ftp.example.org/debian bookworm main\n"}, "http://ftp.example.org/debian"),
+    ({}, ""),  # nothing found: the script falls back to deb.debian.org
+])
+def test_the_compose_checks_mirror_lookup_reads_deb822_and_one_line_sources(files, mirror, tmp_path):
+    for name, text in files.items():
+        (tmp_path / "etc" / "apt" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "etc" / "apt" / name).write_text(text)
+    proc = _apt_mirror(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == mirror

@@ -10,13 +10,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import click
 import orjson
+import rich_click as click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from app.cli.options import STORAGE_HELP, storage_option
+from app.cli.options import StorageRoot, storage_option
 from app.data import export_formats
 from app.data.engine_modes import modes_table
 from app.data.export import Exporter, ExportOptions
@@ -28,7 +28,7 @@ from app.data.verify_reference import reference_line
 from app.errors import ConfigError
 from app.packages import require
 
-_storage = storage_option(required=True, help=STORAGE_HELP)
+_storage = storage_option(required=True)
 
 
 def _processes(what: str, extra: str = ""):
@@ -40,7 +40,7 @@ def _processes(what: str, extra: str = ""):
 def _part_option(what: str):
     return click.option("--part", "part_spec", default=None, metavar="I/N",
                         help=f"Only the I-th of N disjoint parts of the run's shards (every N-th shard, 1-based); "
-                             f"run the N parts at once on several hosts. {what}")
+                             f"run the N parts at once on several hosts [default: every shard]. {what}")
 
 
 def _part(spec: str | None):
@@ -68,7 +68,7 @@ def _console(stderr: bool = False):
 @click.option("--allow-incomplete", is_flag=True,
               help="Dead-lettered and unfinished shards are warnings, not failures (a run in progress).")
 @click.option("--sample", type=click.FloatRange(min=0, min_open=True), default=None, metavar="N|FRACTION",
-              help="Decode the states of only N samples (or this fraction, e.g. 0.01), spread over workers and "
+              help="Decode the states of only N samples (or this fraction, e.g. 0.01) [default: every sample], spread over workers and "
                    "shards; everything else is still checked for every shard.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @_processes("checked", " Above 1, they replace the --workers threads.")
@@ -154,9 +154,13 @@ def _print_verify(report, strict: bool) -> None:
 @click.command("export")
 @click.argument("run_id", metavar="RUN")
 @_storage
-@click.option("--format", "fmt", required=True, type=click.Choice(export_formats.names()))
-@click.option("--out", required=True, help="Output folder (path or URL); a rerun resumes it.")
-@click.option("--exclude-flags", default="", help="Comma-separated quality flags to leave out, e.g. stub_answer,truncated.")
+@click.option("--format", "fmt", required=True, type=click.Choice(export_formats.names()),
+              help="What to write (docs/formats.md): text rows, a trainer's hidden-state files, or ids and loss "
+                   "masks only.")
+@click.option("--out", required=True, type=StorageRoot(), metavar="FOLDER",
+              help="Output folder (path or URL); a rerun resumes it.")
+@click.option("--exclude-flags", default="", show_default=False, metavar="FLAG,...",
+              help="Comma-separated quality flags to leave out, e.g. stub_answer,truncated [default: none].")
 @click.option("--min-response-tokens", type=click.IntRange(min=0), default=0, show_default=True,
               help="Leave out samples with fewer generated tokens.")
 @click.option("--include-unterminated", is_flag=True,
@@ -209,7 +213,8 @@ _ASSEMBLY = {"assembled": "written now", "assembled_before": "up to date",
 @click.command("stats")
 @click.argument("run_id", metavar="RUN")
 @_storage
-@click.option("--html", "html_path", default=None, help="Also write a self-contained HTML report (plots embedded).")
+@click.option("--html", "html_path", default=None, metavar="FILE",
+              help="Also write a self-contained HTML report (plots embedded) [default: none].")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary numbers as JSON instead of tables.")
 @_processes("read")
 @_part_option("Each part reports its shards; the parts' counts add up to the run's (--json).")

@@ -10,12 +10,12 @@ from __future__ import annotations
 import sys
 import time
 
-import click
 import orjson
+import rich_click as click
 from rich.console import Console
 from rich.live import Live
 
-from app.cli.options import BROKER_HELP, STORAGE_HELP, broker_option, storage_option
+from app.cli.options import broker_option, storage_option
 from app.ops.run_report import collect
 from app.ops.status_view import render
 from app.pilot.forecast import compare_with_pilots
@@ -24,12 +24,13 @@ from app.storage import RunStore, Storage
 
 
 @click.command("status")
-@click.argument("run_id", required=False)
-@storage_option(required=True, help=STORAGE_HELP)
-@broker_option(help=BROKER_HELP)
+@click.argument("run_id", metavar="[RUN]", required=False)
+@storage_option(required=True)
+@broker_option()
 @click.option("--json", "as_json", is_flag=True, help="Print one complete JSON object instead of tables.")
 @click.option("--watch", is_flag=True, help="Refresh every --interval seconds until Ctrl-C.")
-@click.option("--interval", type=click.FloatRange(min=0.5), default=5.0, show_default=True)
+@click.option("--interval", type=click.FloatRange(min=0.5), default=5.0, show_default=True,
+              help="Seconds between --watch refreshes.")
 @click.option("--inspect-timeout", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="Seconds to wait for workers to answer (0: do not ask; storage still shows their last shard).")
 @click.option("--stale-after", type=click.FloatRange(min=1), default=DEFAULT_VISIBILITY_TIMEOUT, show_default=True,
@@ -62,12 +63,15 @@ def status(run_id, storage, broker, as_json, watch, interval, inspect_timeout, s
 
 
 @click.command("metrics")
-@click.option("--port", type=click.IntRange(0, 65535), default=9808, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=9808, show_default=True,
+              help="Port to serve /metrics on (0: any free one).")
 @click.option("--addr", default="0.0.0.0", show_default=True, help="Address to listen on.")
-@storage_option(required=True, help=STORAGE_HELP)
-@broker_option(help=BROKER_HELP)
-@click.option("--run", "runs", multiple=True, help="Runs to export (repeatable) [default: every run under the root].")
-@click.option("--queue", "queues", multiple=True, help="Extra queues whose length to export (repeatable).")
+@storage_option(required=True)
+@broker_option()
+@click.option("--run", "runs", multiple=True, metavar="RUN",
+              help="Runs to export (repeatable) [default: every run under the root].")
+@click.option("--queue", "queues", multiple=True, metavar="NAME",
+              help="Extra queues whose length to export (repeatable) [default: only the queues of the runs exported].")
 def metrics(port, addr, storage, broker, runs, queues):
     """Serve Prometheus metrics computed on each scrape: queue lengths, shards, tokens/s, stub rate, busy time."""
     from app.ops.metrics import serve

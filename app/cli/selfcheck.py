@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import click
+import rich_click as click
 
 from app.data.selfcheck_judge import Verdict, judge
 from app.packages import require
@@ -53,7 +53,8 @@ def _build_models(folder: Path, which: list[str]) -> dict[str, str]:
               help="Where the engines and the transformers reference run (auto: a GPU if torch sees one).")
 @click.option("--modes", default=None, metavar="NAME,...",
               help="Engine modes to prove (default: every mode of the device; see workers.engine.selfcheck).")
-@click.option("--models", default="dense,hybrid", show_default=True, metavar="dense,hybrid")
+@click.option("--models", default="dense,hybrid", show_default=True, metavar="dense,hybrid",
+              help="The tiny models to prove each mode on: dense (Qwen3) and/or hybrid (Qwen3.5).")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Keep the models, captures and engine logs here (default: a temporary folder, removed).")
 @click.option("--timeout", type=click.IntRange(min=30), default=900, show_default=True,

@@ -35,6 +35,8 @@ class ExportFormat:
     keeps_unterminated: bool = True  # `--include-unterminated` is allowed (TEXT)
     file: str | None = None  # the one file holding every row, where the format writes one
     requires: tuple[str, ...] = ()  # optional modules imported before any work (app.packages)
+    final_layer: bool = False  # STATES: writes the final layer (vLLM id N), so the run must have captured it
+    aux_layers: int | None = None  # STATES: exactly this many auxiliary layers besides the final one (None: any)
 
     @property
     def needs_states(self) -> bool:
@@ -80,10 +82,11 @@ FORMATS: dict[str, ExportFormat] = {f.name: f for f in (
                  writer="app.data.export_specforge:SpecForgeDFlash", requires=(TORCH,)),
     ExportFormat("specforge-eagle3", STATES, "`data_{i}.ckpt`: the normed final layer and three auxiliary layers",
                  "SpecForge offline EAGLE-3 (`training.strategy=eagle3`)",
-                 writer="app.data.export_specforge:SpecForgeEagle3", final_norm=True, requires=(TORCH,)),
+                 writer="app.data.export_specforge:SpecForgeEagle3", final_norm=True, requires=(TORCH,),
+                 final_layer=True, aux_layers=3),
     ExportFormat("speculators", STATES, "a `save_to_disk` dataset and `hidden_states/hs_{i}.safetensors`",
                  "`speculators train --data-path`", writer="app.data.export_speculators:Speculators",
-                 requires=(TORCH, DATASETS)),
+                 requires=(TORCH, DATASETS), final_layer=True),
     ExportFormat("specforge-online", TOKENS, "`prompts.jsonl`: ids and loss masks, no states",
                  "SpecForge online (`data.prompts_path`), the target on SGLang capture servers",
                  writer="app.data.export_online:SpecForgeOnline", file="prompts.jsonl", requires=(TORCH,)),

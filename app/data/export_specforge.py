@@ -111,8 +111,6 @@ class SpecForgeDFlash(_SpecForge):
 
 class SpecForgeEagle3(_SpecForge):
     name = "specforge-eagle3"
-    needs_final = True
-    aux_count = 3
 
     def __init__(self, reader, out, layers_spec, model_path: str | None = None):
         super().__init__(reader, out, layers_spec)

@@ -47,7 +47,6 @@ def write_safetensors(fh, tensors: dict[str, tuple[str, tuple[int, ...], np.ndar
 
 class Speculators(StateExport):
     name = "speculators"
-    needs_final = True
 
     def __init__(self, reader, out, layers_spec):
         super().__init__(reader, out, layers_spec)

@@ -31,6 +31,7 @@ from collections import Counter
 
 import orjson
 
+from app.data import export_formats
 from app.data.export_states import (
     ExportLayers,
     Sample,
@@ -52,9 +53,16 @@ class StateExport:
 
     name = ""
     needs_states = True  # False: a token-only format, which reads no states and writes none
-    needs_final = False
-    aux_count: int | None = None
     consecutive_supervision = False
+
+    @property
+    def needs_final(self) -> bool:
+        """The format writes the final layer (app.data.export_formats, the one list of what each needs)."""
+        return export_formats.get(self.name).final_layer
+
+    @property
+    def aux_count(self) -> int | None:
+        return export_formats.get(self.name).aux_layers
 
     def __init__(self, reader: RunReader, out: Storage, layers_spec: str | None):
         self.reader, self.out = reader, out

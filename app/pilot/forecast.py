@@ -292,7 +292,7 @@ def commands(pilots: list[dict], plan: dict, pilot_paths: list[str], storage: st
         if host.get("max_num_seqs"):
             line.append(f"--max-num-seqs {host['max_num_seqs']}")
         if plan["capture"] == "staged":  # as measured: each worker runs both passes
-            line.append(f"--queues {DEFAULT_QUEUE},{DEFAULT_CAPTURE_QUEUE}")
+            line.append(f"--queue {DEFAULT_QUEUE},{DEFAULT_CAPTURE_QUEUE}")
         workers[host["host"]] = " ".join(line)
     return {"produce": " ".join(produce), "workers": workers}
 

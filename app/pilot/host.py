@@ -38,18 +38,45 @@ from app.pilot.sample import sample_inputs
 from app.storage import RunStore, Storage
 from producer.estimate import human_bytes
 from producer.readers import expand_inputs
-from producer.run_setup import ProduceOptions
-from workers.process.devices import preset_for, select_gpus, task_slots_for, weights_bytes
+from producer.run_setup import ProduceOptions, check_lengths
+from workers.process.devices import (
+    choose_tensor_parallel,
+    preset_for,
+    select_gpus,
+    task_slots_for,
+    weights_bytes,
+)
+from workers.process.plan import check_max_model_len
 
 REFERENCE_ROOM = 1.5  # a reference forward needs the checkpoint in bf16 plus activations: room for this much of it
 
 
-def _host_devices(cpu: bool, gpus: str | None) -> dict:
+def _host_devices(cpu: bool, gpus: str | None, model: str) -> dict:
+    """This host's devices, and how many engines the pilot's runs start on them (one per tensor-parallel group,
+    sized as `regen worker` sizes it)."""
     if cpu:
-        return {"kind": "cpu", "class": "cpu", "count": 1, "names": ["cpu"], "indices": None}
+        return {"kind": "cpu", "class": "cpu", "count": 1, "names": ["cpu"], "indices": None, "engines": 1}
     found = select_gpus(gpus, use="--cpu to run the pilot on the CPU")  # an index it does not see is refused
+    utilization = preset_for(found[0].device_class, {})["gpu_memory_utilization"]
+    tp = choose_tensor_parallel(model, found, utilization).size
     return {"kind": "cuda", "class": found[0].device_class, "count": len(found), "names": [d.name for d in found],
-            "indices": [d.index for d in found]}
+            "indices": [d.index for d in found], "engines": max(1, len(found) // tp)}
+
+
+BATCHES = 2  # the default sample fills every engine's batch twice over (docs/pilot.md: 2-3x the batch)
+
+
+def sample_size_for(devices: dict, max_num_seqs: int, given: int | None) -> tuple[int, str | None]:
+    """The pilot's sample size (the one given, else twice the host's batch) and a warning where the one given is
+    smaller than the host's batch: its engines never fill, so the rates understate what the run will do."""
+    batch = devices["engines"] * max_num_seqs
+    if given is None:
+        return BATCHES * batch, None
+    if given < batch:
+        return given, (f"warning: a sample of {given:,} is smaller than this host's batch, {batch:,} sequences "
+                       f"({devices['engines']} engine(s) x max_num_seqs {max_num_seqs}): the engines never fill, so "
+                       f"the measured rates understate the run's; --sample {BATCHES * batch} fills each twice")
+    return given, None
 
 
 def _run_candidate(candidate, run_args: list[str], scratch: str, devices: dict, log_path: str) -> tuple[int, int]:
@@ -94,13 +121,18 @@ def measure_host(say: Callable[[str], None], *, inputs, model, name, storage, br
     """Measure every candidate on this host; (the pilot JSON, the path it was written to). `say` gets each line
     of progress. `sampling`: temperature, top_p, top_k, min_p, max_prompt_tokens, sample_temperatures, where
     given (the run's otherwise)."""
+    check_lengths(max_tokens, model)  # the model's bounds, before anything is written
+    check_max_model_len(model, max_model_len)
     store = Storage(storage)
     if not store.is_local:
         raise ConfigError("--storage: the pilot's scratch runs need a local folder (its JSON can be copied anywhere)")
     name = validate_id(name or socket.gethostname(), "pilot name")
     info = read_model_info(model)
-    devices = _host_devices(cpu, gpus)
+    devices = _host_devices(cpu, gpus, model)
     seqs = int(preset_for(devices["class"], {})["max_num_seqs"])
+    sample_size, warning = sample_size_for(devices, seqs, sample_size)
+    if warning:
+        say(warning)
 
     def slots_for(max_num_seqs: int) -> int:
         return task_slots_for(max_num_seqs, shard_size, devices["class"])

@@ -159,7 +159,7 @@ def _run_pilot(tmp: Path, model: Path, name: str, *extra: str) -> tuple[str, dic
     vllm_or_fail()
     redis_or_fail(PILOT_BROKER).flushdb()
     storage = tmp / "storage"
-    proc = _pilot_cli(["pilot", str(_inputs(tmp)), "--model", str(model), "--cpu", "--name", name, "--samples", "6",
+    proc = _pilot_cli(["pilot", str(_inputs(tmp)), "--model", str(model), "--cpu", "--name", name, "--sample", "6",
                        "--seed", "3", "--layers", LAYERS, "--max-tokens", "16", "--shard-size", "2",
                        "--storage", str(storage), "--broker", PILOT_BROKER, "--keep-runs", "--timeout", "600",
                        *extra], tmp, timeout=2400)

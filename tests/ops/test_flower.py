@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -40,6 +41,8 @@ IDLE_QUEUE = "flower-idle"  # what the test worker consumes: nothing is ever sen
 def compose_flower_argv(port: int) -> list[str]:
     """compose.yaml's Flower command, on `port` of 127.0.0.1 and this interpreter's `celery`."""
     command = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]["flower"]["command"]
+    if command[:2] == ["sh", "-c"]:  # the login check, then `exec celery ...` (tests/test_compose.py runs the check)
+        command = shlex.split(command[2].rsplit("exec ", 1)[1])
     assert command[0] == "celery"
     args = [a for a in command[1:] if not a.startswith("--port")]
     return [sys.executable, "-m", "celery", *args, f"--port={port}", "--address=127.0.0.1"]

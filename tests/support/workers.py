@@ -90,7 +90,7 @@ def session_worker(model: Path, layers: str, name: str, log_dir: Path, env: dict
     """A started `regen worker --cpu` on `model` consuming the generate and staged-capture queues, stopped after."""
     vllm_or_fail()
     worker = WorkerProcess(
-        ["--cpu", "--model", str(model), "--layers", layers, "--queues", "regen,regen.capture",
+        ["--cpu", "--model", str(model), "--layers", layers, "--queue", "regen,regen.capture",
          "--max-model-len", "4096", "--max-num-seqs", "16", "--name", name, "--max-attempts", "3", *extra],
         log_dir / "supervisor.log", env,
     )

@@ -102,7 +102,7 @@ def stub_worker(e2e_redis, tmp_path_factory):
     from workers.tiny_model import build_tiny_qwen3
 
     model = Path(build_tiny_qwen3(str(tmp_path_factory.mktemp("stub-qwen3")), stub=True))
-    worker = WorkerProcess(["--cpu", "--model", str(model), "--layers", E2E_LAYERS, "--queues", "regen-stub",
+    worker = WorkerProcess(["--cpu", "--model", str(model), "--layers", E2E_LAYERS, "--queue", "regen-stub",
                             "--max-model-len", "4096", "--name", "stub"],
                            tmp_path_factory.mktemp("stub-logs") / "worker.log", worker_env())
     try:

@@ -54,14 +54,14 @@ def run_self_test(engine: Engine) -> float:
     return run_start_test(engine, None, None)
 
 
-def start_sampling(sampling: dict | None, device: str, captures: bool) -> dict:
+def start_sampling(sampling: dict | None, device: str, captures: bool, speculative: str | None = None) -> dict:
     """The sampling the test generates with: the run's (`top_k` included), or the default thinking-mode one; a
     setting the engine is known to crash on (workers.engine.limits) is left out only from that default."""
     if sampling is not None:
         chosen = dict(sampling)
     else:
         chosen = dict(THINKING_SAMPLING)
-        if unsupported(device, chosen, captures):
+        if unsupported(device, chosen, captures, speculative):
             chosen["top_k"] = 0
     chosen.pop("seed", None)
     chosen["max_tokens"] = MAX_TOKENS
@@ -85,7 +85,7 @@ def run_start_test(engine: Engine, sampling: dict | None, mode: dict | None) -> 
     captures = options.capture_layers is not None
     t0 = time.monotonic()
     prompts = start_prompts(engine.tokenizer, options.max_model_len, (mode or {}).get("max_num_batched_tokens"))
-    params = start_sampling(sampling, options.device, captures)
+    params = start_sampling(sampling, options.device, captures, options.speculative)
     requests = [GenRequest(name, ids, {**params, "seed": 1234 + k}, capture=captures)
                 for k, (name, ids) in enumerate(prompts.items())]
     requests.append(GenRequest("short-again", prompts["short"], {**params, "seed": 1234 + 1}, capture=captures))

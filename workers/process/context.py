@@ -184,7 +184,9 @@ class WorkerContext:
         self.faults_for_tests = process_injector()  # None but in the tests; it says so in the log at once
         if config.self_test:
             seconds = run_start_test(self.engine, config.self_test_sampling, self.engine_mode)
-            log.info("engine self-test passed in %.2fs", seconds)
+            log.info("engine self-test passed in %.2fs with %s", seconds,
+                     f"the run's sampling {config.self_test_sampling}" if config.self_test_sampling is not None
+                     else "the default thinking-mode sampling")
 
         # Read from the built engine, not from the options: attempt records say what the engine ran with.
         self.speculative_config = self.engine.call(held_speculative)

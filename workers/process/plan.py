@@ -98,6 +98,26 @@ def settings_from_run(storage: str, run_id: str, queues: str) -> tuple[str, list
     return m["model"]["path"], layers, max_len, int(m["shard_size"])
 
 
+def run_queues(storage: str, run_id: str) -> str:
+    """The queues a worker of `run_id` consumes when none are given: the queue the run was produced to
+    (produce.json), and for a staged run the capture queue too, so one worker drains both passes."""
+    store = RunStore(Storage(storage), run_id)
+    settings = manifest_mod.load(store)["settings"]
+    state = store.storage.read_json(store.produce_path) if store.storage.exists(store.produce_path) else {}
+    queues = [state.get("queue") or DEFAULT_QUEUE]
+    if settings["capture_mode"] == "staged":
+        queues.append(settings.get("capture_queue") or DEFAULT_CAPTURE_QUEUE)
+    return ",".join(queues)
+
+
+def check_max_model_len(model: str, max_model_len: int | None) -> None:
+    """Refuse a context longer than the model's (vLLM would refuse it at every engine start)."""
+    context = _model_max_len(model)
+    if max_model_len and context and max_model_len > context:
+        raise ConfigError(f"--max-model-len {max_model_len:,} is longer than the model's context, {context:,} "
+                          f"tokens (max_position_embeddings in {model}/config.json)")
+
+
 def run_speculative(storage: str, run_id: str, capture_layers: list[int] | None, queues: str) -> str | None:
     """The run's speculative generation ("mtp:K") for a worker whose engine captures `capture_layers`: the
     manifest's setting for a generation-only engine, None for a capture engine (capture is itself vLLM's
@@ -108,7 +128,7 @@ def run_speculative(storage: str, run_id: str, capture_layers: list[int] | None,
         if {q.strip() for q in queues.split(",")} - {DEFAULT_CAPTURE_QUEUE}:
             log.warning("run %s generates with --speculative %s on generation engines only; this worker's "
                         "engine captures, so what it generates runs without it (start generation workers with "
-                        "--queues %s)", run_id, setting, DEFAULT_QUEUE)
+                        "--queue %s)", run_id, setting, DEFAULT_QUEUE)
         return None
     return setting
 
@@ -129,7 +149,7 @@ def speculative_staged_configs(generate: list[tuple], capture: list[tuple], cpu:
         return gen + cap
     if len(gen) < 2:
         raise ConfigError("--capture staged with --speculative needs two GPU groups here (one generates with MTP, "
-                          "one captures); or start `regen worker --queues regen` and `--queues regen.capture` "
+                          "one captures); or start `regen worker --queue regen` and `--queue regen.capture` "
                           "workers yourself")
     return gen[:-1] + cap[-1:]
 
@@ -141,10 +161,20 @@ def refuse_unrunnable(configs, storage: str, run_id: str) -> None:
     sampling = settings["sampling"]
     if why := ignored_with_capture(sampling, settings["capture_mode"]):  # every generating engine captures
         raise ConfigError(f"workers refuse run {run_id}: {why}")
-    for config, _ in configs:
-        why = unsupported(config.device, sampling, bool(config.capture_layers))
+    for config, *_ in configs:
+        why = unsupported(config.device, sampling, bool(config.capture_layers), config.engine.get("speculative"))
         if why:
             raise ConfigError(f"worker {config.hostname} refuses run {run_id}: {why}")
+
+
+def test_with_run_sampling(configs, storage: str, run_id: str) -> None:
+    """Every worker's engine start test generates with the run's own sampling (its manifest's), as the shards
+    will: `regen worker --run`, `regen run` and the pilot's runs (and compose's workers, which are `regen worker
+    --run`) start their workers so, after refusing a setting an engine is known to crash on."""
+    refuse_unrunnable(configs, storage, run_id)
+    sampling = run_sampling(storage, run_id)
+    for config, *_ in configs:
+        config.self_test_sampling = sampling
 
 
 def run_sampling(storage: str, run_id: str) -> dict:
