@@ -1,33 +1,10 @@
 """Shards held by dead processes come back within a few lease lengths, not after the broker's visibility timeout.
 
-Why: a worker fetches a shard's message, and kombu's Redis transport keeps it in the `unacked` hash until the
-worker acks it. When the worker's host dies (power cut, kernel panic, SIGKILL of its namespace) nothing acks or
-returns the message: Redis restores it only once the visibility timeout (4 h by default) has passed, and at the
-end of a run that is hours of idle fleet. Storage already knows sooner: every attempt on the shard is dead (its
-process gone on this host, or its lease run out on the fleet's shared clock, app.liveness and app.clock).
-
-What `resend_dead_holders` does, on any process that reaches the broker (an idle worker's periodic check,
-workers.process.dead_holder_watch; `regen run`'s watch, app.cli.run):
-1. reads the unacked messages' task names and arguments (kombu's own decoders) and keeps the shard tasks;
-2. for each, judges the shard's stage key on storage: no completion marker, no dead letter, no attempt alive,
-   and its newest attempt's process died holding it (when the newest recorded an error, Celery retries it with
-   a new message, which a live worker may hold unacked until its countdown ends). A message whose shard has no attempt at all was fetched by a host that died before
-   starting it (a live worker records its attempt within milliseconds of the fetch: its engine is built before
-   it consumes, and it fetches no more than its task slots): it counts once this checker has seen it held for
-   `UNSTARTED_LEASES` lease lengths, and its Celery `eta` (a retry's countdown, held unacked by a live worker
-   meanwhile) has passed by as long;
-3. claims the re-send in Redis (`SET NX` on the run, key and the newest dead attempt's id, or the unstarted
-   message's tag, so the fleet's many checkers re-send one shard once per death, and a shard whose re-sent copy
-   dies too is re-sent again);
-4. moves that message from the unacked hash back to the head of its queue with kombu's own `restore_by_tag`,
-   the very transaction its visibility-timeout sweep runs (atomic: a second mover finds nothing to move).
-The next free worker takes it first. Exactly-once still rests on storage: if the judged-dead holder was in fact
-alive, two attempts run and the exclusive completion marker keeps one output; any other copy of the shard
-(a re-publish, a reconcile) finds the marker and is skipped.
-
-Why the broker's own message and not a re-send from the inputs (`regen reconcile`): the message is there, so
-nothing is re-read, workers need no producer code, and the shard's other copies are untouched. Shards whose
-message left Redis altogether are `app.ops.fleet.lost_from_broker`'s, re-sent by `regen reconcile`.
+Why: a message fetched by a worker whose host then died stays in kombu's `unacked` hash until the visibility
+timeout (hours), while storage already knows every attempt on the shard is dead. `resend_dead_holders` judges
+each unacked shard message on storage, claims the re-send in Redis (`SET NX`, once per death) and moves the
+message back to the head of its queue with kombu's own `restore_by_tag`. Exactly-once still rests on the
+storage's completion marker. Steps and rules: docs/faults.md#re-sending-shards-held-by-dead-processes.
 """
 
 from __future__ import annotations

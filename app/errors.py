@@ -1,30 +1,10 @@
 """One exception tree for the whole project, and what a worker does with each kind of failure.
 
-`RegenError` and its children carry a one-line, user-facing message; the CLI prints it and exits non-zero
-without a traceback. Every error regen raises on purpose is one of them:
-
-    RegenError
-    |-- ConfigError, InputError, ManifestMismatch   for the person at the command line
-    |-- RetryableError                              transient: a later attempt may pass
-    |   |-- EngineDead -> EngineLost                the engine died: the process restarts for a fresh one
-    |   `-- InvalidTask                             the run is not on storage (yet): a few retries, then set aside
-    `-- PermanentError                              repeats on every attempt
-        |-- InvalidId                               an id that could escape the storage root
-        |-- CorruptHiddenFile (app.hidden_file)  a stored file whose structure or checksum does not hold
-        |-- NonFiniteStates (app.states_codec)   NaN/Inf states a lossy codec cannot store
-        `-- Rejected (producer.normalise)        an input row that cannot become a sample
-
-CorruptHiddenFile and NonFiniteStates are also `ValueError`s, as their callers have always caught them.
-
-`classify(exc)` is the one place a failure's class decides what the worker does (workers.shard.delivery and
-workers.shard.retry_policy act on its answer, nothing else looks at the class). Two kinds of
-failure are not regen's on purpose, and are classed here too:
-- an `OSError` or `TimeoutError` (a storage hiccup, a full disk, a broker that went away) is transient, like a
-  `RetryableError`: retried with backoff; a shard's attempt count on storage (`--max-attempts`) still
-  dead-letters one that keeps failing;
-- anything else (a bug, or a `ConfigError` raised mid-shard) is unexpected: inside an attempt it is retried
-  under the same attempt limit; before an attempt exists nothing would bound the retries, so Celery records the
-  task's failure instead.
+`RegenError` and its children carry a one-line, user-facing message that the CLI prints without a traceback;
+`RetryableError` (a later attempt may pass) and `PermanentError` (repeats on every attempt) tell the worker
+what to do. `classify(exc)` is the one place a failure's class decides that, for regen's errors and for the
+ones that are not regen's (`OSError`/`TimeoutError` transient, anything else unexpected).
+The tree and the rules: docs/faults.md#error-classes-and-what-a-worker-does-with-each.
 """
 
 from __future__ import annotations

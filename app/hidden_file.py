@@ -1,32 +1,10 @@
 """The shard hidden-state file (`*.hidden.rgh`): bf16 states, byte-shuffled, zstd, with a per-sample index.
 
-Why this layout: bf16 activations compress poorly as they are (1.26x), but their high bytes (sign, exponent,
-top mantissa bit) are very redundant while the low mantissa bytes are noise (docs/measured-facts.md). Splitting each value
-into its high and low byte and compressing only the high bytes, with match tables tuned for them
-(`_state_params`), gives ~1.48x where plain zstd gives 1.27x and SpecForge's torch.save + gzip 1.25x, at about
-plain zstd's speed and ~20x gzip's (bench/bench_hidden_codec.py). With the tuned tables levels 1 and 3 give the
-same ratio, and level 1 is faster.
-A trainer reads sample i with two seeks (footer, then the sample's blob) without decompressing the shard.
-
-File layout (all integers little-endian):
-
-    magic      8 bytes   b"RGHS\\x00\\x01\\x00\\x00"
-    blobs      per sample: token_ids (int32, zstd) | high bytes (zstd) | low bytes (raw, or zstd if asked)
-    index      zstd-compressed JSON: {"format", "samples": [entry, ...]}; entry = {sample_id, n_tokens,
-               layers (vLLM ids), hidden, offset, sizes [tok, hi, lo], lo_codec, crc32 [tok, hi, lo]}
-    footer     24 bytes: index offset (u64), index length (u64), b"RGHSIDX1"
-
-States are `[n_tokens, n_layers, hidden]` in bf16, row-major. The stored `token_ids` are the ids the states
-belong to: a sample's `input_ids[:-1]` (the last generated token is never fed back through the model).
-Every part carries a CRC32 of its stored bytes, so a flipped byte is found without a reference.
-
-Lossy samples (a run's `--states-dtype`, app.states_codec): an entry with a `codec` (`fp8-e4m3`, `bf16-m3`,
-`bf16-m4`) holds `sizes`/`crc32` for [tok, a, b] (fp8: float32 scales [T, L], e4m3 bytes [T, L, H]; bf16-m*:
-high and low bytes), both zstd, and the error measured when it was encoded: `max_rel_error` and
-`rms_rel_error`, one per layer. A file holding any such entry says `"format": "regen.hidden/2"` in its index, so
-a reader that predates lossy samples refuses it instead of misreading FP8 bytes as bf16; a file of bf16 samples
-only is written exactly as before (`regen.hidden/1`), and both read here. Readers return bf16 whatever the entry
-holds (`read`); `read_stored` gives a lossy entry's stored arrays as they are.
+Why this layout: a bf16 value's high byte is redundant and its low byte noise, so only the high bytes are
+compressed (with match tables tuned for them), and a trainer reads sample i with two seeks without
+decompressing the shard. Every part carries a CRC32; the stored `token_ids` are a sample's `input_ids[:-1]`.
+Lossy samples (app.states_codec) make the file `regen.hidden/2`; a bf16-only file stays `regen.hidden/1`.
+Byte layout, index entries and the measured ratios: docs/capture.md#the-hidden-state-file-in-detail.
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """The quality gate: per-sample flags, and the stub-rate window that pauses a run.
 
-A dataset whose responses were 87% empty stubs trained drafters that accepted ~nothing; nobody looked until
-after tokenising 914K samples. Every record therefore carries flags, and each worker keeps a sliding window of
-its recent samples per run: when the stub-or-empty rate in it crosses the run's threshold, the worker writes
-`{run}/PAUSED.json` and every worker stops taking that run's shards until `regen resume-run`.
-
-Flags:
-- `empty_reasoning`  thinking mode, `</think>` present, nothing between the think tags
-- `missing_think_end` thinking mode, no `</think>` in the output: the whole output is reasoning, the answer empty
-- `empty_answer`     nothing after `</think>` (or no output at all) although generation stopped on its own
-- `stub_answer`      a handful of answer tokens (<= stub_max_answer_tokens), like `OK.`
-- `truncated`        finish_reason == "length"
-- `repetition_loop`  the output ends in an n-gram repeated many times
-- `states_zero` / `states_nonfinite`  an all-zero row (one token's state in one layer: a whole layer zero is the
-  extreme of it) or a NaN/Inf anywhere (every row of every layer is checked: on a hybrid the linear-attention
-  layers and the full-attention ones alike). A real forward pass gives a token an all-zero state only where its
-  input embedding is zero (a padding row: the run's `model.zero_embedding_ids`), so any other such row is a
-  capture fault.
-- `states_repeated`  in some layer most tokens' rows equal the previous (different) token's: a buffer not written
-  per token
-- `states_stale`     a row of this sample equals, bit for bit, a row an earlier sample (or this one) had as the
-  state of a different token: values left over from another request (uncleared cache blocks, a wrong cache-group
-  index: the failure vLLM PR 45849 fixed for hybrids). The same token may get equal rows in two contexts (a
-  shared prefix) and is not flagged. Every row of every sample is hashed, so one stale row is found whenever
-  the row it repeats is among the table's newest `capacity` rows.
-- `capture_mismatch` captured token_ids differ from the record's input_ids[:-1]
+Why: empty stubs train drafters that accept nothing, and nobody looks until it is too late. So every record
+carries flags (empty or stub answers, truncation, loops, zero/non-finite/repeated/stale states, a capture
+mismatch), and each worker keeps a sliding window of its recent samples per run: when the stub-or-empty rate in
+it crosses the run's threshold, the worker writes `{run}/PAUSED.json` until `regen resume-run`.
+Every flag and the story behind the gate: docs/checking.md#every-flag.
 """
 
 from __future__ import annotations

@@ -1,35 +1,10 @@
 """Lossy stored forms of hidden states, each with an error bound it keeps and a measurement of what it cost.
 
-Why: a real job's bf16 states are 94-187 TB, and lossless compression stops at ~1.48x because the low byte of a
-bf16 value is mantissa noise. A drafter trains fine on states with fewer mantissa bits (speculators and DeepSpec
-store FP8), so a run may opt in to a lossy store at under half the disk. The loss is part of the data's record:
-every sample's error is measured against the states as captured, per layer, and kept in the hidden file's index.
-
-The error of one token at one layer is `||decoded - captured||_2 / ||captured||_2` (a row of `hidden` values;
-0 for a row that is all zeros and decodes to all zeros). A sample records, per layer, the maximum over its
-tokens and the RMS over its tokens (`Quantised.max_rel_error`, `rms_rel_error`).
-
-Codecs (the names a run's manifest records):
-
-- `fp8-e4m3`: each (token, layer) row is divided by its scale, its largest magnitude / 448 (the largest e4m3
-  value), and rounded to nearest-even in FP8 e4m3 (torch's `float8_e4m3fn`: 4 exponent bits, 3 mantissa bits,
-  subnormals). Stored: the e4m3 bytes `[T, L, H]` and the scales as float32 `[T, L]`; a reader returns
-  `bf16(e4m3 * scale)`. Per-token scaling keeps an outlier token (an attention sink at 100x the others) from
-  pushing every other token into FP8's subnormals. The exact absmax scale puts a row's largest value on 448, so
-  it comes back exactly: on rows whose norm is nearly one outlier channel that cut the worst error by a third
-  against a power-of-two scale (0.036 against 0.052 in a 4-sample bench run), at the price of the reader's
-  bf16 rounding. Bound, per value: e4m3 rounding is within 2**-4 relative (normal range) or 2**-10 * scale
-  absolute (subnormals, |x / scale| < 2**-6); the bf16 product adds at most 2**-8 relative, float32's division
-  and product less than 2**-11 with the cross terms; and scale <= ||x|| / 446. So per row
-  `||e|| / ||x|| <= 2**-4 + 2**-8 + 2**-11 + sqrt(H) * 2**-10 / 446`: 0.0671 at H = 5120.
-- `bf16-m3`, `bf16-m4`: the bf16 value rounded to nearest-even at 3 (or 4) mantissa bits, stored as bf16 bit
-  patterns split into high and low bytes, both zstd-compressed (the dropped bits are zeros). Bound: 2**-4 (2**-5)
-  relative per value, so per row, for normal bf16 values; no scale is stored.
-
-Every codec refuses NaN/Inf (the worker stores a sample its quality gate flagged losslessly, as captured), and
-`app.hidden_file.encode_sample` stores losslessly any sample measured above its codec's bound: the manifest's
-bound is a promise kept at write time, and `regen verify` checks the recorded figures against it.
-The work runs in blocks of rows that stay in cache, as the lossless split does.
+Why: lossless bf16 stops at ~1.48x, and a drafter trains fine on fewer mantissa bits, so a run may opt in to a
+lossy store at under half the disk. Codecs: `fp8-e4m3` (per-row absmax scale), `bf16-m3`, `bf16-m4`. Every
+sample's error (per layer, max and RMS over tokens) is measured at write time and kept in the hidden file's
+index; NaN/Inf is refused, and a sample above its codec's bound is stored losslessly instead.
+Layouts and the bounds' derivations: docs/capture.md#lossy-codecs-in-detail.
 """
 
 from __future__ import annotations

@@ -1,58 +1,11 @@
 """The one comparison of two captures of the same tokens, row by row: is `candidate` the states `reference` is?
 
-Used wherever two captures of one sequence meet: a worker re-capturing a sample it stored (the in-run
-consistency check), `regen verify --reference` (transformers against the store), `regen selfcheck`. Both sides
-are `[tokens, layers, hidden]`, bf16 bit patterns (uint16, as app.hidden_file stores them) or floats, with
-the layers in the same slots. Three tests, each of which catches what the others cannot:
-
-1. **Error relative to the row.** For each token t and slot l, `err = ||c[t,l] - r[t,l]||_2 / ||r[t,l]||_2`
-   (the L2 norm of the difference over the L2 norm of the reference row: the same measure as a lossy run's
-   `max_rel_error`, app.states_bound, so the two add). It must stay under `bound`. A zero row (err 1), a
-   non-finite one (err inf), a row of another layer or of wild values fail here.
-
-   The bound, REL_BOUND = 2^-3 = 0.125, is measured: transformers on an H200 against transformers on the CPU,
-   both bf16, on a random Qwen3 at the real target's size (64 layers x 5120, the same weights on both devices,
-   with and without a massive-activation channel; bench/calibrate_gpu_noise.py). The worst row error grows with
-   depth as a random walk of roundings does, about 0.01 x sqrt(layer): 0.008 at layer 1, 0.035 at 16, 0.05 at
-   32, 0.075-0.082 at 61-64; each device against float32 gives 0.087 at 64, and one device's padded batch
-   against each sequence alone 0.076 (the worker's own re-capture). bf16's unit roundoff u = 2^-8, so the
-   bound is 32u: 1.45x the worst figure measured (the earlier 2^-4, derived as two roundings x sqrt(64), failed
-   right states at layers 48-64 on the GPU). On these CPUs vLLM and transformers agree to 2-3e-5 of the row on
-   a tiny model with a channel at 400 and to ~1.2% on the tests' tiny random model (rows of norm ~0.5).
-
-2. **Shift test: each row nearer its own counterpart than its neighbours.** Real Qwen models carry a channel
-   that is large in every token (a "massive activation", hundreds where the rest are ~1). It dominates every
-   row's norm, so a row shifted by one token, or another request's row, is within a few per cent of the right
-   one by test 1. Distances between rows do not see it: the channel has about the same value in every token, so
-   it cancels in `c[t] - r[t']` exactly as removing the per-channel mean over tokens would. So for every token t
-   and slot, with `d_own = ||c[t] - r[t]||`:
-   - `d_own` must not be more than twice `||c[t] - r[t-1]||` or `||c[t] - r[t+1]||` (a row shifted by one sits
-     on its neighbour's reference, at distance ~0; a right row's noise is orthogonal to the step between
-     neighbours, so it comes no nearer the neighbour; a neighbour whose reference is within NEIGHBOUR_SHARE of
-     the layer's typical step of this row's, a token repeated, says nothing and is not asked);
-   - `d_own` must be under SEPARATION x the larger of the layer's typical distance between consecutive tokens'
-     reference rows (the median of the non-zero `||r[t] - r[t+1]||` between different tokens, where the ids are
-     given) and the row's own larger step to a
-     neighbour (an attention-sink row, ~100x the others, has its noise measured against its own size): a
-     foreign or stale row is about that far from its counterpart (it is another token's state), a right row
-     only by rounding noise (a few per cent of it).
-   Rows that are bit-identical in the reference (a token repeated, rounded to one row in early layers) have no
-   usable neighbour distinction and are not held to the first rule.
-
-   These distances forgive each value FORGIVE = 4 bf16 roundings of its own magnitude (a value's difference less
-   4u x its size, clipped at 0). Without that, one rounding step in the massive channel (2.0 at 400) could
-   outweigh the whole difference between two tokens' rows in a model whose other channels are small (a random
-   model's 0.02-scale embeddings): a right row whose channel rounded one way, beside a neighbour whose channel
-   rounded the other, would look nearer the neighbour. A shifted row differs from its counterpart by whole
-   values (another token's), which no per-value forgiveness of a few per cent hides.
-
-3. **Layer test.** Residual-stream layers of one token are close in a massive-channel model too, so a slot
-   holding another captured layer can pass test 1; each slot's rows must be nearer the reference's same slot
-   than any other slot (median over up to LAYER_PROBE_ROWS rows spread over the sequence).
-
-`row_problems(states)` is the check that needs no reference: a zero or non-finite row inside any layer (a
-layer zero throughout is just the extreme of it). `Comparison` carries the verdict, the worst figures and
-one line of text that the worker-side check, `regen verify --reference` and `regen selfcheck` all print.
+Shared by the worker's re-capture check, `regen verify --reference` and `regen selfcheck`, so all three judge
+alike and print the same line. Three tests, each catching what the others cannot: each row's error relative to
+its row under `REL_BOUND` (measured GPU-vs-CPU noise, with margin); each row nearer its own counterpart than its
+neighbours (a massive-activation channel hides a shift from the first test); each slot nearer its own layer.
+`row_problems` is the check that needs no reference (zero or non-finite rows).
+Why each test, and how the bound was measured: docs/capture.md#comparing-two-captures.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """One fsspec-backed storage type: local and NFS paths now, `s3://` through s3fs.
 
 Storage is the record of what is done (datatrove's lesson): a shard is done exactly when its completion marker
-exists, and the marker is written last. Writers never expose a partial file: each file is written under a
-temporary name and renamed into place (on object stores a single PUT is already atomic). The completion
-marker is created *exclusively* (a hard link locally, a conditional PUT on S3), so when Redis delivers one
-shard to two workers at once (docs/measured-facts.md), exactly one of them publishes its outputs.
+exists, created last and exclusively, and no writer exposes a partial file (docs/faults.md#one-output-per-shard).
+Object-store options (`REGEN_STORAGE_OPTIONS`, app.settings) apply to every URL root, never to local paths.
 
 Layout of a run, relative to the storage root (all names deterministic):
 
@@ -21,10 +19,6 @@ Layout of a run, relative to the storage root (all names deterministic):
     {run}/archive/{key}/{stamp}/                 a retried dead letter (`dead.json`) and its attempts, kept
                                                  for the record by `regen retry-dead`
     {run}/PAUSED.json                            present while the run is paused (reason inside)
-
-Object stores need options every host must share (an S3 endpoint, a profile): `REGEN_STORAGE_OPTIONS` holds
-them as JSON, e.g. `{"client_kwargs": {"endpoint_url": "http://minio:9000"}}` (app.settings reads it), and they
-apply to every URL root (never to local paths), so a worker on another host opens the same bucket as the producer did.
 """
 
 from __future__ import annotations

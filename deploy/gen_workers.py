@@ -1,31 +1,13 @@
 #!/usr/bin/env python3
 """Write compose.yaml: the head's services, one `regen worker` service per GPU, and a CPU profile for a laptop.
 
-Usage:  python deploy/gen_workers.py N > compose.yaml      (the checked-in compose.yaml is N=4, the 4x RTX
-        PRO 6000 host, with 2 CPU workers; tests/test_compose.py checks it equals this script's output, so edit
-        here, not there)
-        python deploy/gen_workers.py 7 > compose.yaml            (a 7x B200 host)
+Usage:  python deploy/gen_workers.py N > compose.yaml      (the checked-in compose.yaml is N=4, with 2 CPU
+        workers; tests/test_compose.py checks it equals this script's output, so edit here, not there)
         python deploy/gen_workers.py 4 --cpu-workers 3 > compose.yaml
 
-Profiles, for the fleet as it is deployed: a head host and GPU hosts that join it by URL (docs/gpu-hosts.md).
-`head`: redis (the broker), flower, metrics and the one-shot producer of the run (`REGEN_RUN`, `REGEN_INPUTS`,
-and the run's options in `REGEN_PRODUCE_ARGS`, the pilot's recommended line). `gpu`: worker-gpuN, one per GPU,
-which join the head named by `REGEN_BROKER_URL` (unset: the `redis` service of the same project, a host that
-is head and GPU host at once) and the storage mounted at `REGEN_STORAGE_DIR`, serve `REGEN_RUN` and consume its
-queues (a staged run's capture queue too; `REGEN_QUEUES` to choose), with `REGEN_WORKER_ARGS` for the host's
-worker options (the pilot's `--task-slots`, `--max-num-seqs`). `cpu`: a whole job on a laptop (redis, flower,
-metrics, producer-cpu and worker-cpuN on the tiny model built into the CPU image).
-
-Images. The head, both producers and the CPU workers run the CPU image (deploy/Dockerfile.cpu: no GPU, no CUDA
-download on the head host); only worker-gpuN run the GPU image (deploy/Dockerfile, vLLM's CUDA build).
-
-Why one service per GPU and not one worker with `--gpus 0,1,2,3`: compose pins a device to a service, so a
-crashed or OOM-killed engine takes down one GPU's worker only, and `docker compose restart worker-gpu2`
-touches nothing else. Inside each container the GPU is device 0 (`--gpus 0`). Secrets come from the
-environment or `.env` (see deploy/.env.example) as `${VAR}`; none is written here. Compose checks the required
-variables of every service whatever the profile, so the only one required is `REDIS_PASSWORD`, which every host
-needs (the workers' URL carries it); Flower's login is checked when Flower starts, so a GPU host needs none.
-What only the GPU services need (REGEN_RUN, REGEN_MODEL_DIR) the worker checks at start-up instead.
+Profiles `head`, `gpu` (one service per GPU: a crashed engine takes down one GPU's worker only) and `cpu`.
+Secrets come from the environment or `.env` as `${VAR}`; none is written here.
+Profiles, images and the variables each needs: docs/operating.md#how-composeyaml-is-generated.
 """
 
 from __future__ import annotations

@@ -1,43 +1,10 @@
 """Text exports that keep what the model saw: one row per conversation, every turn the template rendered.
 
-A trainer that re-tokenises text (SpecForge's online mode, LLaMA-Factory, axolotl) rebuilds the prompt from the
-row, so a row must hold everything the target's template was given: the system turn, the tool definitions,
-assistant tool calls with their ids, tool responses, and the reasoning of earlier turns (the template keeps or
-drops it, as it did at generation). Re-rendering a row's conversation up to its last turn with the target's
-template gives the record's prompt ids exactly (tests/data/test_export_text.py).
-
-Rows are per conversation, not per record: a multi-turn run (`--regenerate all`) writes one record per
-regenerated turn, and the trainers supervise every assistant turn of a row, so one row per turn would train on
-early turns again and again. The row is built from the conversation's last ok turn, whose prompt already holds
-the earlier regenerated turns; a rejected turn (its prompt too long) ends the row at the turn before it
-(`cut_turn:...` counts those). A conversation is left out, counted under the first reason, when any of its
-turns is filtered (flags, `--min-response-tokens`, unterminated thinking).
-
-Unterminated thinking (`missing_think_end`: the output never reached `</think>`) is reasoning with an empty
-answer; text exports leave those samples out unless `--include-unterminated`, and count them as
-`unterminated_thinking`.
-
-Formats:
-- `sharegpt`: `{"id", "conversations": [{"from", "value", ...}], "tools", "finish_reason"}` with
-  from = system/human/gpt/tool. Assistant turns keep `reasoning_content` and `tool_calls` (OpenAI shape, ids
-  included); tool turns keep `tool_call_id` and `name`; `tools` is the definitions as a JSON string (Hermes
-  and LLaMA-Factory convention). regen's own producer reads these rows back into the same messages,
-  except a row holding a generated turn that came out empty (kept by `--include-unterminated`), which it
-  refuses as input (`empty_content`) as it refuses any empty turn.
-- `specforge-jsonl`: SpecForge's regenerated-data rows (what its `scripts/regenerate_train_data.py` writes and
-  `scripts/validate_regenerated_data.py` checks): `{"id", "conversations": [{"role", "content",
-  "reasoning_content"}], "status": "success"}`; optional system turns, then user/assistant alternation, ending
-  on an assistant turn, every content a non-empty string, no `<think>`/`</think>` in content or reasoning,
-  `reasoning_content` non-empty on every assistant turn of a thinking sample (a thinking run's rows pass
-  `--expect-reasoning`) and absent in a non-thinking one (passes `--expect-non-reasoning`); a mixed run's
-  rows are each in their own mode. SpecForge supervises every assistant turn
-  of such a row, so a row must be the target's own words throughout: conversations that keep an original
-  (not regenerated) assistant turn as context, which happens in `--regenerate last` runs, are left out as
-  `specforge:context_not_regenerated` (`--regenerate all` regenerates them). The format has no tool
-  definitions, tool roles or calls, so conversations with any of them are left out as `specforge:tools`
-  (use `sharegpt`). The
-  per-shard files are also joined into one `regenerated.jsonl` at the end of every export call, because
-  SpecForge's validator and its `data.train_data_path` take one file.
+A trainer that re-tokenises text rebuilds the prompt from the row, so a row holds everything the template was
+given (system turn, tools, tool calls and responses, earlier reasoning); re-rendering it gives the record's
+prompt ids exactly. One row per conversation, not per record, so the trainers do not supervise early turns again
+and again. Formats: `sharegpt` and `specforge-jsonl` (also joined into one `regenerated.jsonl`).
+What each row holds and what is left out, and why: docs/formats.md#text-exports-one-row-per-conversation.
 """
 
 from __future__ import annotations

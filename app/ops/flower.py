@@ -1,33 +1,10 @@
 """The Celery app Flower runs on (`celery -A app.ops.flower flower`), so that Flower lists regen's queues.
 
-Why Flower needs its own app module:
-
-- Plain `celery flower` (the broker from `CELERY_BROKER_URL`) has Celery's default app, whose default queue is
-  `celery`: its Broker page and `/api/queues/length` listed one queue, `celery`, with 0 messages, while
-  shards waited in `regen`.
-- `celery -A workers.celery_worker flower` answered "'redis' broker is not supported": the worker's app runs on
-  the guarded transport (workers.process.message_guard, `broker_transport` given as a class path), and kombu's
-  `Connection.as_uri()` then starts the URL with that class path instead of `redis://`; Flower picks its broker
-  client by that URL's scheme (flower/utils/broker.py, `Broker`) and finds none. Flower does not consume tasks,
-  so it needs neither the guard nor the worker's tasks and signals: this app is `create_app` on the same
-  settings (app.celery_app), plus the queues below.
-- Flower 2.2 lists the queues the workers it knows consume (their `active_queues`) or, while it knows none, the
-  app's default queue and `task_queues` (`BaseHandler.get_active_queue_names`). A backlog on a queue no live
-  worker consumes (`regen.capture` before a staged worker starts, a run produced with `--queue team-b`) would
-  not be listed. Flower has no option for more queues; its `--broker-api` is RabbitMQ's management API and is
-  used only on an `amqp` broker.
-
-So `build_flower_app` extends Flower's list (app.library_patches.extend_flower_queue_listing) with regen's two queues and every task queue the broker itself
-has recorded (`task_queue_names`): kombu's Redis transport adds a binding to the set `_kombu.binding.<exchange>`
-each time a queue is declared, by a producer that publishes to it or by a worker that consumes it, and Celery
-binds each task queue to an exchange of its own name. Reading the broker rather than the runs' manifests on
-storage keeps Flower storage-free (its container mounts none) and sees a queue the moment a producer has
-published to it. A queue stays listed (at 0) until its binding set is deleted (`redis-cli DEL
-_kombu.binding.NAME`).
-
-The broker URL comes from regen's settings (`REGEN_BROKER_URL`, app.settings); Celery lets
-`CELERY_BROKER_URL` win where it is set. A `rediss://` URL's `ssl_*` query settings become `broker_use_ssl`,
-which Flower's Redis client needs for TLS.
+Why its own app: Celery's default app lists only the `celery` queue, and the worker's app (the guarded
+transport) gives a broker URL Flower cannot use. This is `create_app` on the same settings, with Flower's queue
+list extended by regen's queues and every task queue the broker has recorded (its kombu binding sets), so
+Flower needs no storage. The broker URL is regen's (`REGEN_BROKER_URL`); `rediss://` options become
+`broker_use_ssl`. The whole story: docs/operating.md#flowers-own-celery-app.
 """
 
 from __future__ import annotations
