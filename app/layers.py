@@ -1,24 +1,9 @@
 """Capture layers in one documented convention, converted once.
 
-Conventions (docs/measured-facts.md; N = number of decoder layers):
-- `vllm:L` / `hf:L` -- the same number: vLLM's aux-hidden-state id L is transformers' `hidden_states[L]`, i.e.
-  the output of decoder layer L-1 (L = 1..N). `vllm:N` is the last layer *before* the final norm, whereas
-  transformers' `hidden_states[-1]` is *after* it; regen never reads that normed tensor.
-- `dflash:i` -- DFlash's target-layer id; DFlash reads `hidden_states[i+1]`, so it is requested from vLLM as
-  i+1 (i = 0..N-1).
-
-Presets: `dflash` (5 layers evenly over DFlash ids [1, N-3]; Qwen3-8B -> 1,9,17,25,33), `dflash-K` for K
-layers, and `eagle3`: the three auxiliary layers of vLLM's and speculators' default (vLLM ids 2, N//2, N-3) plus
-vLLM id N, the final layer that speculators' verifier slot and SpecForge's EAGLE-3 target need. Where the
-default's three ids are not distinct (N < 7), three distinct ids spread over 1..N-1 stand in.
-
-Slots are ascending, whatever order the ids are typed in: vLLM returns the captured layers in ascending layer
-order whatever order `eagle_aux_hidden_state_layer_ids` lists them in (a model appends to its
-`aux_hidden_states` as its layer loop passes each listed id), so a run that kept the typed order `vllm:4,1,2`
-labelled layer 1's states "4" (measured: error 2.2 of the row against transformers). `parse_layers` sorts the
-ids, the engine is asked for them in that order, and every slot's label is the layer it holds; exports write
-each trainer's order from the labels (app.data.export_states). `ascending_problem` names a run made before
-this (its manifest lists the ids out of order): its labels are wrong, and workers refuse to add to it.
+`vllm:L` / `hf:L` are the same number (transformers' `hidden_states[L]`); `dflash:i` is requested as i+1.
+Presets: `dflash`, `dflash-K`, `eagle3`. Slots are ascending whatever order the ids are typed in, because vLLM
+returns the layers in ascending order; `ascending_problem` names a run made before this, whose labels are wrong.
+Conventions: docs/measured-facts.md; presets and slot order: docs/capture.md#layer-presets-and-slot-order.
 """
 
 from __future__ import annotations

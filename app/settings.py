@@ -1,23 +1,10 @@
 """Every environment variable regen reads, read in one place: `Settings.from_env()`.
 
-Rule: each process's entry point reads the environment once and installs the result as the process's settings
-(`install` for a process's life, `scope` for one `regen` command); modules ask `current()` or are handed the
-object, and never read `os.environ` themselves. Why: one list of names, defaults and parsing, and a process that
-sees one configuration from start to end. The entry points: the `regen` command group (app.cli, read
-on first use so `--help` reads nothing), the worker child (workers.worker_main), the CPU engine's own process
-(workers.engine.process, handed its parent's settings), and Celery's command line: `celery -A
-workers.celery_worker` (a worker) and `celery -A app.ops.flower flower` (Flower). Outside an entry point (a test, a script, a library caller) `current()` reads the environment
-at that call, so a test that sets a variable is seen.
-
-Every variable, its default and its meaning: docs/configuration.md ("Environment variables"); the fields below
-name theirs. Flags that read a variable (`--storage` from `REGEN_STORAGE`, ...) are defined once, in
-app.cli.options. What regen writes into a child's environment (its GPUs, its WorkerConfig, vLLM's switches)
-is in app.process_env.
-
-The defaults producer, workers and Flower share (queues, shard size, the visibility timeout) and the broker's
-settings are here too. The broker URL may carry a password (`redis://:secret@host:6379/0`) or use TLS
-(`rediss://`); it is passed through untouched, and every place that prints it uses `mask_url` so the password
-never reaches a log line.
+Rule: each process's entry point reads the environment once and installs the result (`install`, `scope`);
+modules ask `current()` or are handed the object and never read `os.environ`, so there is one list of names,
+defaults and parsing, and a process sees one configuration throughout. Every variable: docs/configuration.md
+("Environment variables"); the entry points and the rest: docs/configuration.md#how-settings-are-read.
+The broker URL is passed through untouched; whatever prints it uses `mask_url`.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Speculative generation as a run setting (`--speculative mtp[:K]`): what it means, where it may run, and the
 checks that refuse it where it cannot.
 
-Qwen3.5/3.6 checkpoints ship a multi-token-prediction head (`mtp_num_hidden_layers` in the language model's
-config, `mtp.*` weights), which vLLM runs as the speculative method `mtp`: the head drafts K tokens per step and
-the target verifies them. With rejection sampling the accepted tokens keep the target's distribution, so the
-run's sampling stays the target's; greedy outputs equal those without it (docs/measured-facts.md).
-
-Only engines that do not capture may use it: vLLM's hidden-state capture is itself a speculative method
-(`extract_hidden_states`), and an engine has one. So the setting applies to generation engines (`--capture
-staged`, whose generate stage runs without capture, and `--capture off`) and never to a capture engine; an
-inline-capture run, whose one engine both generates and captures, refuses it. Whether it pays is a property of
-the host, the model and the batch (a gain at small batches, a loss at long contexts has been reported), so it is
-measured per host before a run uses it (`regen pilot`).
-
-Why K defaults to 2: the released Qwen3.5/3.6 checkpoints carry one MTP layer, which vLLM reuses for every draft
-position; each further position is predicted from a draft rather than from the target, so its acceptance falls
-off quickly, and every rejected position is compute spent for nothing, more so at the large batches of bulk
-generation. 2 is a modest depth; the pilot measures others.
+The target's MTP head drafts K tokens per step and the target verifies them, so the run's sampling stays the
+target's. Only engines that do not capture may use it (capture is itself vLLM's speculative method), so an
+inline-capture run refuses it; whether it pays is measured per host by `regen pilot`. K defaults to 2.
+Why: docs/capture.md#why-speculative-generation-is-a-run-setting.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """Publish shards as Celery tasks, one message per shard, through one reused producer connection.
 
-Why one message per shard: a 64-sample shard is the unit a worker generates, writes and marks done, and one
-publish per shard (not per prompt) keeps the broker's work 64x smaller.
-
-Compression (`compress`): zstd makes a shard's message 2-3x smaller in Redis (kombu needs `backports.zstd` on
-Python 3.11) but costs ~6 us of producer CPU per prompt, a third of the whole produce. On a LAN the only thing it
-buys is Redis memory, and that matters only when a large backlog parks there: `auto` (the default, see
-`choose_compression`) compresses when no `max_pending` bounds the queue and the inputs exceed
-`AUTO_COMPRESS_INPUT_BYTES` (1 GiB; 914K 3 KB prompts are ~3.5 GB of messages uncompressed); `zstd` / `none`
-force a choice. Plain bodies travel as JSON text inside the envelope rather than base64 (see `ShardSender`).
-
-Publishes go through kombu's publish batches (kombu >= 5.7): the Redis transport buffers the LPUSHes of up to
-`BATCH_OPERATIONS` messages in one pipeline, one round trip instead of one client and round trip per message.
-The batch is flushed before every queue-length check and when the sender closes; if the process dies with
-messages still buffered, they were never sent, and re-running produce re-sends every shard without a marker.
-
-Backpressure (`max_pending`): the queue's length is read with `LLEN <queue>` on the broker's Redis (the list
-Celery's Redis transport pushes to) and the producer waits while it exceeds the cap, so a 914K-prompt run does
-not park gigabytes in Redis, which must run with `noeviction`. Workers only shorten the queue, so the last length
-read plus the shards sent since is an upper bound: LLEN is asked (after flushing the batch) only when that bound
-reaches the cap, not before every publish. Non-Redis brokers have no cheap length query: the cap is skipped
-with a warning.
+One message per shard (the unit a worker generates and marks done) keeps the broker's work small. Compression
+is `auto` by default (`choose_compression`: only for a large, unbounded backlog, since it costs producer CPU);
+publishes go in kombu's publish batches, flushed before every queue-length check and on close; `max_pending`
+bounds the queue with `LLEN`, asked only when the last length plus what was sent since reaches the cap.
+Why, with the figures: docs/operating.md#how-the-producer-publishes.
 """
 
 from __future__ import annotations

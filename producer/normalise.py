@@ -1,30 +1,10 @@
 """Turn one input row of any common chat-dataset shape into one OpenAI-style sample, or a named reject.
 
-Why one normaliser: the sample id is a hash of the normalised prompt, so the same prompt read from a ShareGPT
-file and from an OpenAI-`messages` file must come out identical to be generated once. Shapes understood:
-
-- ShareGPT: `conversations` (or `conversation`) of `{"from", "value"}` turns; extra keys (`markdown`, `text`:
-  null) are ignored. Roles: human/user, gpt/assistant/chatgpt/bard/bing/model, system, tool/observation/
-  function_response/ipython (tool results), function_call (an assistant tool call).
-- OpenAI: `messages` of `{"role", "content"}`; content as a string or a list of parts `[{"type": "text", ...}]`;
-  assistant `tool_calls` and `reasoning_content` kept; `developer` is a system turn, `function` a tool turn.
-- Single turn: `prompt` / `question` / `instruction` (+ `input`, + `system`) columns; an `answer` / `output` /
-  `response` / `completion` column is the old assistant turn.
-- `tools`: a list, or a JSON string holding a list (Hermes function-calling data).
-
-Regeneration modes (the contract with the worker):
-- `last` (default): the prompt is everything up to the last user or tool turn; the assistant turns after it
-  (the ones being regenerated) are dropped. Earlier assistant turns stay as context, with `reasoning_content`.
-- `all`: the structure is kept. Every assistant turn after the first user turn becomes a turn to regenerate,
-  `{"role": "assistant", "content": None, "original_content": <old text or None>}` (plus
-  `original_tool_calls` / `original_reasoning_content` when the old turn had them), and the worker fills them in
-  order; a conversation that ends on a user or tool turn gets one trailing such turn, so its last question is
-  answered too. Assistant turns before the first user turn (a greeting) are context and keep their content.
-
-A sample is `{"id", "messages", "tools", "source": {"file", "line", "source_id"}}`, plus `input_thinking` when
-the row names its own mode (a boolean `enable_thinking`, or a boolean `thinking`; a `thinking` holding text is
-some datasets' reasoning and is not a mode; a non-boolean `enable_thinking` is `bad_mode_field`): a mixed run
-keeps it (app.modes). Anything else raises `Rejected` with one of `REJECT_REASONS`.
+Why one normaliser: the sample id is a hash of the normalised prompt, so one prompt read from a ShareGPT file and
+from an OpenAI-`messages` file must come out identical, to be generated once. Shapes: ShareGPT, OpenAI
+`messages`, single-turn columns, `tools`. Regeneration modes `last` and `all` are the contract with the worker.
+Anything else raises `Rejected` with one of `REJECT_REASONS`.
+Shapes, roles, modes and the sample's fields: docs/formats.md#inputs-the-row-shapes-the-producer-reads.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """`regen export`: a run's ok records as files other tools read, one output file per shard, resumable.
 
-Why per shard: a 914K-sample export takes hours; each shard's output is written atomically and then a
-`done/{shard}.json` marker in the output folder, so a rerun (after a crash, or while the run is still
-generating) does exactly the shards not yet exported. `export.json` pins the run, format and filters: a rerun
-with other settings is refused instead of mixing two selections in one folder.
-
-Fan-out: `run(processes=N)` exports shards in N spawned worker processes, `run(part=Part(i, n))` only every n-th
-shard, so that several hosts export one run into one folder at once; the output is byte-identical to one
-process's. What makes that hold: the plan numbers every sample before anything is written
-(app.data.export_plan), each shard is claimed by the process writing it (app.data.export_claims), and the
-files made from every shard (token_freq.pt, speculators' dataset, SpecForge's joined JSONL) are assembled by the
-exporter that finds every planned shard exported when it ends (`assemble`). docs/formats.md says how to use it.
-
-Formats: every one, with what it needs and the class that writes it, is listed in app.data.export_formats.
-- text, per conversation (`sharegpt`, `specforge-jsonl`): every turn the model saw (app.data.export_text).
-- text, per record (`parquet`): `data/{shard}.parquet`, one fixed schema for every shard.
-- hidden states (`specforge-dflash`, `specforge-eagle3`, `speculators`): laid out as each trainer's own reader
-  loads them (app.data.export_trainers and the writer classes the list names).
-- token-only (`specforge-online`, `speculators-online`): ids and loss masks, for trainers that run the target
-  themselves; every run, `--capture off` included (app.data.export_online).
-
-Text formats (`sharegpt`, `specforge-jsonl`, `parquet`) leave out samples whose thinking never ended unless
-`include_unterminated` (app.data.export_text says why); every left-out sample is counted by reason.
+Why per shard: an export of the whole job takes hours; each shard's output is written atomically, then a done
+marker, so a rerun does exactly the shards not yet exported. `export.json` pins the run, format and filters.
+Fan-out (`processes`, `part`) gives the same bytes as one process: the plan numbers every sample first
+(app.data.export_plan), each shard is claimed (app.data.export_claims), and `assemble` writes the whole-export
+files. The formats are listed in app.data.export_formats. Details: docs/formats.md#how-regen-export-works.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """Token-only hand-offs: what a trainer that computes the target's hidden states itself reads, and nothing more.
 
-Why: at the job's size the stored states are ~94 TB (lossless) and every hidden-state export writes them again,
-raw (~140 TB; docs/formats.md has the figures). Both trainers can instead run the target during training, and
-need only the ids and the loss mask for that -- which every run has, `--capture off` runs included:
-
-- `specforge-online`: one plain JSONL file, `prompts.jsonl`, one row per sample `{"id", "input_ids",
-  "loss_mask"}`, for SpecForge's `data.prompts_path`. SpecForge 0.2.0 (`specforge/data/prompt_builder.py`,
-  `prepare_prompt_tasks`) takes a file as pre-tokenized when its first record has both `input_ids` and
-  `loss_mask`; it wants one-dimensional integer lists of equal, non-zero length, a mask of 0/1, and ignores
-  every other key (`id` is there for the user: the record's `sample_id`). It cuts each row to `data.max_length`
-  ids from the head and drops rows left with fewer supervised ids than the algorithm's minimum.
-- `speculators-online`: the `speculators` format's dataset (`save_to_disk`: `id`, `input_ids`, `loss_mask`,
-  `seq_len`, torch format; `token_freq.pt`) without `hidden_states/`. speculators 0.9.0's `ArrowDataset`
-  (`speculators/train/data.py`) looks for `hidden_states/hs_{i}.safetensors` per row and, with
-  `on_missing="generate"` (its default), sends the row's `input_ids` to a vLLM endpoint that extracts the
-  states, and checks that the returned `token_ids` equal them.
-
-The ids are each record's `input_ids` whole and its `loss_mask` as stored: the target runs over every id here,
-so unlike a capture (app.data.export_states) no id lacks a state and nothing is cut. Shards are exported as
-soon as they are done; a `--capture staged` run's capture is not waited for. Sample numbering, resumability, the
-left-out counts and `token_freq.pt` are the hidden-state exports' (app.data.export_trainers): the row order is
-the same as theirs, so an online and an offline export of one run number their samples alike.
+Why: the stored states are ~94 TB at the job's size and a hidden-state export writes them again; both trainers
+can run the target during training and need only ids and loss masks, which every run has. `specforge-online`
+writes `prompts.jsonl`; `speculators-online` the `speculators` dataset without `hidden_states/`. Ids and masks
+are each record's, whole; numbering and resumability are the hidden-state exports' (app.data.export_trainers).
+What each trainer reads and checks: docs/formats.md#token-only-hand-offs-in-detail.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """An export's plan in its output folder: which shards each round of exporting takes, and every sample's number.
 
-Why a plan on storage: hidden-state exports number samples 0, 1, 2, ... over the whole export (SpecForge's
-`data_{i}`, speculators' row `i` = `hs_{i}`), so a shard's first number is the count of samples exported from
-the shards before it. One process walking the shards in order knows that count as it goes; several processes
-and hosts writing shards at once must know it before they start, and must agree on which shards come before.
-
-- `batches/{k}.json` (a batch): the shards one round of exporting takes, in id order, and the number its first
-  sample gets. Created exclusively by the first exporter that finds done shards no batch holds, once every
-  earlier batch is complete; every other exporter reads it. A run still generating gets one batch per export
-  call that found new shards, as the single-process exporter always numbered them (the shards of one call in
-  id order, after every sample of the calls before).
-- `counts/{shard}.json`: how many of the shard's records the export keeps, and why it leaves out the others:
-  the same filters the export applies (flags, lengths, supervision), decided from the records and the hidden
-  file's index alone, without reading a state. Any exporter may write it (the content is deterministic); a
-  shard's first number is then the batch's first number plus the counts of the shards before it in the batch.
-
-The done marker of a shard (`done/{shard}.json`) stays what says it is exported; a batch is complete when every
-shard in it has one.
+Why on storage: hidden-state exports number samples over the whole export, so several processes and hosts
+writing shards at once must know each shard's first number before they start. `batches/{k}.json` (created
+exclusively) lists a round's shards and its first number; `counts/{shard}.json` how many samples each keeps.
+A shard's `done/{shard}.json` still says it is exported. Details: docs/formats.md#the-export-plan.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """Hidden-state exports that a trainer's own reader loads as they are: the part every such format shares.
 
-A format subclass says which layers it needs and how one sample is written; this base streams the run's
-shards through it and keeps the export resumable like the text formats (app.data.export):
-
-- Samples are numbered 0, 1, 2, ... over the whole export in shard order (SpecForge's `data_{i}`, speculators'
-  row `i` and `hs_{i}`). A shard's first number comes from the export's plan (app.data.export_plan), which
-  counts each shard's kept samples up front from its records and its hidden file's index, so any process or
-  host can write any shard; the number is also written into the shard's `done/{shard}.json` marker. A shard
-  cut short by a kill is written again under the same names with the same bytes; files a pre-plan attempt left
-  past the last number are removed when the export is assembled (SpecForge reads every file it finds).
-- Per shard, the supervised-token counts go to `freq/{shard}.json` before the done marker; `token_freq.pt`
-  (token id -> count, speculators' `token_freq.pt`, the input of SpecForge's and speculators' reduced draft
-  vocabularies) is rebuilt from all of them when the export is assembled (app.data.export).
-- `samples.jsonl` names each numbered sample: `{"index", "sample_id", "prompt_id", "thinking"}` in number
-  order (per shard in `samples/{shard}.json` first, like the frequencies), so a trainer can split train and
-  eval by prompt (the K samples of a prompt, `--samples-per-prompt`, are K numbers) and tell a mixed run's
-  modes apart; the trainers' own files carry no ids.
-- Samples with nothing to learn from are left out and counted (`no_supervised_tokens`, and for DFlash
-  `no_two_consecutive_supervised_tokens`, which SpecForge refuses).
-- The token-only formats (app.data.export_online) are subclasses that write no states (`needs_states`
-  False): they take each record's ids whole and share the numbering, the plan, resumability and `token_freq.pt`.
-
-Many exporter processes per output folder at a time: each shard is claimed (app.data.export_claims).
+A format subclass says which layers it needs and how one sample is written; this base streams the run's shards
+through it: samples numbered over the whole export from the plan (app.data.export_plan), per-shard frequencies
+for `token_freq.pt`, `samples.jsonl` naming each number, samples with nothing to learn from left out and
+counted, and each shard claimed (app.data.export_claims). The token-only formats are subclasses without states.
+Details: docs/formats.md#what-every-hidden-state-export-shares.
 """
 
 from __future__ import annotations

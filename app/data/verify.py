@@ -1,23 +1,10 @@
 """`regen verify`: prove a run on storage is complete, intact and self-consistent before anyone trains on it.
 
-Why: the failures that hurt drafter training are silent (all-zero states from a buggy engine, a truncated
-copy, a shard that never ran). Every check here needs only the run itself: markers name files with sizes and
-sha256, hidden files carry per-part CRCs, records carry the ids the states must belong to, and the producer's
-counts must add up with what the workers wrote. `--reference N` additionally recomputes N samples' states
-with plain transformers (app.data.reference), independent of vLLM's capture path, and judges them row by row
-(app.data.verify_reference). A run with a lossy
-`--states-dtype` promises a bound on each token's relative error: every lossy sample's recorded error is held
-to it (app.states_bound), and the reference comparison allows it on top of the capture tolerance.
-
-Problems are `error` (exit 1) or `warning` (`--strict` makes warnings fail too). An incomplete run (shards
-dead-lettered or without a marker, a producer that has not finished) is an error: a run that lacks samples is
-not the dataset that was asked for, and the report's first line says how many samples are missing and why.
-`--allow-incomplete` turns those into warnings, to check a run in progress.
-
-`--sample N` (or a fraction, `--sample 0.01`) is verify at a real run's scale (~60-130 TB of states for 914K
-samples of a 27B target): markers, sizes, records, masks, the hidden files' indexes and the accounting are checked
-for every shard, and the states of only N samples, spread over workers and shards, are decoded
-(app.data.verify_sampled); the report says what was and was not read.
+Why: the failures that hurt drafter training are silent (zero states, a truncated copy, a shard that never ran).
+Every check needs only the run itself (markers with sizes and sha256, per-part CRCs, record ids, the producer's
+counts); `--reference N` recomputes states with plain transformers. Problems are errors or warnings; an
+incomplete run is an error unless `--allow-incomplete`; `--sample N` decodes only N samples' states.
+Details: docs/checking.md#what-verify-rests-on.
 """
 
 from __future__ import annotations

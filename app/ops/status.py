@@ -1,22 +1,9 @@
 """What a run has done, read from its storage markers alone; `regen status` and `regen metrics` share it.
 
-Why storage and not Redis: Redis delivers at least once and forgets a message when it is acked, so only the
-markers know what is done (datatrove's `jobs_status` reads markers the same way). Each shard's stage key (app.ledger:
-the shard itself, and its own key for the staged capture stage) is in exactly one state, decided in this order:
-
-    done       its completion marker exists (`done/` or, for capture, `captured/`)
-    dead       it was dead-lettered (`dead/`)
-    running    an attempt of it is alive (app.liveness: its process runs, seen from its own host, or it renewed
-               its lease within `lease_s` on the fleet's shared clock; records without a lease: started less
-               than `stale_after` seconds ago)
-    failed     some attempt recorded an error (Celery retries it, or it waits for `regen reconcile`)
-    stale      every attempt's process is dead and none failed (a killed worker, a dead host: the fleet re-sends
-               it, app.dead_holders; `held_by_dead` names them and the host that held them)
-    waiting    no attempt yet (queued in Redis, or lost with it)
-
-Done markers and dead letters never change once written, so `RunScanner` caches them between scans (a
-`--watch` or a Prometheus scrape re-reads only what can still change). Listings and batched reads are `RunStore`'s
-(object stores fetch a batch concurrently).
+Why storage and not Redis: Redis forgets a message once it is acked, so only the markers know what is done.
+Each shard's stage key (app.ledger) is in exactly one state: done, dead, running, failed, stale or waiting,
+decided in that order. `RunScanner` caches what never changes (done markers, dead letters) between scans.
+Each state's rule: docs/operating.md#a-shards-state-from-storage.
 """
 
 from __future__ import annotations

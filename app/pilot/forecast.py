@@ -1,24 +1,9 @@
 """The pilot's settings and arithmetic: which candidate settings a host tries, the rates its measurements give,
 and the forecast of the whole job on a fleet of hosts, each measured by its own `regen pilot`.
 
-Why one module: `regen pilot` computes the forecast from its measurements, `regen pilot --forecast-only`
-recomputes it from the JSON files hosts wrote, and `regen status` compares a run's real rate with it; all three
-must use one arithmetic. Every figure of the forecast is a product or quotient of measured
-ones (nothing assumed), so a test recomputes it from the JSON:
-
-- a candidate's samples/s = its samples done / its window (first task start to last marker);
-  generated tokens/s per device = its generated tokens / window / devices;
-- the fleet's rate = the sum, over hosts, of each host's best candidate under the run setting chosen (capture
-  mode and speculative generation are run settings, the same on every host; task slots and the engine's batch
-  are each host's own);
-- wall time = the input's samples / the fleet's rate; device-hours = every host's devices x wall time;
-- per-sample figures (generated tokens, context tokens, bytes by states dtype) are the pooled totals of the
-  hosts' chosen candidates / their samples; disk by dtype and the export (raw bf16 of the captured layers) are
-  the input's samples x those. The input's samples are its prompts x the samples per prompt.
-- per mode (a mixed run, `--thinking-mix`): each mode's share of the samples, its generated and context tokens
-  per sample, as measured on that mode's samples; its disk and export are the job's x its share of the context
-  tokens (states are stored per context token), and its device-hours the job's x its share of the generated
-  tokens (decoding is where the device's time goes; the split is that apportioning, not a separate timing).
+Why one module: `regen pilot`, `regen pilot --forecast-only` and `regen status` must use one arithmetic. Every
+figure of the forecast is a product or quotient of measured ones (nothing assumed), so a test recomputes it
+from the JSON. Each figure's formula: docs/pilot.md#the-forecasts-arithmetic.
 """
 
 from __future__ import annotations

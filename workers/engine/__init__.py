@@ -1,21 +1,7 @@
 """The vLLM engine a worker generates and captures with: in this process or in a child process of its own.
 
-interface.py          `Engine`, what both offer and what the worker's code holds
-in_process.py         `InProcessEngine`: vLLM stepped by one thread, results handed on by another
-process.py            `EngineProcess`: an `InProcessEngine` in a child process (the CPU worker's), over a pipe
-options.py            `EngineOptions`, what an engine is built from
-request.py            `GenRequest` and `GenResult`, what goes in and comes out per request
-jobs.py               `BatchJob` and `ExclusiveCall`, what a caller waits on
-llm_arguments.py      the `vllm.LLM` arguments and per-request sampling parameters
-settings.py           settings chosen from the model's config; the vLLM a hybrid target needs
-capture_connector.py  vLLM's hidden-state connector, made to work on the CPU
-capture_file.py       reading and removing the connector's per-request files
-self_test.py          the start-up test: the run's sampling, prompts that break engines, the capture check
-recapture.py          a sample's stored ids captured again in a batch of their own and compared
-capture_faults_for_tests.py  TEST ONLY: corrupts listed runs' captures on purpose (REGEN_FAULT_INJECTION_FOR_TESTS)
-engine_mode.py        the mode a built engine runs in (runner, scheduling, chunking, graphs, device)
-limits.py             settings an engine is known to crash on, refused before it runs
-scheduling.py         how the engine and the worker's side threads share a CPU's cores
-
-Nothing here imports the rest of workers/ (vLLM's environment is written by the base's app.process_env).
+`Engine` (interface.py) is what the worker's code holds; `InProcessEngine` steps vLLM on a thread of this
+process, `EngineProcess` runs one in a child process (the CPU worker's). Nothing here imports the rest of
+workers/ (vLLM's environment is written by the base's app.process_env).
+Each module, file by file: docs/workers.md#the-engine-package-file-by-file.
 """

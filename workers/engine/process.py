@@ -1,25 +1,10 @@
 """The CPU worker's engine in a process of its own: the worker's side work never holds the engine's GIL.
 
-Why: on a CPU host the in-process engine's steps are mostly Python (the tiny test model's nearly all), so every
-bit of the worker's side work (Celery's consumer, task slots rendering prompts and writing shards, the delivery
-thread reading capture files, the encoders) that holds the GIL holds up the engine. Measured on 2 cores with the
-fleet bench: the in-process engine alone in a process ran at 0.99 of `LLM.generate`, the same engine inside the
-worker at 0.90. The GIL is per process, so the engine moves out: this child process builds an `InProcessEngine`
-(its own thread, capture connector, step loop) and does nothing else; the worker process keeps everything
-else. What crosses the pipe is small: a shard's prompt ids once, and per finished sample its ids, text and the
-path of its capture file, which the worker process reads (memory-mapped above 1 MiB) and removes itself, so no
-hidden states are ever copied through the pipe. Results go in one message per delivery round (every sample that
-finished in the same engine step, which for equal-length samples is a whole wave), not one per sample: each
-message wakes this process's delivery thread, which then takes the GIL between the engine thread's torch ops.
-The batch's last message ("done") carries the engine's span of it and ends it on the worker's side.
-
-Lifecycle: `EngineProcess(options)` spawns the child and waits until its engine is built; the worker's tokenizer
-is loaded meanwhile. The child dies with the worker (PR_SET_PDEATHSIG, and a closed pipe ends it too), so a
-SIGKILLed worker leaves no engine behind. A child that dies (a crash, OOM) or whose engine fails makes every
-waiting batch raise `EngineDead`, and the task exits the worker without acking, as with an in-process engine.
-
-GPU workers do not use this: there vLLM's own engine-core process already runs the model apart from the
-worker's threads (`EngineOptions.in_process` False).
+Why: on a CPU host the in-process engine's steps are mostly Python, so any side work holding the GIL holds up the
+engine; the GIL is per process, so the engine moves out. Only prompt ids and, per finished sample, its ids, text
+and capture file's path cross the pipe (no hidden states), one message per delivery round. The child dies with
+the worker; a dead child makes every waiting batch raise `EngineDead`. GPU workers do not use this.
+Lifecycle and the measurement behind it: docs/workers.md#the-engine-process-in-detail.
 """
 
 from __future__ import annotations

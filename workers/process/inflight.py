@@ -1,22 +1,10 @@
 """The shards this worker process is running now: one delivery of a shard at a time, leases kept, a journal.
 
-Why a registry: Redis delivers at least once, and one process can be handed several copies of one shard (an
-engine-death re-publish and the restored original; `regen reconcile` beside the original; the visibility timeout
-restoring a message that still runs). Run side by side they only waste slots, and when the process died each
-copy counted as a failed attempt: six copies and one SIGKILL dead-lettered a healthy shard. So the first delivery
-claims the shard; a second one in this process does not start an attempt:
-- a different message (another delivery tag) is acked and dropped: the claimed delivery stays unacked until it
-  ends, and whatever ends it (done, a retry, an engine-death re-publish, a kill and Redis' restore) covers the
-  shard;
-- the same message again (the visibility timeout restored it while it runs) is deferred with Celery's retry
-  (a new message, some seconds later): acking it would ack the running delivery's message too.
-
-Leases: every claimed attempt's record gets a fresh `heartbeat` every `heartbeat_seconds()` (app.liveness),
-so other machines can tell a dead attempt from a slow one. Journal: each attempt is also a small file on local
-disk (`REGEN_STATE_DIR`, default /var/tmp/regen-UID/attempts) until it ends, so a worker starting on this host
-finds the attempts of its host's dead processes and removes their temporaries (`sweep_dead_attempts`). Entries
-name their process as attempt records do (host, boot id, pid namespace, pid, start time), and only this
-machine's are judged: the folder is per host.
+Why: Redis delivers at least once, and copies of one shard run side by side only waste slots (and once
+dead-lettered a healthy shard). The first delivery claims the shard; another message for it is acked and
+dropped, the same message again is deferred. Each claimed attempt's lease is renewed (app.liveness), and a
+journal on local disk lets the next worker on this host clean up after a dead process.
+Why each rule: docs/faults.md#one-delivery-of-a-shard-per-process.
 """
 
 from __future__ import annotations

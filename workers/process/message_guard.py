@@ -1,26 +1,10 @@
 """A message the worker cannot decode or take apart is set aside once, never fatal to the worker.
 
-Why: kombu's Redis channel parses each message's envelope (JSON) and decodes its body (base64) inside the
-consumer's event loop, before Celery sees the message. An exception there is Celery's `Unrecoverable error`: the
-worker process exits, and its engine (tens of seconds on a CPU, minutes for a large model on a GPU) is rebuilt.
-Anyone who can write to the queue could keep a fleet reloading. Celery's own `on_decode_error` only covers
-bodies that reach it.
-
-So the worker runs on this subclass of kombu's Redis transport (`broker_transport`, set in
-workers.celery_worker): the envelope of every message popped from a queue is checked before delivery (a JSON
-object with `properties.delivery_tag`, a body that decodes with its `body_encoding`), and one that fails is
-recorded in Redis' dead-message list (app.dead_messages: its queue, the reason, a short hexdump) and not
-delivered. It was popped and never entered the unacked hash, so it is gone from the queue: rejected once.
-
-kombu parses the envelope with the `loads` of its redis module; that name is replaced by one that, only while
-this channel pops a queue message (`tolerant_envelope_loads`), returns an `Undecodable` marker instead of raising
-(the patch and the kombu versions it was written for: app.library_patches). Everything else in kombu (restores,
-fanout events, other channels) sees the original behaviour.
-
-Past the transport, Celery's consumer decodes the body and unpacks it into a task request. A body that is not
-JSON reaches its `on_decode_error` (logged, acked); one that is JSON but not a task's `[args, kwargs, embed]`
-raised out of the consumer (`Unrecoverable error: ValueError`). `Consumer` (`worker_consumer`) records both,
-and unknown or invalid tasks, in the same list, and acks what it cannot use.
+Why: kombu decodes a message's envelope inside the consumer's event loop, where an exception ends the worker
+and its engine must be rebuilt, so anyone who can write to the queue could keep a fleet reloading. This
+subclass of kombu's Redis transport checks every popped envelope and records a bad one in the dead-message list
+(app.dead_messages) instead of delivering it; `Consumer` does the same for bodies Celery cannot use.
+How, and the kombu patch it rests on: docs/faults.md#the-message-guard-in-detail.
 """
 
 from __future__ import annotations
