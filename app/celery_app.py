@@ -1,21 +1,9 @@
 """The one Celery configuration shared by the producer, the workers and Flower.
 
-Why each setting (see docs/measured-facts.md for the measurements behind them):
-- JSON only, never pickle: a message pushed by anyone who reaches Redis must not be able to run code.
-- Late acks + prefetch multiplier 1: a shard is acked only after its outputs and completion marker are on
-  storage, and a worker holds at most one unstarted shard per task slot.
-- `visibility_timeout` (default 4 h) is set in both transport-option dicts Celery reads: Redis re-delivers an
-  unacked message after it *even while it still runs*, so it must exceed the longest shard. Re-delivery is
-  harmless because storage, not Redis, records what is done.
-- Results are ignored: outcomes live on storage.
-- The broker connection is retried forever. Running tasks are *not* cancelled on connection loss: the thread
-  pool cannot cancel a running task (Celery raised `NotImplementedError ... does not implement kill_job` per
-  running task on every broker restart, and the tasks ran on). A task that outlives its connection finishes and
-  publishes on storage; its ack may be lost with the channel, and the message Redis restores finds the shard done.
-- Task events on in workers, so Flower can show the fleet.
-
-Creating the app does not connect to anything; connections open on first use. `redis_client` is the plain
-Redis connection (queue lengths, the dead-message list) the status views and the workers share.
+JSON only (never pickle), late acks with prefetch 1, a `visibility_timeout` longer than the longest shard, no
+results (outcomes live on storage), broker connections retried forever without cancelling running tasks, task
+events on for Flower. Creating the app connects to nothing; `redis_client` is the plain Redis connection the
+status views and the workers share. Why each setting: docs/faults.md#why-the-celery-settings-are-as-they-are.
 """
 
 from __future__ import annotations

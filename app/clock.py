@@ -1,19 +1,9 @@
 """One clock for leases: the broker's Redis `TIME`, which every host of a fleet already reaches.
 
-Why a shared clock: a lease is a heartbeat written by one host and judged by another (app.liveness). Judged
-on the reader's wall clock, a host whose clock runs minutes ahead counts every other host's live attempts as
-dead (crashes counted against healthy shards, live temporaries swept), and one running behind never lets a
-dead host's attempts die. So heartbeats are written, and their age measured, on one clock.
-
-Why Redis `TIME` rather than the storage's modification times: every worker, `regen run` and `regen status`
-already hold the broker's URL, and one `TIME` round trip (microseconds on a LAN) gives the offset of this host's
-clock from the shared one, which then serves every reading for `REFRESH_S` seconds. Storage mtimes are not one
-clock: an NFS client may set them itself (`utimes`), a local disk's are its host's, an object store's
-`LastModified` is the upload's start, and reading one costs a stat per attempt record.
-
-Where no Redis broker answers (the embedded filesystem broker of a one-machine `regen run`, a status read of
-storage alone) the local clock is the shared one: one machine has one clock. A broker that stops answering
-leaves the last measured offset in use.
+Why: a lease is written by one host and judged by another, and hosts' clocks drift; judged on the reader's
+clock, live attempts would count as dead or dead ones never die. One `TIME` round trip gives this host's offset
+from the shared clock for `REFRESH_S` seconds (storage mtimes are not one clock). Without a Redis broker the
+local clock is the shared one. Why Redis and not storage: docs/faults.md#one-clock-for-leases.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """The shard ledger: what storage records about each shard's deliveries, so that at-least-once delivery is safe.
 
-Redis delivers a shard at least once, so storage, not the broker, is the record (`app.storage` owns the
-paths, this module the rules written at them):
-- stage keys: a shard has one key per stage, `stage_key(shard, stage)`; generation uses the shard id itself and
-  the staged capture stage its own key, so each stage has its own attempts, dead letter and marker;
-- attempts: every delivery that starts a key writes an attempt record (`record_attempt`); the records decide
-  when a key has failed too often (`AttemptCount`), and a live worker renews its records' leases
-  (`renew_lease`, app.liveness) so other machines can tell a dead attempt from a slow one;
-- dead letters: a key that failed too often gets one (`dead_letter`), holding every attempt's record; `regen
-  retry-dead` archives the letter and the attempts before re-sending (`archive_dead`);
-- completion markers (written by the publishers, workers.shard.shard_output and workers.shard.capture_stage): a key
-  is finished exactly when its marker exists (`is_finished`, `finished`, `dead`, `missing_captures`);
-- the pause: a run whose stub rate crossed its threshold is paused until `regen resume-run` clears it;
-- the sweep: what dead attempts left half-written (`atomic_writer` temporaries) is removed once they are known
-  dead, so a killed worker does not leave GBs of hidden states behind.
+Redis delivers a shard at least once, so storage, not the broker, is the record (`app.storage` owns the paths,
+this module the rules written at them): stage keys, attempt records and their leases, dead letters and their
+archive, completion markers, the run's pause, and the sweep of what dead attempts left half-written.
+Each rule: docs/faults.md#the-shard-ledger.
 """
 
 from __future__ import annotations

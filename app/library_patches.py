@@ -1,20 +1,10 @@
 """Every change regen makes to another library's behaviour, in one module, each with the versions it was
 written against.
 
-Why one module: each of these reaches into a library's internals (a module-level name it calls, a private
-method it overrides, a registry it keeps), which the library may move in any release. Kept together, with the
-version range each was read from and `check_versions()` (a test runs it against what is installed, and the
-worker and Flower log its findings at start), a dependency upgrade shows at once what to re-read.
-
-- kombu's Redis transport encodes each message envelope with its module's `dumps`: the producer swaps in an
-  orjson one (`use_orjson_envelope`), ~4x faster on a 64-prompt shard.
-- kombu's serialisation registry: an orjson encoder under its own name and zstd level 1
-  (`register_fast_codecs`); decoders stay kombu's, so messages stay standard.
-- kombu's Redis transport parses envelopes with its module's `loads`: the worker's guarded channel (a subclass
-  of kombu's, overriding `_brpop_read`, `_get` and `Transport._deliver`) makes it return `Undecodable` instead
-  of raising while it pops a queue message (`install_tolerant_envelope_loads`, `tolerant_envelope_loads`).
-- Flower lists only the queues its known workers consume: `extend_flower_queue_listing` adds names to
-  `BaseHandler.get_active_queue_names`.
+Why one module: each reaches into a library's internals, which may move in any release; kept together with the
+version range each was read from and `check_versions()` (a test runs it, the worker and Flower log it), a
+dependency upgrade shows at once what to re-read. Patched: kombu's envelope `dumps`/`loads` and codec
+registry, and Flower's queue listing. Each patch and why: docs/faults.md#every-patch-to-another-library.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Counts of the storage operations one process makes through `app.storage.Storage`, by kind and by what they touch.
 
-Why: what the fleet costs the shared storage per shard (writes, reads, listings, renames, fsyncs, deletes, and
-their bytes) decides whether NFS's metadata server or an object store's request rate breaks first as the fleet
-grows; bench/bench_fleet_scale.py reads these counts from every process of a run. Off unless
-`REGEN_STORAGE_COUNTS=DIR` is set (app.settings): then each process appends one short line per operation
-(`kind area bytes`) to `DIR/{pid}.log` with a single O_APPEND write, a few microseconds beside an operation that
-takes milliseconds; once `write` returns the kernel has the line, so a process that is SIGKILLed (the harness
-kills a host) loses at most the operation in progress.
-
-Kinds: `write` (a whole file put: local temp file written, or one object PUT), `fsync`, `rename` (temp into
-place), `link` (the local exclusive create's hard link), `put_if_absent` (the object store's conditional PUT),
-`read`, `open` (a file opened for streaming), `stat` (size), `exists`, `list`, `mkdir`, `delete`. Each is also
-counted per area (`kind:area`), the run folder it touches (`records`, `hidden`, `done`, `attempts`, `captured`,
-`dead`, `run.json`, ...), per kind of thread that made it (`by:lease`, `by:dead-holders`, `by:task`, ...), and
-`bytes_written` / `bytes_read` (also per area).
+Why: what the fleet costs the shared storage per shard decides whether NFS's metadata server or an object
+store's request rate breaks first as the fleet grows; bench/bench_fleet_scale.py reads these counts. Off unless
+`REGEN_STORAGE_COUNTS=DIR` is set; then each operation is one O_APPEND line in `DIR/{pid}.log`, so a killed
+process loses at most the operation in progress. Kinds and areas: docs/performance.md#counting-storage-operations.
 """
 
 from __future__ import annotations

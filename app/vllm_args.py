@@ -1,20 +1,10 @@
 """The operator's own vLLM engine settings (`--vllm-arg KEY=VALUE`), checked by vLLM's parser before anything
 starts.
 
-Every real deployment needs some setting the worker does not know (`max_num_batched_tokens`, prefix caching,
-a KV-cache size policy, an attention backend). They are parsed with vLLM's own `EngineArgs` command-line parser
-(the one `vllm serve` uses, abbreviations off), so a misspelt key or a bad value fails `regen worker` at
-start-up with vLLM's message instead of surfacing minutes later inside the engine, or never. KEY is the
-`EngineArgs` field (`max_num_batched_tokens` or `max-num-batched-tokens`); a flag takes true/false; a dict takes
-JSON.
-
-Settings that would change the data a run's manifest pins are refused unless that manifest carries them
-(`settings.engine_args`, written by the producer): the model and its tokenizer, the weights' and the KV cache's
-numerics, the capture machinery, the sampling defaults. Prefix caching is refused on a capture engine (see
-workers.engine.settings), and so is `speculative_config` on every capture run, pinned or not: it would replace
-the capture engines' own (hidden-state capture is vLLM's `extract_hidden_states` speculative method), and a
-run's speculative generation is `--speculative` (app.speculative), which reaches its generation engines
-only. What the worker ran with is recorded on every attempt record.
+They are parsed with vLLM's own `EngineArgs` parser, so a bad key or value fails `regen worker` at start-up with
+vLLM's message. Settings that would change the data a run's manifest pins are refused unless the manifest
+carries them; prefix caching on a capture engine and `speculative_config` on a capture run are always refused.
+What is refused and why: docs/configuration.md#how---vllm-arg-is-checked.
 """
 
 from __future__ import annotations

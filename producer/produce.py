@@ -1,19 +1,9 @@
 """The produce pipeline: read -> normalise -> dedupe -> shard -> (skip done) -> publish, with accounting.
 
-Why it is safe to run again: shards are deterministic (producer.sharding) and storage, not Redis, records
-what is done. So:
-- a produce that finished (`produce.json` says `complete`) is not repeated: the second call enqueues nothing
-  and points to `--resume`;
-- a produce that was interrupted midway (no `complete` flag) is simply run again: it re-reads the inputs and
-  re-sends every shard without a completion marker. Some of those may already wait in the queue; a worker
-  that gets a shard that is done skips it, and two copies running at once are settled by the exclusive
-  completion marker, so re-sending is harmless;
-- `--resume` (alias `regen reconcile RUN`) rebuilds the options from the stored manifest, checks that the
-  inputs' bytes did not change, and sends exactly the shards that have no completion marker and are not
-  dead-lettered (lost messages, a wiped Redis). A dead-lettered shard would only be skipped by the worker: after
-  a fix, `regen retry-dead RUN` archives its dead letter and attempts and re-sends it (producer.retry_dead).
-
-Memory stays flat: one input block, one shard of samples, and one 64-bit int per unique sample.
+It is safe to run again because shards are deterministic and storage, not Redis, records what is done: a
+finished produce enqueues nothing, an interrupted one re-sends every shard without a marker, and `--resume`
+(`regen reconcile`) sends exactly the shards with no marker and no dead letter. Memory stays flat.
+Each case: docs/faults.md#why-produce-is-safe-to-run-again.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """Build a tiny random Qwen3 (dense) or Qwen3.5 (hybrid) with a real byte-level BPE tokenizer and a ChatML
 thinking template, offline.
 
-No model hub is reachable from CI or most dev boxes, yet the whole pipeline (vLLM generation, hidden-state
-capture, the transformers reference) must run on a real model. This builds one in ~2 s: hidden 128, 4 layers,
-2 heads of head_dim 64 (vLLM's CPU attention rejects smaller heads, docs/measured-facts.md), bf16 weights. Its outputs are
-random text, which is what a throughput test of the fleet around the engine wants.
-
-The hybrid (`build_tiny_qwen3_5`) has the layer mix the Qwen3.5/3.6 family ships: Gated DeltaNet linear
-attention in three of every four decoder layers, full attention in every fourth (`layer_types`), in both
-checkpoint shapes the family is released in: the text-only `Qwen3_5ForCausalLM` and the multimodal wrapper
-`Qwen3_5ForConditionalGeneration`, whose language model sits under `text_config` (with a one-block vision tower,
-never used: regen feeds text only). Its chat template follows Qwen3.5's thinking conventions: the generation
-prompt opens the think block (`<think>\n`), so the model writes its reasoning and then `</think>`.
-
-`regen tiny-model DIR [--arch qwen3_5 [--multimodal]]` exposes them for demos; tests build them once per session.
+No model hub is reachable from CI or most dev boxes, yet the whole pipeline (vLLM, capture, the transformers
+reference) must run on a real model; this builds one in seconds. The hybrid has the Qwen3.5/3.6 layer mix, in
+both released checkpoint shapes. `regen tiny-model DIR` exposes them; tests build them once per session.
+Sizes and shapes, and why: docs/measured-facts.md#the-tiny-test-models.
 """
 
 from __future__ import annotations

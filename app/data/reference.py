@@ -1,19 +1,10 @@
 """Reference hidden-state capture with plain transformers.
 
-Why this exists: vLLM is the production engine, but (1) some hosts cannot run it (no supported accelerator, a
-model architecture it lacks), (2) the fleet's output must be checked against something independent of vLLM's
-capture path (`regen verify --reference`, the test suite), and (3) vLLM versions have shipped capture bugs that
-wrote all-zero states (docs/measured-facts.md, vLLM PR 46301). A straight transformers forward pass is the ground truth.
-
-Layer numbering is vLLM's (app.layers): id L = transformers `hidden_states[L]` = the output of decoder layer
-L-1, and id N (the number of layers) is the last decoder layer's output *before* the final norm. We do not use
-`output_hidden_states=True` because transformers replaces its last entry with the *normed* output, which is not
-what vLLM (or any drafter trainer) reads; instead forward hooks on `model.model.layers[L-1]` record exactly the
-decoder-layer outputs. Only the base model runs (no lm_head: at 150K vocab the logits would cost more memory
-than the states), and the pass stops right after the deepest requested layer.
-
-States come back as uint16 bf16 bit patterns `[T, L, H]`, the same representation app.hidden_file stores,
-so a comparison needs no torch on the reading side.
+Why: some hosts cannot run vLLM, the fleet's output must be checked against something independent of vLLM's
+capture path, and vLLM has shipped capture bugs; a straight transformers forward pass is the ground truth.
+Layers are vLLM's ids (app.layers), read with forward hooks on the decoder layers (never the normed last
+`hidden_states`); no lm_head. States come back as uint16 bf16 bit patterns `[T, L, H]`, as app.hidden_file
+stores them. Why each choice: docs/checking.md#the-transformers-reference.
 """
 
 from __future__ import annotations

