@@ -1,18 +1,10 @@
 """The run's small documents on storage, each defined once as a type with its reading and writing.
 
-Why: the run's storage is the record of what is done, and each document used to be a dict built where it was
-written and read by key wherever it was needed, so a key's name or default could drift between the writer and
-its readers. Each type here is the document's JSON object itself (a `dict`, so it prints, serialises and compares
-as before) with its keys named once: typed properties that read them (with the defaults older writers implied,
-so runs written before read as they did), a `new` that writes them in the one order every writer used, and a
-`parse` that refuses a malformed document in one line naming its path. Keys a type does not know (a newer
-writer's) stay in the object, untouched.
-
-Defined here: the attempt record (`AttemptRecord`, `{run}/attempts/{key}/{attempt}.json`), the completion
-marker (`DoneMarker`, `{run}/done/{shard}.json`), the staged capture's marker (`CaptureMarker`,
-`{run}/captured/{shard}.json`), the dead letter (`DeadLetter`, `{run}/dead/{key}.json`) and
-the pause (`Pause`, `{run}/PAUSED.json`), the producer's summary (`ProduceSummary`, `{run}/produce.json`) and
-the manifest (`Manifest`, `{run}/run.json`; the settings in it are app.manifest.RunSettings').
+Why: a document that is a dict built where written and read by key elsewhere lets a key's name or default drift.
+Each type is the JSON object itself (a `dict`) with its keys named once: typed properties (with older writers'
+defaults), `new` and `parse` (which refuses a malformed document in one line); unknown keys stay untouched.
+Defined: `AttemptRecord`, `DoneMarker`, `CaptureMarker`, `DeadLetter`, `Pause`, `ProduceSummary`, `Manifest`.
+Paths and rules: docs/formats.md#the-runs-documents-as-types.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Is the process that started an attempt still alive? The answer decides what a shard's attempts count and
 which temporaries may be removed.
 
-Two ways to know, best first:
-- The same machine (host name, boot id and pid namespace all equal): the attempt's pid either runs with the start
-  time it had then (alive) or does not (dead, at once). A pid alone could be reused; pid + start time cannot.
-- Another machine: its worker renews a lease on each attempt it runs (`heartbeat` in the attempt record, every
-  `heartbeat_seconds()`); an attempt whose lease (`lease_s`, 4 heartbeats) ran out is dead. Records written
-  before leases existed fall back to their start time and the broker's visibility timeout, as before.
-
-A lease's age is measured on the fleet's one clock (app.clock, the broker's Redis `TIME`): heartbeats are
-written with `app.ledger.timestamp()` and judged against `app.clock.shared_now()`, so a host whose own clock is
-minutes off neither kills live attempts nor keeps dead ones alive. A worker says at its start when its clock is
-off the shared one by more than a lease (`clock_skew_warning`): its leases are still right, but its logs' and
-its local files' times are not.
+On the same machine: its pid with the start time it had (pid + start time cannot be reused). From another
+machine: its lease (`heartbeat`, renewed every `heartbeat_seconds()`) has not run out, measured on the fleet's
+one clock (app.clock); a worker warns at start when its clock is off by more than a lease.
+Details: docs/faults.md#is-an-attempts-process-alive.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """Each sample's generation mode (thinking or not), and the sampling it is generated with.
 
-Why per sample: a drafter serves whatever mode the traffic asks for, and a draft trained on one mode collapses in
-the other (docs/measured-facts.md), so one run can hold both (`regen produce --thinking-mix P`). The mode is
-decided by the producer and travels in the sample's message, so every worker, and every redelivery, renders
-and samples it the same way. The rules, in order (the producer's summary counts which rule decided each sample):
-
-- `input`: the input row names its mode (`enable_thinking`, or a boolean `thinking` field); mix runs only;
-- `mix`: drawn from the run seed and the sample id (`draw_thinking`): the same on every produce of the run;
-- `run`: the run's one mode (`--thinking` / `--no-thinking`, and every run made before mixes existed).
-
-A sample is rendered with the target's template and `enable_thinking` of its mode, and sampled with that mode's
-sampling (Qwen's recommended values unless the operator set them), with sample k of a prompt at
-`sample_temperatures[k % len]` when the run lists temperatures. Records say their mode (`thinking`); a record
-without one (runs made before) is in the run's mode (`record_thinking`).
+Why per sample: a draft trained on one mode collapses in the other, so one run can hold both
+(`--thinking-mix P`). The producer decides the mode (rules `input`, `mix`, `run`, in that order) and it travels
+in the sample's message, so every worker and redelivery renders and samples it alike. A record without a mode
+(runs made before) is in the run's mode (`record_thinking`). The rules: docs/configuration.md#each-samples-mode.
 """
 
 from __future__ import annotations

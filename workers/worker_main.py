@@ -1,17 +1,9 @@
 """Entry point of one worker process (one per GPU, or one on the CPU).
 
-Started by `regen worker` with CUDA_VISIBLE_DEVICES and REGEN_WORKER_CONFIG already set (app.process_env),
-so nothing touches CUDA before the device is pinned. It reads its settings once (app.settings); the engine is
-built and self-tested *before* the Celery app is built with them (workers.celery_worker.build_worker_app) and its
-consumer starts, so a broken engine never takes a shard (exit 70: the supervisor restarts it with backoff).
-
-Pool: Celery's thread pool, every slot feeding the one engine thread (workers.engine.in_process; on the CPU that engine
-lives in a child process of this one, workers.engine.process); `regen worker` sizes
-it (workers.process.devices.task_slots_for) so that while one shard is written to storage and acked, the others fill
-the engine's batch with a shard queued behind them, and the engine does not idle or run short between shards;
-each shard is still acked only after its completion marker exists. (Prefork cannot work:
-its children are daemonic and cannot start vLLM's processes, docs/measured-facts.md.) The thread pool also keeps the
-consumer answering heartbeats and `inspect` while a shard runs, unlike the solo pool.
+Started by `regen worker` with its device pinned; it reads its settings once, then builds and self-tests the
+engine before the Celery app and its consumer start, so a broken engine never takes a shard (exit 70, restarted
+with backoff). The pool is Celery's thread pool, sized so the engine's batch stays full between shards.
+Why: docs/workers.md#the-worker-processs-start-and-pool.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """The options several commands share, each defined once here with its environment variable and its default.
 
-Rule: a flag that some environment variable may give is declared only here, so each variable has one meaning
-(app.settings lists them all). A command may word the help for its own context; its flag, type and default
-stay these. Why: `REGEN_STORAGE` and `REGEN_BROKER_URL` were declared six times each and could drift.
-
-Defaults: `--storage` has none (commands that need a root require it; `regen worker` takes the root from each
-message unless given), except `regen run`, which keeps its runs under `.regen/storage` so that the README's first
-command needs no flag. `--broker` has none: the process's broker (`REGEN_BROKER_URL`, else
-redis://127.0.0.1:6379/0) is used, except by `regen run`, which then uses the local Redis if it answers, else an
-embedded one (app.embedded_broker). A URL is checked when the command line is parsed (scheme, host, port), so a
-malformed one stops the command before it writes anything.
-
-Names: one per concept across commands (`--queue`, `--sample`, RUN). A flag renamed for that keeps its old
-spelling as a hidden, deprecated alias (`renamed`), so scripts written before still work.
+Rule: a flag that an environment variable may give is declared only here, so each variable has one meaning
+(they once were declared six times each and could drift); a command may reword the help, never the flag, type
+or default. URLs are checked when the command line is parsed. A renamed flag keeps its old spelling as a
+hidden, deprecated alias (`renamed`). Defaults and names: docs/configuration.md#shared-options-and-their-defaults.
 """
 
 from __future__ import annotations

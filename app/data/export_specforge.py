@@ -1,18 +1,9 @@
 """SpecForge offline training data: one `torch.save` dict per sample, `rows_{g}-{g+2000}/data_{i}.ckpt`.
 
-SpecForge's offline reader (`OfflineManifestReader`) walks the folder for `*.ckpt` files and loads each with
-`torch.load`; its per-algorithm normalisers then check the sample (SpecForge 0.2.0):
-
-- `specforge-dflash` (`dflash_family_data.normalize_offline_sample`): `input_ids` int64 [T], `loss_mask` int64
-  [T], `hidden_states` bf16 [1, T, n*H] -- the n auxiliary layers concatenated in ascending id order, which is
-  the order of the draft config's `dflash_config.target_layer_ids` (DFlash id = vLLM id - 1). Equal lengths and
-  at least two consecutive supervised tokens, or SpecForge refuses the sample.
-- `specforge-eagle3` (`eagle3/data.normalize_offline_sample`): `input_ids`, `loss_mask`, `hidden_state` bf16
-  [1, T, H] -- vLLM id N with the target's final RMSNorm applied (app.data.final_norm; SGLang hands SpecForge the
-  normed state) -- and `aux_hidden_state` bf16 [1, T, 3H], the three auxiliary layers as captured, ascending.
-
-`index` is the sample's number over the export (app.data.export_trainers); files are grouped 2000 to a folder as
-SpecForge's own `prepare_hidden_states.py` does.
+Written as SpecForge's offline reader and its per-algorithm normalisers check them: `specforge-dflash` (the
+auxiliary layers concatenated, ascending) and `specforge-eagle3` (the normed last layer and three auxiliary
+layers). `index` is the sample's number over the export; 2000 files to a folder, as SpecForge does.
+Field by field: docs/formats.md#specforges-offline-files-in-detail.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """speculators' training data: a `datasets` dataset saved with `save_to_disk`, states by row, `token_freq.pt`.
 
-What speculators 0.9.0's `ArrowDataset(max_len, datapath)` (`speculators/train/data.py`) reads:
-- `datapath` itself: `load_from_disk(datapath)`, rows with `input_ids`, `loss_mask` (int64 lists) and `seq_len`,
-  in torch format (it compares the stored `token_ids` with `input_ids` by `torch.equal`);
-- `datapath/hidden_states/hs_{i}.safetensors` for row i: `token_ids` int64 [T], which must equal the row's
-  `input_ids` (a sample that differs is dropped), and `hidden_states` bf16 [T, k+1, H]: the k auxiliary layers
-  in ascending vLLM id order (speculators' `target_layer_ids`), then the verifier's final layer, vLLM id N, as
-  captured (before the final norm; speculators applies the verifier's norm itself);
-- `datapath/token_freq.pt`, written by the base exporter.
-
-The states are written shard by shard; the dataset is rebuilt from the per-shard rows (`rows/{shard}.jsonl`,
-small: ids and masks) when the export is assembled, in sample-number order, so row i is `hs_{i}`. Its
-fingerprint (`state.json`) is named from the set of exported shards, not from the output path or a temporary
-cache, so two exports of the same shards are the same bytes.
+Written as speculators 0.9.0's `ArrowDataset` reads it: rows with `input_ids`, `loss_mask`, `seq_len`, and
+`hidden_states/hs_{i}.safetensors` per row (the auxiliary layers ascending, then the verifier's final layer).
+States are written shard by shard; the dataset is rebuilt in sample-number order when the export is assembled,
+with a fingerprint named from the exported shards, so two exports of the same shards are the same bytes.
+What speculators reads, field by field: docs/formats.md#speculators-dataset-in-detail.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """One host's pilot: a real `regen run` of the sample per candidate setting, measured from its storage.
 
-How each candidate is measured: a real `regen run` of the sample (produce -> broker -> this host's workers with
-their engines -> shards on storage) in a scratch folder, in a process of its own, one candidate after another.
-Why the whole run and not the engine alone: what the run will do on this host is the fleet's path, with its task
-slots, Celery's prefetch, the encoder threads, the staged capture's second pass and its queue, and the writes to
-storage; the engine alone would measure none of those, and task slots would mean nothing. The engines' start-up
-is outside the measured window (it starts with the first task, app.pilot.measure), so a fleet per candidate
-costs start-up time, not accuracy. The figures come from the runs' own markers and records; only peak memory is
-polled from outside (app.pilot.peak_memory).
-
-The measurements go to `<storage>/pilots/<name>.json` (atomic), so `regen pilot --forecast-only A.json B.json`
-recomputes the fleet's forecast from every host's file, and `regen produce --pilot FILE` links them to a run for
-`regen status`.
+Why the whole run and not the engine alone: the run is the fleet's path (task slots, prefetch, encoders, the
+staged capture's second pass, the writes), none of which the engine alone would measure; start-up is outside
+the measured window. The measurements go to `<storage>/pilots/<name>.json` for `--forecast-only` and
+`regen produce --pilot`. Details: docs/pilot.md#how-a-hosts-pilot-runs.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """The vLLM arguments an engine is built with (`llm_kwargs`) and each request's sampling parameters.
 
-The worker's engine, the fleet bench's direct baseline and the reference-capture test all build vLLM from
-`llm_kwargs`, so they run on the same settings. Settings chosen from the model's config (prefix caching,
-hybrids, multimodal wrappers) are in workers.engine.settings; the operator's own (`--vllm-arg`) in
-app.vllm_args, applied last.
-
-CPU specifics (docs/measured-facts.md): chunked prefill off (per-request seeds crash it) and
-`gpu_memory_utilization` a fraction of RAM (~0.1).
-
-An engine has one `speculative_config`: a capture engine's is vLLM's `extract_hidden_states`, a generation
-engine's may be the run's `--speculative` (app.speculative). The two never meet: a capture engine given the
-speculative setting is refused here, and the manifest's and operator's arguments, applied last, cannot carry a
-`speculative_config` into a capture engine (app.vllm_args refuses it).
+The worker's engine, the fleet bench's baseline and the reference-capture test all build vLLM from `llm_kwargs`,
+so they run on the same settings; the model's config (workers.engine.settings) and the operator's `--vllm-arg`
+(app.vllm_args, applied last) add theirs. A capture engine's `speculative_config` is always vLLM's
+`extract_hidden_states`. CPU specifics and why: docs/workers.md#the-engines-vllm-arguments.
 """
 
 from __future__ import annotations

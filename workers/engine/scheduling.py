@@ -1,17 +1,10 @@
 """Keeping a CPU worker's side work off the cores while its engine wants them.
 
-Rule: on the CPU every thread of a worker but the engine's (Celery's consumer and task slots, the delivery
-thread, the encoders) runs under SCHED_BATCH at nice 19; GPU hosts keep the normal policy.
-`REGEN_SIDE_THREADS=idle|batch|normal` chooses (idle: SCHED_IDLE, the policy before).
-Why: the CPU engine's OpenMP team has a thread on every core and waits at each barrier for the one a side
-thread preempted; a batch thread never preempts on waking and still gets a thin, steady share of a core
-(measurements: docs/performance.md, 2026-11-30).
-
-Linux sets the policy per thread and a new thread inherits its creator's, so the main thread switches itself
-only after the engine thread (and its OpenMP team) exists; the delivery thread is switched by its id and
-encoder threads switch themselves as they start. With the CPU engine in its own process
-(workers.engine.process) that process switches its main and delivery threads once its engine thread exists,
-and the worker process switches after spawning it, so the engine's process starts at normal priority.
+Rule: on the CPU every thread of a worker but the engine's runs under SCHED_BATCH at nice 19 (GPU hosts keep the
+normal policy; `REGEN_SIDE_THREADS=idle|batch|normal` chooses), because the engine's OpenMP team waits at each
+barrier for a thread a side thread preempted. Each thread is switched after the engine's exists, since a new
+thread inherits its creator's policy. Why, measured: docs/performance.md (2026-11-30);
+which thread switches when: docs/workers.md#thread-priorities-in-detail.
 """
 
 from __future__ import annotations
