@@ -1,16 +1,8 @@
 """Messages a worker could not use, kept in Redis beside the queues: undecodable bytes, invalid tasks.
 
-Why here and not on storage: such a message names no run (or a run that does not exist), so there is no run
-folder to put it in. Why not drop it silently: whoever wrote it to the queue (a bug, a stale producer, anyone who
-can reach Redis) must be found, and `regen status` / `regen metrics` show the count.
-
-Redis keys (on the broker's own database):
-
-    regen.dead-messages          list, newest first, at most KEEP entries: one JSON object per message
-                                 {"at", "queue", "reason", "size", "hexdump", "worker", ...}
-    regen.dead-messages.count    integer: every message ever recorded (the list is trimmed, this is not)
-
-Recording never raises: a broker that is gone at that instant costs the entry, not the worker.
+Why Redis and not storage: such a message names no run. Why not drop it silently: whoever wrote it must be
+found, and `regen status` / `regen metrics` show the count. Keys `regen.dead-messages` (a capped list) and
+`regen.dead-messages.count`; recording never raises. Keys and fields: docs/faults.md#the-dead-message-list.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """What the producer did with every input row, and the files that record it.
 
-Why: a silently dropped row is indistinguishable from a row that was never there, so every record read is
-accounted for as exactly one of enqueued (placed in a shard), duplicate, rejected (with a named reason), or
-left out (`--take` did not draw it, producer.take). `check_identity` asserts read = enqueued + duplicates +
-rejected + left out at the end of every produce, and that the samples sharded are the prompts enqueued times
-the samples per prompt; a mismatch is a bug in the producer, never the user's fault. `enqueued` counts prompts;
-`samples` (with `modes` and `mode_rules`, producer.modes) the samples made of them.
-
-Files (paths from app.storage.RunStore):
-- `{run}/rejects.jsonl`: one row per reject, `{"file", "line", "reason", "detail"}`, written while streaming
-  (constant memory) into an atomic writer, so it appears whole when produce finishes or not at all.
-- `{run}/produce.json`: the summary, the producer-only settings, and `complete: true` once every shard was sent.
+Why: a silently dropped row is indistinguishable from one never there, so every row read is exactly one of
+enqueued, duplicate, rejected (with a named reason) or left out, and `check_identity` asserts the sum at the end
+of every produce (a mismatch is a producer bug). Files: `{run}/rejects.jsonl` and `{run}/produce.json`.
+Details: docs/faults.md#every-input-row-accounted-for.
 """
 
 from __future__ import annotations

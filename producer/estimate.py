@@ -1,16 +1,9 @@
 """`regen produce --dry-run`: what a run will cost before anything is enqueued.
 
-Why: hidden states are large (5 layers x 5120 x 2 bytes = 51,200 B per token for a 27B target; 914K samples
-is ~100-190 TB, docs/measured-facts.md), so a user must see the token and disk figures before the GPUs start.
-
-Prompt tokens are counted with the target model's own tokenizer and chat template on a uniform random sample
-(reservoir, fixed seed) of up to N prompts and scaled to the total, so the figure is an estimate and says so.
-Response tokens are an assumption (default max_tokens / 2) with the hard maximum beside it. In multi-turn mode
-(`--regenerate all`) every regenerated turn is a sample of its own with its own states, so each turn's prompt
-(the conversation before it, the dataset's old answers standing in for the new ones) and each turn's response
-count. Compressed size uses the byte-shuffled zstd ratio measured on bf16 activations (1.45), stated as an
-assumption, and each lossy `--states-dtype`'s ratio from the codec bench beside it, so the choice is made with
-the figures in view.
+Why: hidden states are large (tens of KB per token at the job's size), so a user must see the token and disk
+figures before the GPUs start. Prompt tokens are counted with the target's tokenizer and template on a seeded
+sample and scaled; response tokens and compression ratios are stated as assumptions, every stored dtype's disk
+beside the run's. How each figure is made: docs/configuration.md#what-the-dry-run-estimates.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Claims in an export folder: which exporter process is writing a shard (or assembling the export) right now.
 
-Why: several exporters may work on one folder at once (`--processes`, `--part` on several hosts, a rerun started
-while an old one still runs). A shard's files have deterministic names and contents, so two writers would write
-the same bytes, but twice the work and twice the disk traffic; a claim makes the second one skip the shard.
-
-A claim is `claims/{key}.json`, created exclusively (app.storage: hard link on local and NFS, a conditional
-PUT on object stores), holding the claimer's identity (app.liveness) and a heartbeat that a thread of the
-claimer renews every heartbeat interval while it works (`REGEN_HEARTBEAT_S`, as workers renew their attempts).
-It is released (deleted) once the shard's done marker is written; the marker, not the claim, says a shard is
-done. A claim whose process is gone is taken over: on the same machine at once (pid and start time),
-from another machine once its lease (4 heartbeats) ran out without a renewal. Heartbeats are written and judged
-on the fleet's shared clock (app.clock: the broker's Redis `TIME`, `REGEN_BROKER_URL`), as workers' leases
-are, so exporters on hosts whose clocks disagree neither steal live claims nor wait on dead ones.
+Why: several exporters may work on one folder at once; they would write the same bytes, but twice. A claim is
+`claims/{key}.json`, created exclusively, with the claimer's identity and a heartbeat on the fleet's clock;
+it is released once the shard's done marker is written (the marker says done), and taken over once its
+process is gone. Details: docs/formats.md#export-claims.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """What every hidden-state export shares: which captured layers go where, one state per id, token counts.
 
-One state per id. A capture (inline or staged) stores states for `input_ids[:-1]`: the last id is the token
-the model emitted last, and it never went through the model as input. The trainers want exactly one state per
-id (speculators drops a sample whose `token_ids` is not `input_ids`; SpecForge refuses unequal lengths), so an
-export keeps the ids the states cover: `input_ids[:n]` and `loss_mask[:n]` with `n` = the number of stored
-states. The dropped id, on a finished sample the end-of-turn token (`<|im_end|>` on Qwen), is then not in the
-export and never a label. Should a capture ever cover every id, `n` is the full length and nothing is dropped.
-
-Layers. Exports name layers in vLLM ids (app.layers: id L = transformers `hidden_states[L]`, pre-final-norm;
-N = the layer count). A format takes *auxiliary* layers (every captured layer but N, unless `--layers` picks
-some) and, where it needs the target's final state (speculators' verifier slot, SpecForge EAGLE-3), vLLM id N.
-A run without a layer a format needs is refused in one line naming the layer and the `--layers` that would
-have captured it.
+A capture stores states for `input_ids[:-1]` (the last id never went through the model), and the trainers want
+exactly one state per id, so an export keeps `input_ids[:n]` and `loss_mask[:n]`, n the number of states. Formats
+take the auxiliary layers and, where needed, the final layer (vLLM id N); a run without a layer a format needs is
+refused in one line. Why: docs/formats.md#one-state-per-id-and-which-layers-go-where.
 """
 
 from __future__ import annotations

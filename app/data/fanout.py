@@ -1,16 +1,9 @@
 """Sharing the read side of a run among processes on one host (`--processes N`) and among hosts (`--part I/N`).
 
-Why shards: a run's shards are independent files with their own completion markers, so they are the natural unit
-of work for verify, stats and export alike. A part takes every N-th shard of a fixed, sorted list (position j goes
-to part j mod N + 1): disjoint, together complete, and balanced even where shard sizes drift over a run. Within an
-invocation the shards go to a pool of worker processes; results come back in shard order, so whatever is summed
-or listed across shards (verify's report, stats' counters and lists, an export's numbering) is the same as one
-process would make, bit for bit.
-
-Processes, not threads: decoding zstd records with orjson, hashing and writing states are CPU work in Python that
-threads share one core for. Processes are started with `spawn` (not `fork`): a forked child of a process that has
-loaded torch or started threads (rich's progress, fsspec's event loop) can deadlock, and spawn behaves the same on
-every platform. Each worker builds its own reader once (the pool's initializer), never a parent's file handles.
+Shards are the unit (independent files with their own markers): a part takes every N-th shard of a fixed,
+sorted list, and results come back in shard order, so sums and lists are bit for bit one process's. Processes,
+not threads (the work is CPU in Python), started with `spawn` (fork can deadlock after torch or threads).
+Why: docs/formats.md#how-the-read-side-fans-out.
 """
 
 from __future__ import annotations

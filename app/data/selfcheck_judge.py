@@ -1,16 +1,8 @@
 """The judging side of `regen selfcheck`: one mode's captures (workers.engine.selfcheck's file) held to five checks.
 
-- `ids`: each capture's token ids are the request's prompt + output ids but the last (inline) and the same ids
-  for the staged pass: the engine's bookkeeping matches what it was given and made;
-- `rows`: no all-zero or non-finite row in any layer (app.states_compare.row_problems);
-- `reference`: every inline capture against transformers on the same device, row by row with the shift and
-  layer tests (app.states_compare.compare, REL_BOUND);
-- `duplicate`: the duplicate request's states compare equal to its original's over the ids both have (its
-  tokens may differ after a while: a batch's numerics are not batch-invariant, and a near-uniform random model
-  samples differently on the least difference; that is noted, not failed);
-- `staged`: the staged (prefill-only, other batch composition) capture of each request against its inline one.
-A verdict is one line per mode and model: PASS with the worst error against transformers, or FAIL naming the
-first failed check, the request and the comparison's line.
+`ids`, `rows`, `reference` (against transformers, app.states_compare), `duplicate` and `staged`. A verdict is
+one line per mode and model: PASS with the worst error against transformers, or FAIL naming the first failed
+check, the request and the comparison's line. Each check: docs/capture.md#how-selfcheck-judges.
 """
 
 from __future__ import annotations
