@@ -1,9 +1,9 @@
 """One clock for leases: the broker's Redis `TIME`, which every host of a fleet already reaches.
 
 Why: a lease is written by one host and judged by another, and hosts' clocks drift; judged on the reader's
-clock, live attempts would count as dead or dead ones never die. One `TIME` round trip gives this host's offset
-from the shared clock for `REFRESH_S` seconds (storage mtimes are not one clock). Without a Redis broker the
-local clock is the shared one. Why Redis and not storage: docs/faults.md#one-clock-for-leases.
+clock, live attempts would count as dead or dead ones never die. One `TIME` round trip gives this host's
+offset from the shared clock for `REFRESH_S` seconds (storage mtimes are not one clock). Without a Redis
+broker the local clock is the shared one. Why Redis and not storage: docs/faults.md#one-clock-for-leases.
 """
 
 from __future__ import annotations

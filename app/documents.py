@@ -1,10 +1,10 @@
 """The run's small documents on storage, each defined once as a type with its reading and writing.
 
-Why: a document that is a dict built where written and read by key elsewhere lets a key's name or default drift.
-Each type is the JSON object itself (a `dict`) with its keys named once: typed properties (with older writers'
-defaults), `new` and `parse` (which refuses a malformed document in one line); unknown keys stay untouched.
-Defined: `AttemptRecord`, `DoneMarker`, `CaptureMarker`, `DeadLetter`, `Pause`, `ProduceSummary`, `Manifest`.
-Paths and rules: docs/formats.md#the-runs-documents-as-types.
+Why: a document that is a dict built where written and read by key elsewhere lets a key's name or default
+drift. Each type is the JSON object itself (a `dict`) with its keys named once: typed properties (with older
+writers' defaults), `new` and `parse` (which refuses a malformed document in one line); unknown keys stay
+untouched. Defined: `AttemptRecord`, `DoneMarker`, `CaptureMarker`, `DeadLetter`, `Pause`, `ProduceSummary`,
+`Manifest`. Paths and rules: docs/formats.md#the-runs-documents-as-types.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 `vllm:L` / `hf:L` are the same number (transformers' `hidden_states[L]`); `dflash:i` is requested as i+1.
 Presets: `dflash`, `dflash-K`, `eagle3`. Slots are ascending whatever order the ids are typed in, because vLLM
-returns the layers in ascending order; `ascending_problem` names a run made before this, whose labels are wrong.
-Conventions: docs/measured-facts.md; presets and slot order: docs/capture.md#layer-presets-and-slot-order.
+returns the layers in ascending order; `ascending_problem` names a run made before this, whose labels are
+wrong. Conventions: docs/measured-facts.md; presets and slot order:
+docs/capture.md#layer-presets-and-slot-order.
 """
 
 from __future__ import annotations

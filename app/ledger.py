@@ -2,8 +2,8 @@
 
 Redis delivers a shard at least once, so storage, not the broker, is the record (`app.storage` owns the paths,
 this module the rules written at them): stage keys, attempt records and their leases, dead letters and their
-archive, completion markers, the run's pause, and the sweep of what dead attempts left half-written.
-Each rule: docs/faults.md#the-shard-ledger.
+archive, completion markers, the run's pause, and the sweep of what dead attempts left half-written. Each
+rule: docs/faults.md#the-shard-ledger.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Each sample's generation mode (thinking or not), and the sampling it is generated with.
 
-Why per sample: a draft trained on one mode collapses in the other, so one run can hold both
-(`--thinking-mix P`). The producer decides the mode (rules `input`, `mix`, `run`, in that order) and it travels
-in the sample's message, so every worker and redelivery renders and samples it alike. A record without a mode
-(runs made before) is in the run's mode (`record_thinking`). The rules: docs/configuration.md#each-samples-mode.
+Why per sample: a draft trained on one mode collapses in the other, so one run can hold both (`--thinking-mix
+P`). The producer decides the mode (rules `input`, `mix`, `run`, in that order) and it travels in the sample's
+message, so every worker and redelivery renders and samples it alike. A record without a mode (runs made
+before) is in the run's mode (`record_thinking`). The rules: docs/configuration.md#each-samples-mode.
 """
 
 from __future__ import annotations

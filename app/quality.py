@@ -2,9 +2,9 @@
 
 Why: empty stubs train drafters that accept nothing, and nobody looks until it is too late. So every record
 carries flags (empty or stub answers, truncation, loops, zero/non-finite/repeated/stale states, a capture
-mismatch), and each worker keeps a sliding window of its recent samples per run: when the stub-or-empty rate in
-it crosses the run's threshold, the worker writes `{run}/PAUSED.json` until `regen resume-run`.
-Every flag and the story behind the gate: docs/checking.md#every-flag.
+mismatch), and each worker keeps a sliding window of its recent samples per run: when the stub-or-empty rate
+in it crosses the run's threshold, the worker writes `{run}/PAUSED.json` until `regen resume-run`. Every flag
+and the story behind the gate: docs/checking.md#every-flag.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The per-sample record a worker writes into `{attempt}.records.jsonl.zst` (one JSON object per line).
 
-A record is `status: "ok"` or `status: "rejected"` with `reject_reason`; it holds the ids exactly as the engine
-returned them, the loss mask, the decoded text split at `</think>`, flags, provenance and where its states are.
-Every field: docs/formats.md#record-fields. Multi-turn runs write one record per regenerated turn
+A record is `status: "ok"` or `status: "rejected"` with `reject_reason`; it holds the ids exactly as the
+engine returned them, the loss mask, the decoded text split at `</think>`, flags, provenance and where its
+states are. Every field: docs/formats.md#record-fields. Multi-turn runs write one record per regenerated turn
 (`sample_id` `{conversation_id}-t{turn}`), and accounting counts conversations (`conversation_id()`):
 docs/formats.md#multi-turn-runs---regenerate-all.
 """

@@ -2,10 +2,10 @@
 
 Shared by the worker's re-capture check, `regen verify --reference` and `regen selfcheck`, so all three judge
 alike and print the same line. Three tests, each catching what the others cannot: each row's error relative to
-its row under `REL_BOUND` (measured GPU-vs-CPU noise, with margin); each row nearer its own counterpart than its
-neighbours (a massive-activation channel hides a shift from the first test); each slot nearer its own layer.
-`row_problems` is the check that needs no reference (zero or non-finite rows).
-Why each test, and how the bound was measured: docs/capture.md#comparing-two-captures.
+its row under `REL_BOUND` (measured GPU-vs-CPU noise, with margin); each row nearer its own counterpart than
+its neighbours (a massive-activation channel hides a shift from the first test); each slot nearer its own
+layer. `row_problems` is the check that needs no reference (zero or non-finite rows). Why each test, and how
+the bound was measured: docs/capture.md#comparing-two-captures.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """One fsspec-backed storage type: local and NFS paths now, `s3://` through s3fs.
 
-Storage is the record of what is done (datatrove's lesson): a shard is done exactly when its completion marker
-exists, created last and exclusively, and no writer exposes a partial file (docs/faults.md#one-output-per-shard).
-Object-store options (`REGEN_STORAGE_OPTIONS`, app.settings) apply to every URL root, never to local paths.
-
-Layout of a run, relative to the storage root (all names deterministic):
+Storage is the record of what is done: a shard is done exactly when its completion marker exists, created last
+and exclusively; no writer exposes a partial file (docs/faults.md#one-output-per-shard; object stores:
+docs/operating.md#s3-and-other-object-stores). Under the root, names deterministic (`{shard}`: a stage key):
 
     {run}/run.json                               run manifest (settings, inputs; written once)
     {run}/produce.json                           what the producer enqueued (summary, per-reason rejects)
@@ -15,9 +13,8 @@ Layout of a run, relative to the storage root (all names deterministic):
     {run}/captured/{shard}.json                  staged capture's marker: names the hidden file to read
     {run}/attempts/{shard}/{attempt}.json        one file per delivery that started the shard
     {run}/dead/{shard}.json                      dead letter: the shard failed too often, with its errors
-                                                 (`{shard}` is a stage key throughout: app.ledger.stage_key)
     {run}/archive/{key}/{stamp}/                 a retried dead letter (`dead.json`) and its attempts, kept
-                                                 for the record by `regen retry-dead`
+                                                 by `regen retry-dead`
     {run}/PAUSED.json                            present while the run is paused (reason inside)
 """
 

@@ -1,9 +1,11 @@
-"""Counts of the storage operations one process makes through `app.storage.Storage`, by kind and by what they touch.
+"""Counts of the storage operations one process makes through `app.storage.Storage`, by kind and by what they
+touch.
 
 Why: what the fleet costs the shared storage per shard decides whether NFS's metadata server or an object
-store's request rate breaks first as the fleet grows; bench/bench_fleet_scale.py reads these counts. Off unless
-`REGEN_STORAGE_COUNTS=DIR` is set; then each operation is one O_APPEND line in `DIR/{pid}.log`, so a killed
-process loses at most the operation in progress. Kinds and areas: docs/performance.md#counting-storage-operations.
+store's request rate breaks first as the fleet grows; bench/bench_fleet_scale.py reads these counts. Off
+unless `REGEN_STORAGE_COUNTS=DIR` is set; then each operation is one O_APPEND line in `DIR/{pid}.log`, so a
+killed process loses at most the operation in progress. Kinds and areas:
+docs/performance.md#counting-storage-operations.
 """
 
 from __future__ import annotations

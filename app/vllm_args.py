@@ -1,8 +1,8 @@
 """The operator's own vLLM engine settings (`--vllm-arg KEY=VALUE`), checked by vLLM's parser before anything
 starts.
 
-They are parsed with vLLM's own `EngineArgs` parser, so a bad key or value fails `regen worker` at start-up with
-vLLM's message. Settings that would change the data a run's manifest pins are refused unless the manifest
+They are parsed with vLLM's own `EngineArgs` parser, so a bad key or value fails `regen worker` at start-up
+with vLLM's message. Settings that would change the data a run's manifest pins are refused unless the manifest
 carries them; prefix caching on a capture engine and `speculative_config` on a capture run are always refused.
 What is refused and why: docs/configuration.md#how---vllm-arg-is-checked.
 """

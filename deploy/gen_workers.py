@@ -6,8 +6,8 @@ Usage:  python deploy/gen_workers.py N > compose.yaml      (the checked-in compo
         python deploy/gen_workers.py 4 --cpu-workers 3 > compose.yaml
 
 Profiles `head`, `gpu` (one service per GPU: a crashed engine takes down one GPU's worker only) and `cpu`.
-Secrets come from the environment or `.env` as `${VAR}`; none is written here.
-Profiles, images and the variables each needs: docs/operating.md#how-composeyaml-is-generated.
+Secrets come from the environment or `.env` as `${VAR}`; none is written here. Profiles, images and the
+variables each needs: docs/operating.md#how-composeyaml-is-generated.
 """
 
 from __future__ import annotations

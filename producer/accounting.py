@@ -1,8 +1,8 @@
 """What the producer did with every input row, and the files that record it.
 
 Why: a silently dropped row is indistinguishable from one never there, so every row read is exactly one of
-enqueued, duplicate, rejected (with a named reason) or left out, and `check_identity` asserts the sum at the end
-of every produce (a mismatch is a producer bug). Files: `{run}/rejects.jsonl` and `{run}/produce.json`.
+enqueued, duplicate, rejected (with a named reason) or left out, and `check_identity` asserts the sum at the
+end of every produce (a mismatch is a producer bug). Files: `{run}/rejects.jsonl` and `{run}/produce.json`.
 Details: docs/faults.md#every-input-row-accounted-for.
 """
 

@@ -1,10 +1,10 @@
 """Turn one input row of any common chat-dataset shape into one OpenAI-style sample, or a named reject.
 
-Why one normaliser: the sample id is a hash of the normalised prompt, so one prompt read from a ShareGPT file and
-from an OpenAI-`messages` file must come out identical, to be generated once. Shapes: ShareGPT, OpenAI
-`messages`, single-turn columns, `tools`. Regeneration modes `last` and `all` are the contract with the worker.
-Anything else raises `Rejected` with one of `REJECT_REASONS`.
-Shapes, roles, modes and the sample's fields: docs/formats.md#inputs-the-row-shapes-the-producer-reads.
+Why one normaliser: the sample id is a hash of the normalised prompt, so one prompt read from a ShareGPT file
+and from an OpenAI-`messages` file must come out identical, to be generated once. Shapes: ShareGPT, OpenAI
+`messages`, single-turn columns, `tools`. Regeneration modes `last` and `all` are the contract with the
+worker. Anything else raises `Rejected` with one of `REJECT_REASONS`. Shapes, roles, modes and the sample's
+fields: docs/formats.md#inputs-the-row-shapes-the-producer-reads.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Docstrings say why in a few lines, and the docs they link to still hold the heading they name.
 
 A module's docstring says what the module holds and why; measurements, history and long reference move to
-docs/ under a heading, and the docstring links it as `docs/<file>.md#<anchor>` (GitHub's anchor of the heading).
-So every module of the product opens with at most `LIMIT` lines, and every such link in any docstring of the
-project resolves: the file exists and one of its headings has that anchor.
+docs/ under a heading, and the docstring links it as `docs/<file>.md#<anchor>` (GitHub's anchor of the
+heading). So every module of the product opens with at most `LIMIT` lines, and every such link in any
+docstring of the project resolves: the file exists and one of its headings has that anchor.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Entry point of one worker process (one per GPU, or one on the CPU).
 
 Started by `regen worker` with its device pinned; it reads its settings once, then builds and self-tests the
-engine before the Celery app and its consumer start, so a broken engine never takes a shard (exit 70, restarted
-with backoff). The pool is Celery's thread pool, sized so the engine's batch stays full between shards.
-Why: docs/workers.md#the-worker-processs-start-and-pool.
+engine before the Celery app and its consumer start, so a broken engine never takes a shard (exit 70,
+restarted with backoff). The pool is Celery's thread pool, sized so the engine's batch stays full between
+shards. Why: docs/workers.md#the-worker-processs-start-and-pool.
 """
 
 from __future__ import annotations

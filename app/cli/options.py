@@ -3,7 +3,8 @@
 Rule: a flag that an environment variable may give is declared only here, so each variable has one meaning
 (they once were declared six times each and could drift); a command may reword the help, never the flag, type
 or default. URLs are checked when the command line is parsed. A renamed flag keeps its old spelling as a
-hidden, deprecated alias (`renamed`). Defaults and names: docs/configuration.md#shared-options-and-their-defaults.
+hidden, deprecated alias (`renamed`). Defaults and names:
+docs/configuration.md#shared-options-and-their-defaults.
 """
 
 from __future__ import annotations

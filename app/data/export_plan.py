@@ -2,8 +2,8 @@
 
 Why on storage: hidden-state exports number samples over the whole export, so several processes and hosts
 writing shards at once must know each shard's first number before they start. `batches/{k}.json` (created
-exclusively) lists a round's shards and its first number; `counts/{shard}.json` how many samples each keeps.
-A shard's `done/{shard}.json` still says it is exported. Details: docs/formats.md#the-export-plan.
+exclusively) lists a round's shards and its first number; `counts/{shard}.json` how many samples each keeps. A
+shard's `done/{shard}.json` still says it is exported. Details: docs/formats.md#the-export-plan.
 """
 
 from __future__ import annotations

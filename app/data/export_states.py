@@ -1,9 +1,9 @@
 """What every hidden-state export shares: which captured layers go where, one state per id, token counts.
 
 A capture stores states for `input_ids[:-1]` (the last id never went through the model), and the trainers want
-exactly one state per id, so an export keeps `input_ids[:n]` and `loss_mask[:n]`, n the number of states. Formats
-take the auxiliary layers and, where needed, the final layer (vLLM id N); a run without a layer a format needs is
-refused in one line. Why: docs/formats.md#one-state-per-id-and-which-layers-go-where.
+exactly one state per id, so an export keeps `input_ids[:n]` and `loss_mask[:n]`, n the number of states.
+Formats take the auxiliary layers and, where needed, the final layer (vLLM id N); a run without a layer a
+format needs is refused in one line. Why: docs/formats.md#one-state-per-id-and-which-layers-go-where.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 A trainer that re-tokenises text rebuilds the prompt from the row, so a row holds everything the template was
 given (system turn, tools, tool calls and responses, earlier reasoning); re-rendering it gives the record's
-prompt ids exactly. One row per conversation, not per record, so the trainers do not supervise early turns again
-and again. Formats: `sharegpt` and `specforge-jsonl` (also joined into one `regenerated.jsonl`).
-What each row holds and what is left out, and why: docs/formats.md#text-exports-one-row-per-conversation.
+prompt ids exactly. One row per conversation, not per record, so the trainers do not supervise early turns
+again and again. Formats: `sharegpt` and `specforge-jsonl` (also joined into one `regenerated.jsonl`). What
+each row holds and what is left out, and why: docs/formats.md#text-exports-one-row-per-conversation.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 A format subclass says which layers it needs and how one sample is written; this base streams the run's shards
 through it: samples numbered over the whole export from the plan (app.data.export_plan), per-shard frequencies
 for `token_freq.pt`, `samples.jsonl` naming each number, samples with nothing to learn from left out and
-counted, and each shard claimed (app.data.export_claims). The token-only formats are subclasses without states.
-Details: docs/formats.md#what-every-hidden-state-export-shares.
+counted, and each shard claimed (app.data.export_claims). The token-only formats are subclasses without
+states. Details: docs/formats.md#what-every-hidden-state-export-shares.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Shards are the unit (independent files with their own markers): a part takes every N-th shard of a fixed,
 sorted list, and results come back in shard order, so sums and lists are bit for bit one process's. Processes,
-not threads (the work is CPU in Python), started with `spawn` (fork can deadlock after torch or threads).
-Why: docs/formats.md#how-the-read-side-fans-out.
+not threads (the work is CPU in Python), started with `spawn` (fork can deadlock after torch or threads). Why:
+docs/formats.md#how-the-read-side-fans-out.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The judging side of `regen selfcheck`: one mode's captures (workers.engine.selfcheck's file) held to five checks.
+"""The judging side of `regen selfcheck`: one mode's captures (workers.engine.selfcheck's file) held to five
+checks.
 
 `ids`, `rows`, `reference` (against transformers, app.states_compare), `duplicate` and `staged`. A verdict is
 one line per mode and model: PASS with the worst error against transformers, or FAIL naming the first failed

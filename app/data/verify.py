@@ -1,10 +1,10 @@
 """`regen verify`: prove a run on storage is complete, intact and self-consistent before anyone trains on it.
 
-Why: the failures that hurt drafter training are silent (zero states, a truncated copy, a shard that never ran).
-Every check needs only the run itself (markers with sizes and sha256, per-part CRCs, record ids, the producer's
-counts); `--reference N` recomputes states with plain transformers. Problems are errors or warnings; an
-incomplete run is an error unless `--allow-incomplete`; `--sample N` decodes only N samples' states.
-Details: docs/checking.md#what-verify-rests-on.
+Why: the failures that hurt drafter training are silent (zero states, a truncated copy, a shard that never
+ran). Every check needs only the run itself (markers with sizes and sha256, per-part CRCs, record ids, the
+producer's counts); `--reference N` recomputes states with plain transformers. Problems are errors or
+warnings; an incomplete run is an error unless `--allow-incomplete`; `--sample N` decodes only N samples'
+states. Details: docs/checking.md#what-verify-rests-on.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The Celery app Flower runs on (`celery -A app.ops.flower flower`), so that Flower lists regen's queues.
 
 Why its own app: Celery's default app lists only the `celery` queue, and the worker's app (the guarded
-transport) gives a broker URL Flower cannot use. This is `create_app` on the same settings, with Flower's queue
-list extended by regen's queues and every task queue the broker has recorded (its kombu binding sets), so
-Flower needs no storage. The broker URL is regen's (`REGEN_BROKER_URL`); `rediss://` options become
+transport) gives a broker URL Flower cannot use. This is `create_app` on the same settings, with Flower's
+queue list extended by regen's queues and every task queue the broker has recorded (its kombu binding sets),
+so Flower needs no storage. The broker URL is regen's (`REGEN_BROKER_URL`); `rediss://` options become
 `broker_use_ssl`. The whole story: docs/operating.md#flowers-own-celery-app.
 """
 

@@ -1,9 +1,9 @@
 """The vLLM arguments an engine is built with (`llm_kwargs`) and each request's sampling parameters.
 
-The worker's engine, the fleet bench's baseline and the reference-capture test all build vLLM from `llm_kwargs`,
-so they run on the same settings; the model's config (workers.engine.settings) and the operator's `--vllm-arg`
-(app.vllm_args, applied last) add theirs. A capture engine's `speculative_config` is always vLLM's
-`extract_hidden_states`. CPU specifics and why: docs/workers.md#the-engines-vllm-arguments.
+The worker's engine, the fleet bench's baseline and the reference-capture test all build vLLM from
+`llm_kwargs`, so they run on the same settings; the model's config (workers.engine.settings) and the
+operator's `--vllm-arg` (app.vllm_args, applied last) add theirs. A capture engine's `speculative_config` is
+always vLLM's `extract_hidden_states`. CPU specifics and why: docs/workers.md#the-engines-vllm-arguments.
 """
 
 from __future__ import annotations

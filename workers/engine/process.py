@@ -1,9 +1,9 @@
 """The CPU worker's engine in a process of its own: the worker's side work never holds the engine's GIL.
 
-Why: on a CPU host the in-process engine's steps are mostly Python, so any side work holding the GIL holds up the
-engine; the GIL is per process, so the engine moves out. Only prompt ids and, per finished sample, its ids, text
-and capture file's path cross the pipe (no hidden states), one message per delivery round. The child dies with
-the worker; a dead child makes every waiting batch raise `EngineDead`. GPU workers do not use this.
+Why: on a CPU host the in-process engine's steps are mostly Python, so any side work holding the GIL holds up
+the engine; the GIL is per process, so the engine moves out. Only prompt ids and, per finished sample, its
+ids, text and capture file's path cross the pipe (no hidden states), one message per delivery round. The child
+dies with the worker; a dead child makes every waiting batch raise `EngineDead`. GPU workers do not use this.
 Lifecycle and the measurement behind it: docs/workers.md#the-engine-process-in-detail.
 """
 

@@ -1,10 +1,10 @@
 """The engine's self-test before the worker consumes a shard: the run's own sampling, the prompts that break
 engines, and the capture check over them.
 
-Why: a broken engine must fail the worker's start (restarted with backoff, one line saying why) rather than fail
-or silently mis-capture every shard; a trivial test passed engines that crashed on the run's first shard. One
-batch with the run's sampling (1-token, short, duplicate, chunked-long prompts); checks `tokens`, `ids`, `rows`,
-`duplicate` and `recapture`. A failure raises `SelfTestFailed` naming the check and the engine mode.
+Why: a broken engine must fail the worker's start (restarted with backoff, one line saying why) rather than
+fail or silently mis-capture every shard; a trivial test passed engines that crashed on the run's first shard.
+One batch with the run's sampling (1-token, short, duplicate, chunked-long prompts); checks `tokens`, `ids`,
+`rows`, `duplicate` and `recapture`. A failure raises `SelfTestFailed` naming the check and the engine mode.
 The prompts and checks in detail: docs/capture.md#the-workers-start-test-in-detail.
 """
 

@@ -1,4 +1,5 @@
-"""The engine side of `regen selfcheck`: one engine mode's captures of a fixed set of requests, written to a file.
+"""The engine side of `regen selfcheck`: one engine mode's captures of a fixed set of requests, written to a
+file.
 
 Why a process per mode: vLLM reads what a mode changes from the environment when it builds its config, and one
 process holds one engine well; `regen selfcheck` starts this per mode and model and judges what it wrote

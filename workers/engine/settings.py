@@ -1,10 +1,11 @@
 """Engine settings chosen from the target model's config, and the vLLM versions a hybrid target needs.
 
 Prefix caching is off in every engine that captures hidden states: a cache hit skips the forward pass, so a
-sample's states would be missing or rest on another request's pass. Generation-only engines keep vLLM's default
-except where vLLM cannot have it (hybrids without chunked prefill, MTP on the CPU); multimodal wrappers run
-`language_model_only`. A hybrid capture engine refuses a vLLM older than the floor that fixed its states.
-Why each rule, and where the floor comes from: docs/workers.md#engine-settings-chosen-from-the-models-config.
+sample's states would be missing or rest on another request's pass. Generation-only engines keep vLLM's
+default except where vLLM cannot have it (hybrids without chunked prefill, MTP on the CPU); multimodal
+wrappers run `language_model_only`. A hybrid capture engine refuses a vLLM older than the floor that fixed its
+states. Why each rule, and where the floor comes from:
+docs/workers.md#engine-settings-chosen-from-the-models-config.
 """
 
 from __future__ import annotations

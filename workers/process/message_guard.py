@@ -2,9 +2,9 @@
 
 Why: kombu decodes a message's envelope inside the consumer's event loop, where an exception ends the worker
 and its engine must be rebuilt, so anyone who can write to the queue could keep a fleet reloading. This
-subclass of kombu's Redis transport checks every popped envelope and records a bad one in the dead-message list
-(app.dead_messages) instead of delivering it; `Consumer` does the same for bodies Celery cannot use.
-How, and the kombu patch it rests on: docs/faults.md#the-message-guard-in-detail.
+subclass of kombu's Redis transport checks every popped envelope and records a bad one in the dead-message
+list (app.dead_messages) instead of delivering it; `Consumer` does the same for bodies Celery cannot use. How,
+and the kombu patch it rests on: docs/faults.md#the-message-guard-in-detail.
 """
 
 from __future__ import annotations
