@@ -76,8 +76,7 @@ def pass_samples(samples: Iterable[tuple[dict, int]], index: int, settings: dict
     for sample, nbytes in samples:
         own = sample.pop("input_thinking", None)
         if index:
-            pid = sample["id"]
-            sample = {**sample, "id": prompt_sample_id(pid, index), "prompt_id": pid, "sample_index": index}
+            sample = sample.for_pass(prompt_sample_id(sample.id, index), sample.id, index)
         thinking, rule = sample_mode(settings, {"id": sample["id"], "input_thinking": own})
         if mixed:
             sample["thinking"] = thinking

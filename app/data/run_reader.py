@@ -24,8 +24,8 @@ from app import ledger
 from app.documents import CaptureMarker, DeadLetter, DoneMarker, ProduceSummary, run_counts
 from app.hidden_file import HiddenFileReader
 from app.ids import shard_id
-from app.jsonl_zst import iter_jsonl_zst
 from app.manifest import load as load_manifest
+from app.records import Record, iter_records
 from app.storage import RunStore, Storage
 
 _LISTING_ONCE = threading.Lock()  # module-level: a reader stays picklable (DataLoader workers under spawn)
@@ -113,10 +113,10 @@ class RunReader:
                 yield info
 
     # -- records ------------------------------------------------------------------------------------------
-    def records(self, info: ShardInfo) -> Iterator[dict]:
+    def records(self, info: ShardInfo) -> Iterator[Record]:
         """The shard's records in order, streamed (ok and worker-rejected alike)."""
         with self.storage.open(info.marker.records_file["path"]) as fh:
-            yield from iter_jsonl_zst(fh)
+            yield from iter_records(fh, info.marker.records_file["path"])
 
     def iter_records(self, status: str | None = None) -> Iterator[tuple[ShardInfo, dict]]:
         for info in self.shards():

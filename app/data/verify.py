@@ -39,12 +39,12 @@ from app.data.run_reader import RunReader, ShardInfo
 from app.data.verify_checks import Problem, ShardResult, check_mode, check_states
 from app.data.verify_reference import reference_check
 from app.data.verify_sampled import check_index_entry, decode_sample
+from app.documents import MalformedDocument
 from app.hidden_file import CorruptHiddenFile, HiddenFileReader
 from app.ids import shard_id as shard_name
-from app.jsonl_zst import iter_jsonl_zst
 from app.layers import ascending_problem
 from app.manifest import setting
-from app.records import turn_sample_id
+from app.records import iter_records, turn_sample_id
 
 
 @dataclass
@@ -277,7 +277,7 @@ def _check_records(res: ShardResult, reader: RunReader, info: ShardInfo, raw: by
     seen_hidden: set[int] = set()
     turns: dict[str, list[dict]] = {}
     try:
-        for rec in iter_jsonl_zst(io.BytesIO(raw)):
+        for rec in iter_records(io.BytesIO(raw), m.records_file["path"]):
             res.records += 1
             sid = rec.get("sample_id")
             turns.setdefault(rec.get("conversation_id") or sid, []).append(rec)
@@ -306,6 +306,9 @@ def _check_records(res: ShardResult, reader: RunReader, info: ShardInfo, raw: by
                 res.good_samples.append(sid)
     except (zstandard.ZstdError, orjson.JSONDecodeError, OSError) as exc:
         res.add("records_unreadable", f"{type(exc).__name__}: {exc}")
+        return
+    except MalformedDocument as exc:  # a record outside the schema (app.records.RECORD_FIELDS)
+        res.add("record_malformed", str(exc))
         return
     res.conversations = len(turns)
     check_turns(res, turns)

@@ -29,6 +29,7 @@ from app.quality import (
     think_closed,
 )
 from app.records import conversation_id, loss_mask, rejected_record
+from app.samples import Sample, read_samples
 from app.states_compare import zero_rows_allowed
 from workers.engine.capture_faults_for_tests import process_injector
 from workers.engine.recapture import PREFILL_ONLY, CheckPolicy, Pending
@@ -96,14 +97,14 @@ class ShardGeneration:
         self.to_check: list[Pending] = []
         self.faults = process_injector() if self.capture_inline else None  # None but in the tests
 
-    def base(self, sample: dict, index: int, messages: list[dict], **extra) -> dict:
+    def base(self, sample: Sample, index: int, messages: list[dict], **extra) -> dict:
         mode = {"thinking": record_thinking(sample, self.settings)}
         if sample.get("mode_rule"):
             mode["mode_rule"] = sample["mode_rule"]
         return {
             "run_id": self.run_id, "shard_id": self.shard_id, "sample_id": sample["id"], "index": index, **extra,
             "prompt_id": sample.get("prompt_id") or extra.get("conversation_id") or sample["id"],
-            "sample_index": int(sample.get("sample_index", 0)), **mode,
+            "sample_index": sample.sample_index, **mode,
             "source": sample.get("source"), "messages": messages, "tools": sample.get("tools"),
             "worker": self.ctx.worker_name, "device": self.ctx.config.device_class,
         }
@@ -218,6 +219,7 @@ def generate_records(ctx: WorkerContext, manifest: dict, run_id: str, shard_id: 
                      hidden_out=None):
     """Return (records, summary) for one shard; with inline capture each sample's states go into `hidden_out`
     (a `workers.shard.shard_output.HiddenFileStream`) as soon as they are encoded."""
+    samples = read_samples(samples, f"shard {shard_id}")
     gen = ShardGeneration(ctx, manifest, run_id, shard_id, hidden_out)
     if manifest["settings"].get("regenerate") == "all":
         return regenerate_turns(gen, samples)
