@@ -43,7 +43,6 @@ from app.documents import MalformedDocument
 from app.hidden_file import CorruptHiddenFile, HiddenFileReader
 from app.ids import shard_id as shard_name
 from app.layers import ascending_problem
-from app.manifest import setting
 from app.records import iter_records, turn_sample_id
 
 
@@ -272,7 +271,7 @@ def _name_leftovers(res: ShardResult, reader: RunReader, shard: str) -> None:
 def _check_records(res: ShardResult, reader: RunReader, info: ShardInfo, raw: bytes,
                    hreader: HiddenFileReader | None, decode: bool = True) -> None:
     m = info.marker
-    hidden_size = (reader.settings.get("model") or {}).get("hidden_size")
+    hidden_size = reader.run_settings.hidden_size
     rejected: Counter = Counter()
     seen_hidden: set[int] = set()
     turns: dict[str, list[dict]] = {}
@@ -338,10 +337,10 @@ def check_turns(res: ShardResult, turns: dict[str, list[dict]]) -> None:
 def _expected_sizes(reader: RunReader, counts: dict) -> dict[str, int]:
     """Samples the producer put in each shard: shard_size each, the last of each pass (one pass per sample of a
     prompt, producer.produce.sample_shards) the remainder."""
-    n, size, enq = int(counts.get("shards") or 0), int(reader.settings.get("shard_size") or 0), counts.get("enqueued")
+    n, size, enq = int(counts.get("shards") or 0), int(reader.run_settings.shard_size or 0), counts.get("enqueued")
     if not n or not size or enq is None:
         return {}
-    passes = int(setting(reader.settings, "samples_per_prompt"))
+    passes = int(reader.run_settings.samples_per_prompt)
     per_pass = n // passes
     sizes = {shard_name(k): size for k in range(n)}
     for k in range(passes):

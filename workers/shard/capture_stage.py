@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from app.documents import CaptureMarker
-from app.manifest import compression_level
+from app.manifest import RunSettings, compression_level
 from app.records import read_records
 from app.storage import RunStore
 from workers.engine.capture_faults_for_tests import process_injector
@@ -35,7 +35,7 @@ def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_i
     after this batch of the whole shard: the same prefill in another batch composition."""
     marker = store.done_marker(shard_id)
     records = read_records(store.storage.read_bytes(marker.records_file["path"]), marker.records_file["path"])
-    layers = manifest["settings"]["layers"]["vllm_ids"]
+    layers = RunSettings.view(manifest["settings"]).vllm_layer_ids
     level = compression_level(manifest["settings"])
     stored = states_dtype(manifest["settings"])
     requests = [
