@@ -269,7 +269,6 @@ class Manifest(Document):
     def settings(self) -> dict:
         return self["settings"]
 
-
 class ProduceSummary(Document):
     """What the producer enqueued (`{run}/produce.json`): whether it finished (`complete`), the queue, its own
     settings, and its counts (lines read, enqueued, duplicates, rejected by reason, shards, samples, modes).

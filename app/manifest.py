@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.metadata
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from app.documents import Manifest
 from app.errors import ManifestMismatch, RegenError
+from app.settings import DEFAULT_CAPTURE_QUEUE
 from app.storage import RunStore
 
 MANIFEST_FORMAT = "regen.run/1"
@@ -27,10 +28,10 @@ COMPRESSION_LEVEL = 1  # zstd level of a new run's records and state planes (lev
 LEGACY_COMPRESSION_LEVEL = 3  # what a manifest written before the setting existed was written with
 
 
-def compression_level(settings: dict) -> int:
+def compression_level(settings: dict | RunSettings) -> int:
     """The zstd level a run's shards are written at: its manifest's, or the level runs were written at before
     manifests recorded it (so a resumed old run keeps writing as it did)."""
-    return int(settings.get("compression_level", LEGACY_COMPRESSION_LEVEL))
+    return int(RunSettings.view(settings).compression_level)
 
 
 @dataclass
@@ -90,6 +91,7 @@ _ADDED_LATER = {"states": asdict(StatesStorage()), "engine_args": {}, "thinking_
 _LEFT_OUT_AT_DEFAULT = ("engine_args", "thinking_mix", "mode_sampling", "mode_prompt_tails", "samples_per_prompt",
                         "sample_temperatures", "take")
 MODES = ("thinking", "non_thinking")
+_LAST_VIEW: list = []  # [the settings dict last viewed, its RunSettings]
 
 
 def mode_name(thinking: bool) -> str:
@@ -134,6 +136,86 @@ class RunSettings:
     take: list[dict] | None = None
     capture_check: CaptureCheckSettings = field(default_factory=CaptureCheckSettings)
 
+    @classmethod
+    def view(cls, settings: RunSettings | dict) -> RunSettings:
+        """The run's settings typed, from the manifest's dict (the one place a stored setting is read by name),
+        with the defaults a manifest written before a setting existed implies. Keys this release does not know
+        (a newer writer's) are left out. The last dict read is remembered, by identity (readers call this per
+        record): a stored settings dict is never changed in place (`grow_samples_per_prompt` makes a new one)."""
+        if isinstance(settings, RunSettings):
+            return settings
+        last = _LAST_VIEW
+        if last and last[0] is settings:
+            return last[1]
+        view = cls._from_stored(settings)
+        _LAST_VIEW[:] = [settings, view]
+        return view
+
+    @classmethod
+    def _from_stored(cls, d: dict) -> RunSettings:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in d.items() if k in known}
+        for name, default in _ADDED_LATER.items():
+            values.setdefault(name, default)
+        values.setdefault("compression_level", LEGACY_COMPRESSION_LEVEL)
+        stored = {k: v for k, v in (d.get("sampling") or {}).items() if k in {f.name for f in fields(Sampling)}}
+        values["sampling"] = Sampling(**{**THINKING_SAMPLING, "max_tokens": 0, **stored})
+        values["quality"] = QualitySettings(**(d.get("quality") or {}))
+        values["states"] = StatesStorage(**(values.get("states") or {}))
+        values["capture_check"] = CaptureCheckSettings(**(values.get("capture_check") or {}))
+        return cls(**{"model": {}, "layers": None, "shard_size": 0, "max_prompt_tokens": 0, "regenerate": "last",
+                      "inputs": [], "thinking": True, "capture_mode": "off", **values})
+
+    # -- typed reads of what several readers need -----------------------------------------------------------
+    @property
+    def vllm_layer_ids(self) -> list[int] | None:
+        """The captured layers in vLLM's numbering (app.layers), None when the run captures none."""
+        return list(self.layers["vllm_ids"]) if self.layers else None
+
+    @property
+    def layer_kinds(self) -> list[str] | None:
+        return (self.layers or {}).get("kinds")
+
+    @property
+    def hidden_size(self) -> int | None:
+        return self.model.get("hidden_size")
+
+    @property
+    def model_path(self) -> str | None:
+        return self.model.get("path")
+
+    @property
+    def zero_embedding_ids(self) -> tuple[int, ...]:
+        """Token ids whose embedding row is zero (read from the checkpoint by the producer; older runs: none)."""
+        return tuple(self.model.get("zero_embedding_ids") or ())
+
+    @property
+    def states_dtype(self) -> str:
+        """How the run stores states (app.states_codec); runs made before the setting store bf16."""
+        return self.states.dtype
+
+    @property
+    def staged(self) -> bool:
+        return self.capture_mode == "staged"
+
+    @property
+    def capture_inline(self) -> bool:
+        return self.capture_mode == "inline"
+
+    @property
+    def mixed(self) -> bool:
+        """A run of both modes (`--thinking-mix`)."""
+        return self.thinking_mix is not None
+
+    @property
+    def capture_queue(self) -> str:
+        """The staged capture's queue (one for every run: no manifest has named another)."""
+        return DEFAULT_CAPTURE_QUEUE
+
+    def sampling_dict(self) -> dict:
+        """The run's sampling as stored (the thinking mode's in a mixed run), seed and max_tokens included."""
+        return asdict(self.sampling)
+
     def to_dict(self) -> dict:
         out = asdict(self)
         for key in _LEFT_OUT_AT_DEFAULT:
@@ -156,7 +238,7 @@ def settings_diff(stored: dict, wanted: dict) -> list[str]:
     fields = sorted((set(wanted) | set(stored)) - {"counts"})
     out: list[str] = []
     for f in fields:
-        have, want = setting(stored, f), setting(wanted, f)
+        have, want = _stored(stored, f), _stored(wanted, f)
         if f == "inputs":
             if have != want:
                 out.append("inputs")
@@ -165,8 +247,9 @@ def settings_diff(stored: dict, wanted: dict) -> list[str]:
     return out
 
 
-def setting(settings: dict, name: str):
-    """A run setting as stored, or its default when the manifest predates it (or left it out at its default)."""
+def _stored(settings: dict, name: str):
+    """A run setting as stored, or its default when the manifest predates it (or left it out at its default):
+    for comparing manifests field by field (`settings_diff`); readers use `RunSettings.view`."""
     return settings[name] if name in settings else _ADDED_LATER.get(name)
 
 
@@ -186,6 +269,14 @@ def open_or_create(store: RunStore, settings: RunSettings) -> tuple[dict, bool]:
                             wanted, software_versions())
     store.storage.write_json(store.manifest_path, manifest)
     return manifest, True
+
+
+def grow_samples_per_prompt(store: RunStore, manifest: Manifest, k: int) -> dict:
+    """`produce --resume RUN --samples-per-prompt K` on a run with fewer: the manifest says K from now on (the
+    new samples' shards follow the existing ones); returns the new settings."""
+    manifest["settings"] = {**manifest.settings, "samples_per_prompt": k}  # a new dict: views are by identity
+    store.storage.write_json(store.manifest_path, manifest)
+    return manifest.settings
 
 
 def software_versions() -> dict:

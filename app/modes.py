@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 
-from app.manifest import mode_name, setting
+from app.manifest import RunSettings, mode_name
 
 RULES = ("input", "mix", "run")
 
@@ -25,40 +25,42 @@ def draw_thinking(mix: float, run_seed: int, sample_id: str) -> bool:
     return mode_draw(run_seed, sample_id) < mix
 
 
-def sample_mode(settings: dict, sample: dict) -> tuple[bool, str]:
+def sample_mode(settings: RunSettings | dict, sample: dict) -> tuple[bool, str]:
     """(thinking, rule) for a sample the producer is about to shard; see the module docstring."""
-    mix = setting(settings, "thinking_mix")
-    if mix is None:
-        return bool(settings["thinking"]), "run"
+    s = RunSettings.view(settings)
+    if s.thinking_mix is None:
+        return bool(s.thinking), "run"
     own = sample.get("input_thinking")
     if own is not None:
         return bool(own), "input"
-    return draw_thinking(float(mix), int(settings["sampling"].get("seed", 0)), sample["id"]), "mix"
+    return draw_thinking(float(s.thinking_mix), int(s.sampling.seed), sample["id"]), "mix"
 
 
-def record_thinking(rec: dict, settings: dict) -> bool:
+def record_thinking(rec: dict, settings: RunSettings | dict) -> bool:
     """A record's (or a sample message's) mode; one without its own is in the run's mode."""
     own = rec.get("thinking")
-    return bool(settings.get("thinking", True)) if own is None else bool(own)
+    return bool(RunSettings.view(settings).thinking) if own is None else bool(own)
 
 
-def record_mode(rec: dict, settings: dict) -> str:
+def record_mode(rec: dict, settings: RunSettings | dict) -> str:
     """`thinking` or `non_thinking`, for tables and counts."""
     return mode_name(record_thinking(rec, settings))
 
 
-def run_modes(settings: dict) -> tuple[str, ...]:
+def run_modes(settings: RunSettings | dict) -> tuple[str, ...]:
     """The modes a run's samples can be in."""
-    if setting(settings, "thinking_mix") is None:
-        return (mode_name(bool(settings.get("thinking", True))),)
+    s = RunSettings.view(settings)
+    if s.thinking_mix is None:
+        return (mode_name(bool(s.thinking)),)
     return ("thinking", "non_thinking")
 
 
-def sampling_for(settings: dict, thinking: bool, sample_index: int = 0) -> dict:
+def sampling_for(settings: RunSettings | dict, thinking: bool, sample_index: int = 0) -> dict:
     """The sampling one sample is generated with (the run seed included; the sample's own seed is drawn apart)."""
-    by_mode = setting(settings, "mode_sampling")
-    out = dict(by_mode[mode_name(thinking)] if by_mode else settings["sampling"])
-    temperatures = setting(settings, "sample_temperatures")
+    s = RunSettings.view(settings)
+    by_mode = s.mode_sampling
+    out = dict(by_mode[mode_name(thinking)] if by_mode else s.sampling_dict())
+    temperatures = s.sample_temperatures
     if temperatures:
         out["temperature"] = float(temperatures[sample_index % len(temperatures)])
     return out

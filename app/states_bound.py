@@ -13,6 +13,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from app.manifest import RunSettings
+
 
 @dataclass(frozen=True)
 class StatesPromise:
@@ -26,8 +28,8 @@ class StatesPromise:
 
 def promise(settings: dict) -> StatesPromise:
     """The run's promise from its manifest settings (runs made before the setting existed store bf16)."""
-    states = settings.get("states") or {}
-    return StatesPromise(states.get("dtype", "bf16"), float(states.get("max_rel_error", 0.0)))
+    states = RunSettings.view(settings).states
+    return StatesPromise(states.dtype, float(states.max_rel_error))
 
 
 def sample_problem(entry: dict, run: StatesPromise) -> tuple[str, str] | None:

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 
 from app.errors import ConfigError
 from app.ids import prompt_sample_id
-from app.manifest import MODES, mode_name, setting
+from app.manifest import MODES, RunSettings, mode_name
 from app.modes import sample_mode
 
 _PROBE = [{"role": "user", "content": "Which mode is this?"}]
@@ -72,12 +72,11 @@ class ModeCounts:
 def pass_samples(samples: Iterable[tuple[dict, int]], index: int, settings: dict,
                  counts: ModeCounts) -> Iterator[tuple[dict, int]]:
     """Sample `index` of every prompt (the producer's pass `index`), each with its mode when the run mixes."""
-    mixed = setting(settings, "thinking_mix") is not None
+    mixed = RunSettings.view(settings).mixed
     for sample, nbytes in samples:
         own = sample.pop("input_thinking", None)
         if index:
-            pid = sample["id"]
-            sample = {**sample, "id": prompt_sample_id(pid, index), "prompt_id": pid, "sample_index": index}
+            sample = sample.for_pass(prompt_sample_id(sample.id, index), sample.id, index)
         thinking, rule = sample_mode(settings, {"id": sample["id"], "input_thinking": own})
         if mixed:
             sample["thinking"] = thinking

@@ -13,6 +13,7 @@ import orjson
 
 from app.errors import PermanentError
 from app.ids import sample_id
+from app.samples import Sample
 from app.settings import DEFAULT_REGENERATE
 
 REJECT_REASONS = (
@@ -253,7 +254,7 @@ def _check_and_measure(messages: list[dict], tools_chars: int) -> int:
 
 
 def normalise(row: object, *, file: str, line: int, regenerate: str = DEFAULT_REGENERATE,
-              max_prompt_chars: int = 0) -> dict:
+              max_prompt_chars: int = 0) -> Sample:
     """One parsed row -> one sample dict (see the module docstring); raises Rejected.
 
     `max_prompt_chars` (0 = no cap) is a cheap character cap on the prompt; exact token limits are the worker's.
@@ -279,15 +280,7 @@ def normalise(row: object, *, file: str, line: int, regenerate: str = DEFAULT_RE
         sid = sample_id(messages, tools)
     except TypeError as exc:  # orjson.JSONEncodeError: e.g. an integer beyond 64 bits in a .json array row
         raise Rejected("malformed_json", f"value not representable in JSON: {exc}"[:200]) from None
-    sample = {
-        "id": sid,
-        "messages": messages,
-        "tools": tools,
-        "source": {"file": file, "line": line, "source_id": source_id},
-    }
-    if own_mode is not None:
-        sample["input_thinking"] = own_mode
-    return sample
+    return Sample.new(sid, messages, tools, {"file": file, "line": line, "source_id": source_id}, own_mode)
 
 
 def _own_mode(row: dict) -> bool | None:

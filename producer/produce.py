@@ -18,8 +18,7 @@ from app import ledger
 from app.celery_app import CAPTURE_TASK
 from app.errors import ConfigError
 from app.ids import validate_id
-from app.manifest import load, open_or_create, setting
-from app.settings import DEFAULT_CAPTURE_QUEUE
+from app.manifest import RunSettings, grow_samples_per_prompt, load, open_or_create
 from app.states_codec import resolve as resolve_states_dtype
 from app.storage import RunStore, Storage
 from producer.accounting import (
@@ -129,11 +128,12 @@ def _open_store(opts: ProduceOptions, run_id: str) -> RunStore:
 
 def _dry_run(opts: ProduceOptions, run_id: str, paths: list[str], settings: dict,
              progress: ProgressFn | None) -> ProduceResult:
-    model, layers = settings["model"], settings["layers"]
+    typed = RunSettings.view(settings)
+    model, layers = typed.model, typed.layers
     acc = Accounting()
     reservoir = Reservoir(opts.estimate_sample, seed=opts.seed)
-    take = selections(rules_from_manifest(setting(settings, "take")), settings["inputs"], opts.seed)
-    per_prompt = int(setting(settings, "samples_per_prompt"))
+    take = selections(rules_from_manifest(typed.take), typed.inputs, opts.seed)
+    per_prompt = int(typed.samples_per_prompt)
     modes = ModeCounts()
     with RejectLog(acc) as rejects:
         for sample, _ in iter_samples(paths, opts, acc, rejects, Deduper(), progress, take):
@@ -165,9 +165,9 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
         manifest = load(store)
         state = read_produce_state(store)
         opts = options_from_manifest(manifest, state and state.get("producer_settings"), opts)
-        paths = verify_inputs(manifest["settings"]["inputs"])
+        paths = verify_inputs(RunSettings.view(manifest.settings).inputs)
         settings = manifest["settings"]
-        if opts.samples_per_prompt != setting(settings, "samples_per_prompt"):
+        if opts.samples_per_prompt != RunSettings.view(settings).samples_per_prompt:
             settings = grow_samples_per_prompt(store, manifest, opts.samples_per_prompt)
         run_id = store.run_id
     else:
@@ -196,7 +196,8 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
     psettings = producer_settings(opts)
     write_produce_state(store, producer_settings=psettings, accounting=None, complete=False, queue=opts.queue,
                         started=started)
-    take = selections(rules_from_manifest(setting(settings, "take")), settings["inputs"], opts.seed)
+    take = selections(rules_from_manifest(RunSettings.view(settings).take), RunSettings.view(settings).inputs,
+                      opts.seed)
     modes = ModeCounts()
     with ShardSender(opts.broker, opts.queue, opts.max_pending, compress=opts.compress,
                      input_bytes=plain_input_bytes(paths)) as sender, RejectLog(acc, store) as rejects:
@@ -214,11 +215,11 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
             sender.send(run_id, storage_url, shard)
             acc.shards_sent += 1
             acc.samples_sent += len(shard.samples)
-        if opts.resume and only is None and settings["capture_mode"] == "staged":
+        if opts.resume and only is None and RunSettings.view(settings).staged:
             send_captures(store, sender.app, storage_url, settings, ledger.missing_captures(store))
     acc.mode_counts = modes.to_dict()
     acc.take_rows = {path: sel.rows for path, sel in take.items()}
-    acc.check_identity(int(setting(settings, "samples_per_prompt")))
+    acc.check_identity(int(RunSettings.view(settings).samples_per_prompt))
     write_produce_state(store, producer_settings=psettings, accounting=acc, complete=True, queue=opts.queue,
                         started=started)
     return ProduceResult(run_id, "produced", acc, paths, storage_url=storage_url)
@@ -234,7 +235,7 @@ def sample_shards(paths: list[str], opts: ProduceOptions, settings: dict, acc: A
     and a run produced with K at once has the shards a K=1 run resumed to K has. Only the first pass counts
     rows (read, rejects, duplicates, left out); the later ones read the inputs again to the same prompts."""
     first = 0
-    for k in range(int(setting(settings, "samples_per_prompt"))):
+    for k in range(int(RunSettings.view(settings).samples_per_prompt)):
         if k == 0:
             prompts = iter_samples(paths, opts, acc, rejects, Deduper(), progress, take)
         else:
@@ -247,17 +248,10 @@ def sample_shards(paths: list[str], opts: ProduceOptions, settings: dict, acc: A
         first += made
 
 
-def grow_samples_per_prompt(store: RunStore, manifest: dict, k: int) -> dict:
-    """`produce --resume RUN --samples-per-prompt K` on a run with fewer: the manifest says K from now on (the
-    new samples' shards follow the existing ones); returns the new settings."""
-    manifest["settings"]["samples_per_prompt"] = k
-    store.storage.write_json(store.manifest_path, manifest)
-    return manifest["settings"]
-
 def send_captures(store: RunStore, app, storage_url: str, settings: dict, shards: list[str]) -> int:
     """Send a staged capture task for each of `shards` (generated, not captured) on the run's capture queue:
     `--resume` for captures whose message was lost, `regen retry-dead` for dead-lettered ones."""
-    queue = settings.get("capture_queue", DEFAULT_CAPTURE_QUEUE)
+    queue = RunSettings.view(settings).capture_queue
     for shard in shards:
         app.send_task(CAPTURE_TASK, kwargs={"run_id": store.run_id, "storage": storage_url, "shard_id": shard},
                       queue=queue)

@@ -19,7 +19,7 @@ from app.celery_app import create_app
 from app.errors import ConfigError, InputError
 from app.ids import validate_id
 from app.ledger import CAPTURE, GENERATE, archive_dead, split_key
-from app.manifest import load
+from app.manifest import RunSettings, load
 from app.settings import BrokerSettings
 from app.storage import RunStore, Storage
 from producer.produce import produce, send_captures, storage_url_for_workers
@@ -70,7 +70,7 @@ def _preflight(store: RunStore, opts: ProduceOptions, resends_inputs: bool) -> N
     that was never re-sent would be neither dead nor queued, and a second retry-dead would no longer see it.
     The inputs' presence and sizes (produce re-checks their sha256) and the broker's connection are checked."""
     if resends_inputs:
-        for entry in load(store)["settings"].get("inputs", []):
+        for entry in RunSettings.view(load(store).settings).inputs:
             if not os.path.isfile(entry["path"]) or os.path.getsize(entry["path"]) != entry["size"]:
                 raise InputError(f"{entry['path']}: input of this run is missing or changed; restore it to retry")
     broker = BrokerSettings.from_env(opts.broker)

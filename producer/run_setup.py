@@ -23,7 +23,6 @@ from app.manifest import (
     RunSettings,
     Sampling,
     StatesStorage,
-    setting,
 )
 from app.model_info import read_model_info, read_text_config, zero_embedding_ids
 from app.settings import DEFAULT_QUEUE, DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
@@ -258,28 +257,27 @@ def check_producer_settings(stored: dict | None, wanted: dict, run_id: str) -> N
 
 def options_from_manifest(manifest: dict, stored_producer: dict | None, opts: ProduceOptions) -> ProduceOptions:
     """`--resume`: the stored run's inputs and settings, with this invocation's broker/queue/storage options."""
-    s = manifest["settings"]
-    sampling = s["sampling"]
+    s = RunSettings.view(manifest["settings"])
     resumed = ProduceOptions(**{**opts.__dict__})
-    resumed.inputs = [i["path"] for i in s["inputs"]]
-    resumed.shard_size = s["shard_size"]
-    resumed.max_prompt_tokens = s["max_prompt_tokens"]
-    resumed.regenerate = s["regenerate"]
-    resumed.thinking = s["thinking"]
-    resumed.capture = s["capture_mode"]
-    resumed.max_tokens = sampling["max_tokens"]
-    resumed.model = s["model"]["path"]
-    resumed.vllm_args = [f"{k}={v}" for k, v in (s.get("engine_args") or {}).items()]
-    resumed.states_dtype = (s.get("states") or {}).get("dtype", "bf16")
-    resumed.speculative = s.get("speculative")
-    resumed.seed = int(sampling.get("seed", 0))  # the modes' draw and --take's are seeded with it
-    resumed.thinking_mix = setting(s, "thinking_mix")
-    stored_k = int(setting(s, "samples_per_prompt"))
+    resumed.inputs = [i["path"] for i in s.inputs]
+    resumed.shard_size = s.shard_size
+    resumed.max_prompt_tokens = s.max_prompt_tokens
+    resumed.regenerate = s.regenerate
+    resumed.thinking = s.thinking
+    resumed.capture = s.capture_mode
+    resumed.max_tokens = s.sampling.max_tokens
+    resumed.model = s.model_path
+    resumed.vllm_args = [f"{k}={v}" for k, v in (s.engine_args or {}).items()]
+    resumed.states_dtype = s.states_dtype
+    resumed.speculative = s.speculative
+    resumed.seed = int(s.sampling.seed)  # the modes' draw and --take's are seeded with it
+    resumed.thinking_mix = s.thinking_mix
+    stored_k = int(s.samples_per_prompt)
     if opts.samples_per_prompt is not None and opts.samples_per_prompt < stored_k:
         raise ConfigError(f"--samples-per-prompt {opts.samples_per_prompt} with --resume: the run has {stored_k} "
                           "samples per prompt; a resume can add samples, never drop them")
     resumed.samples_per_prompt = max(stored_k, opts.samples_per_prompt or 0)
-    resumed.sample_temperatures = setting(s, "sample_temperatures")
+    resumed.sample_temperatures = s.sample_temperatures
     if stored_producer and "max_prompt_chars" in stored_producer:
         resumed.max_prompt_chars = stored_producer["max_prompt_chars"]
     return resumed

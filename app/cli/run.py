@@ -30,6 +30,7 @@ from app.cli.options import (
 from app.cli.produce import RUN_SETTING_FLAGS, mix_options, produce_command
 from app.embedded_broker import broker_for_run
 from app.ledger import pause_state
+from app.manifest import RunSettings
 from app.ops.run_watch import LostShardWatch, dead_shard_ids, progress_counts
 from app.pilot.forecast import link_pilots, load_pilot_file
 from app.run_totals import RunTotals
@@ -110,7 +111,7 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
     # `regen run` writes the run's manifest itself: the data-changing settings go there, the others to its workers
     pinned_args = [a for a in vllm_args if data_changing(split_item(a)[0])]
     worker_args = [a for a in vllm_args if a not in pinned_args]
-    speculative = settings.get("speculative")
+    speculative = RunSettings.view(settings).speculative
     if cpu and top_k is None and (capture != "off" or speculative):
         top_k = 0
 

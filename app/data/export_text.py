@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import orjson
 
+from app.manifest import RunSettings
 from app.modes import record_thinking
 from app.records import conversation_id, prompt_id
 
@@ -113,7 +114,7 @@ def specforge_row(rec: dict, settings: dict) -> tuple[dict | None, str | None]:
     context = rec.get("messages") or []
     if rec.get("tools") or any(m.get("role") == "tool" or m.get("tool_calls") for m in context):
         return None, "specforge:tools"  # its rows have no tool definitions, tool roles or calls
-    if settings.get("regenerate") != "all" and any(m.get("role") == "assistant" for m in context):
+    if RunSettings.view(settings).regenerate != "all" and any(m.get("role") == "assistant" for m in context):
         return None, "specforge:context_not_regenerated"
     lead = next((k for k, m in enumerate(context) if m.get("role") != "system"), len(context))
     roles = [m.get("role") for m in context[lead:]]

@@ -49,7 +49,7 @@ class StateExport:
 
     def __init__(self, reader: RunReader, out: Storage, layers_spec: str | None):
         self.reader, self.out = reader, out
-        model = reader.settings.get("model") or {}
+        model = reader.run_settings.model
         self.model = model
         self.layers: ExportLayers | None = None
         if self.needs_states:

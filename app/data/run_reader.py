@@ -24,8 +24,9 @@ from app import ledger
 from app.documents import CaptureMarker, DeadLetter, DoneMarker, ProduceSummary, run_counts
 from app.hidden_file import HiddenFileReader
 from app.ids import shard_id
-from app.jsonl_zst import iter_jsonl_zst
+from app.manifest import RunSettings
 from app.manifest import load as load_manifest
+from app.records import Record, iter_records
 from app.storage import RunStore, Storage
 
 _LISTING_ONCE = threading.Lock()  # module-level: a reader stays picklable (DataLoader workers under spawn)
@@ -53,8 +54,9 @@ class RunReader:
         self.run_id = run_id
         self.manifest = load_manifest(self.store)
         self.settings = self.manifest.get("settings", {})
-        self.capture_mode = self.settings.get("capture_mode", "off")
-        self.layers = (self.settings.get("layers") or {}).get("vllm_ids")
+        self.run_settings = RunSettings.view(self.settings)  # the settings, typed (app.manifest)
+        self.capture_mode = self.run_settings.capture_mode
+        self.layers = self.run_settings.vllm_layer_ids
         self.max_open = max_open
         self._readers: OrderedDict[str, tuple[object, HiddenFileReader]] = OrderedDict()
         self._pid = os.getpid()
@@ -113,10 +115,10 @@ class RunReader:
                 yield info
 
     # -- records ------------------------------------------------------------------------------------------
-    def records(self, info: ShardInfo) -> Iterator[dict]:
+    def records(self, info: ShardInfo) -> Iterator[Record]:
         """The shard's records in order, streamed (ok and worker-rejected alike)."""
         with self.storage.open(info.marker.records_file["path"]) as fh:
-            yield from iter_jsonl_zst(fh)
+            yield from iter_records(fh, info.marker.records_file["path"])
 
     def iter_records(self, status: str | None = None) -> Iterator[tuple[ShardInfo, dict]]:
         for info in self.shards():

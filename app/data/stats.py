@@ -97,8 +97,7 @@ def collect(reader: RunReader, processes: int = 1, part: Part = WHOLE) -> RunSta
     """The run's stats (or one part's: every N-th of the producer's shards), shard by shard in id order.
     `processes` > 1 reads the shards in worker processes; each sends back what it read of a shard, and the
     shards are added here in the same order, so every count, list and float is the one one process makes."""
-    quality = reader.settings.get("quality") or {}
-    st = RunStats(reader.run_id, float(quality.get("pause_stub_rate", 0.2)), part=None if part.whole else str(part),
+    st = RunStats(reader.run_id, float(reader.run_settings.quality.pause_stub_rate), part=None if part.whole else str(part),
                   run_modes=run_modes(reader.settings))
     every = reader.expected_shards()
     st.shards_total = len(part.pick(every))

@@ -26,12 +26,11 @@ from app.data.run_reader import RunReader, ShardInfo
 from app.data.verify_checks import Problem, ShardResult, check_mode, check_states
 from app.data.verify_reference import reference_check
 from app.data.verify_sampled import check_index_entry, decode_sample
+from app.documents import MalformedDocument
 from app.hidden_file import CorruptHiddenFile, HiddenFileReader
 from app.ids import shard_id as shard_name
-from app.jsonl_zst import iter_jsonl_zst
 from app.layers import ascending_problem
-from app.manifest import setting
-from app.records import turn_sample_id
+from app.records import iter_records, turn_sample_id
 
 
 @dataclass
@@ -259,12 +258,12 @@ def _name_leftovers(res: ShardResult, reader: RunReader, shard: str) -> None:
 def _check_records(res: ShardResult, reader: RunReader, info: ShardInfo, raw: bytes,
                    hreader: HiddenFileReader | None, decode: bool = True) -> None:
     m = info.marker
-    hidden_size = (reader.settings.get("model") or {}).get("hidden_size")
+    hidden_size = reader.run_settings.hidden_size
     rejected: Counter = Counter()
     seen_hidden: set[int] = set()
     turns: dict[str, list[dict]] = {}
     try:
-        for rec in iter_jsonl_zst(io.BytesIO(raw)):
+        for rec in iter_records(io.BytesIO(raw), m.records_file["path"]):
             res.records += 1
             sid = rec.get("sample_id")
             turns.setdefault(rec.get("conversation_id") or sid, []).append(rec)
@@ -294,6 +293,9 @@ def _check_records(res: ShardResult, reader: RunReader, info: ShardInfo, raw: by
     except (zstandard.ZstdError, orjson.JSONDecodeError, OSError) as exc:
         res.add("records_unreadable", f"{type(exc).__name__}: {exc}")
         return
+    except MalformedDocument as exc:  # a record outside the schema (app.records.RECORD_FIELDS)
+        res.add("record_malformed", str(exc))
+        return
     res.conversations = len(turns)
     check_turns(res, turns)
     if hreader is not None and len(seen_hidden) != len(hreader):
@@ -322,10 +324,10 @@ def check_turns(res: ShardResult, turns: dict[str, list[dict]]) -> None:
 def _expected_sizes(reader: RunReader, counts: dict) -> dict[str, int]:
     """Samples the producer put in each shard: shard_size each, the last of each pass (one pass per sample of a
     prompt, producer.produce.sample_shards) the remainder."""
-    n, size, enq = int(counts.get("shards") or 0), int(reader.settings.get("shard_size") or 0), counts.get("enqueued")
+    n, size, enq = int(counts.get("shards") or 0), int(reader.run_settings.shard_size or 0), counts.get("enqueued")
     if not n or not size or enq is None:
         return {}
-    passes = int(setting(reader.settings, "samples_per_prompt"))
+    passes = int(reader.run_settings.samples_per_prompt)
     per_pass = n // passes
     sizes = {shard_name(k): size for k in range(n)}
     for k in range(passes):

@@ -10,6 +10,7 @@ import numpy as np
 
 from app.data.run_reader import RunReader
 from app.hidden_file import CorruptHiddenFile, HiddenFileReader
+from app.manifest import RunSettings
 from app.modes import prompt_ends_in_mode, record_mode, record_thinking
 from app.quality import STATE_PROBLEMS, StaleRows, implausible_states, layer_detail, states_problem
 from app.states_bound import promise, sample_problem
@@ -46,7 +47,7 @@ def check_mode(res: ShardResult, rec: dict, settings: dict) -> bool:
     """A mixed run's record against its mode: its prompt ids must end as the target's template ends that mode's
     generation prompt (the tails the producer measured, app.modes; Qwen3: a non-thinking prompt ends in the
     empty think block), and its reasoning must be what the mode allows (none without thinking). True: clean."""
-    tails = settings.get("mode_prompt_tails")
+    tails = RunSettings.view(settings).mode_prompt_tails
     if not tails:
         return True
     thinking, sid = record_thinking(rec, settings), rec.get("sample_id")
@@ -87,10 +88,10 @@ def check_states(res: ShardResult, rec: dict, hreader: HiddenFileReader, pos: in
     if hidden_size and states.shape[2] != hidden_size:
         res.add("states_shape", f"hidden size {states.shape[2]} != model's {hidden_size}", sid)
         good = False
-    zero_ok = zero_rows_allowed(tokens, (reader.settings.get("model") or {}).get("zero_embedding_ids"))
+    zero_ok = zero_rows_allowed(tokens, reader.run_settings.zero_embedding_ids)
     problem = states_problem(states, zero_ok)
     if problem:  # per layer, with its kind on a hybrid (linear / full attention)
-        kinds = (reader.settings.get("layers") or {}).get("kinds")
+        kinds = reader.run_settings.layer_kinds
         res.add(problem, layer_detail(states, list(entry["layers"]), kinds, zero_ok) or STATE_PROBLEMS[problem], sid)
         good = False
     else:

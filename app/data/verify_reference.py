@@ -45,7 +45,7 @@ def reference_check(reader: RunReader, pool: list[tuple[str, str]], n: int, prob
     chosen = random.Random(0).sample(pool, min(n, len(pool)))
     if len(chosen) < n:
         problems.append(Problem("reference", None, None, f"only {len(chosen)} intact samples to check, asked {n}"))
-    model_path = (reader.settings.get("model") or {}).get("path")
+    model_path = reader.run_settings.model_path
     if not model_path or not os.path.isdir(model_path):  # checked before importing torch (seconds)
         problems.append(Problem("reference_unavailable", None, None, f"model folder {model_path!r} not found here"))
         return {"checked": 0}

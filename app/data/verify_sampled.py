@@ -74,7 +74,7 @@ def choose(results, sample: float, seed: int = 0) -> list[tuple[object, str]]:
 
 def decode_sample(reader, results, sample: float) -> dict:
     """Decode and check the chosen samples' states (problems go to their shard's result); what was read."""
-    hidden_size = (reader.settings.get("model") or {}).get("hidden_size")
+    hidden_size = reader.run_settings.hidden_size
     chosen = choose(results, sample)
     by_shard: dict[str, tuple[object, list[str]]] = {}
     for res, sid in chosen:

@@ -19,8 +19,9 @@ from app.errors import InvalidId
 from app.ids import validate_id
 from app.ledger import CAPTURE, GENERATE, pause_state, split_key, stage_key, stage_of
 from app.liveness import attempt_state
+from app.manifest import RunSettings
 from app.run_totals import RunTotals, parse_time
-from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_VISIBILITY_TIMEOUT, mask_text
+from app.settings import DEFAULT_VISIBILITY_TIMEOUT, mask_text
 from app.storage import RunStore, Storage
 
 
@@ -254,7 +255,7 @@ def summarise(scan: RunScan, now: float, stale_after: float = DEFAULT_VISIBILITY
     status = {
         "run": scan.run_id,
         "created": (scan.manifest or {}).get("created"),
-        "capture_mode": settings.get("capture_mode"),
+        "capture_mode": RunSettings.view(settings).capture_mode if settings else None,
         "queue": (scan.produce or {}).get("queue"),
         "produce_complete": bool((scan.produce or {}).get("complete")),
         "shards": {"total": total, **by_state, "remaining": remaining,
@@ -275,7 +276,8 @@ def summarise(scan: RunScan, now: float, stale_after: float = DEFAULT_VISIBILITY
         "paused": scan.pause,
         # shards whose every attempt died with its process (a killed worker, a dead host): re-sent by the fleet
         "held_by_dead": held_by_dead(scan, {**states, **(shard_states(scan, now, stale_after, capture=True)
-                                                       if settings.get("capture_mode") == "staged" else {})},
+                                                       if settings and RunSettings.view(settings).staged
+                                                       else {})},
                                      now, stale_after),
         "failed": [_failure(k, scan.attempts[k]) for k, s in sorted(states.items()) if s == "failed"],
         "dead": [{"shard": k, "reason": mask_text(v.reason)} for k, v in sorted(scan.dead.items())
@@ -284,9 +286,9 @@ def summarise(scan: RunScan, now: float, stale_after: float = DEFAULT_VISIBILITY
         "retry_dead": f"regen retry-dead {scan.run_id}" if scan.dead else None,
         "workers": [_public_worker(w) for _, w in sorted(workers.items())],
     }
-    if settings.get("capture_mode") == "staged":
+    if settings and RunSettings.view(settings).staged:
         status["capture"] = {**_count(shard_states(scan, now, stale_after, capture=True)),
-                             "queue": settings.get("capture_queue", DEFAULT_CAPTURE_QUEUE)}
+                             "queue": RunSettings.view(settings).capture_queue}
     return status
 
 

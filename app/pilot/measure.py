@@ -42,9 +42,9 @@ def percentile(values: list[int], q: float) -> float:
 def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64) -> dict:
     """The measurements of a finished run (see the module docstring); JSON-ready."""
     with RunReader(Storage(storage), run_id) as reader:
-        max_tokens = int(reader.settings["sampling"]["max_tokens"])
+        max_tokens = int(reader.run_settings.sampling.max_tokens)
         layers = len(reader.layers or [])
-        hidden_size = int(reader.settings["model"]["hidden_size"])
+        hidden_size = int(reader.run_settings.hidden_size)
         starts, ends, generate_s, capture_s = [], [], 0.0, 0.0
         totals = RunTotals()
         lengths, at_cap, stubs, context_tokens, stored_bytes = [], 0, 0, 0, 0

@@ -124,7 +124,7 @@ def test_publish_shard_on_s3_writes_files_then_the_marker_and_reads_back(s3_root
     marker = store.done_marker("shard-000000")
     assert marker["generated_tokens"] == summary["generated_tokens"] == 27
     records = loads_jsonl_zst(storage.read_bytes(marker["files"]["records"]["path"]))
-    assert [r["id"] for r in records] == [f"shard-000000-s{i}" for i in range(3)]
+    assert [r["sample_id"] for r in records] == [f"shard-000000-s{i}" for i in range(3)]
     with storage.open(marker["files"]["hidden"]["path"]) as fh:
         reader = HiddenFileReader(fh)
         assert len(reader) == 3

@@ -185,3 +185,21 @@ def test_the_defaults_check_sees_a_second_spelling():
         "level=3", "regenerate='last'", "'regen.capture'"]
     assert spelled_defaults("app/settings.py", "DEFAULT_CAPTURE_QUEUE = 'regen.capture'\n") == []
     assert spelled_defaults("app/manifest.py", "class RunSettings:\n    samples_per_prompt: int = 1\n") == []
+
+
+# The run's settings are read typed, through app.manifest.RunSettings.view: no module reads a stored setting by
+# name. Delivery's modules are being rebuilt (issue 46, item 3) and join the rule when that lands.
+_RAW_SETTING = re.compile(r"""settings["']?\]?\s*(?:\[\s*["']|\.get\(\s*["'])""")
+_RAW_ALLOWED = {"app/manifest.py", "workers/shard/tasks.py", "workers/shard/task_guards.py"}
+
+
+def test_no_module_reads_a_stored_run_setting_by_name():
+    raw = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in CODE if str(p.relative_to(ROOT)) not in _RAW_ALLOWED
+           for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if _RAW_SETTING.search(line)]
+    assert not raw, "read run settings typed (app.manifest.RunSettings.view):\n" + "\n".join(raw)
+
+
+@pytest.mark.parametrize("line", ['x = settings["capture_mode"]', "q = reader.settings.get('quality')",
+                                  'm = manifest["settings"]["model"]'])
+def test_the_raw_settings_rule_sees_a_read(line):
+    assert _RAW_SETTING.search(line)

@@ -31,7 +31,7 @@ PAUSE_REASON = "stub-or-empty rate 25% over the last 11 samples on gpu1@hostA cr
 
 def _record(sid: str, prompt: int, generated: int, stub: bool) -> dict:
     ids = list(range(prompt + generated))
-    return {"id": sid, "status": "ok", "input_ids": ids, "loss_mask": [0] * prompt + [1] * generated,
+    return {"sample_id": sid, "status": "ok", "input_ids": ids, "loss_mask": [0] * prompt + [1] * generated,
             "num_prompt_tokens": prompt, "num_output_tokens": generated, "finish_reason": "stop",
             "flags": ["stub"] if stub else []}
 
@@ -46,7 +46,7 @@ def publish_synthetic(store: RunStore, shard: str, worker: str, n: int, stubs: i
                       seconds: float, attempt: str = "a0") -> dict:
     record_attempt(store, shard, attempt, worker, stage="generate")
     records = [_record(f"{shard}-s{i}", prompt, generated, i < stubs) for i in range(n)]
-    hidden = [_hidden(r["id"], prompt + generated - 1) for r in records]
+    hidden = [_hidden(r["sample_id"], prompt + generated - 1) for r in records]
     summary = {"samples": n, "ok": n, "rejected": {}, "flags": {"stub": stubs} if stubs else {}, "stubs": stubs,
                "prompt_tokens": n * prompt, "generated_tokens": n * generated, "generation_seconds": seconds,
                "worker": worker, "device": "rtx-pro-6000"}

@@ -21,7 +21,7 @@ from workers.shard.shard_output import hidden_file_stream, publish_shard
 
 def _outputs(tag: str):
     rng = np.random.default_rng(abs(hash(tag)) % 2**32)
-    records = [{"sample_id": f"s{i}", "tag": tag, "input_ids": list(range(10 + i))} for i in range(3)]
+    records = [{"sample_id": f"s{i}", "worker": tag, "input_ids": list(range(10 + i))} for i in range(3)]
     hidden = [encode_sample(f"s{i}", np.arange(9 + i), float32_to_bf16(rng.normal(size=(9 + i, 2, 16))), [1, 2])
               for i in range(3)]
     return records, hidden
@@ -54,7 +54,7 @@ def test_two_attempts_racing_on_one_shard_leave_one_output(tmp_path):
     with store.storage.open(marker["files"]["hidden"]["path"]) as fh:
         reader = HiddenFileReader(fh)
         assert [e["sample_id"] for e in reader.entries] == [r["sample_id"] for r in records]
-        assert len({r["tag"] for r in records}) == 1
+        assert len({r["worker"] for r in records}) == 1
 
 
 def test_the_marker_is_written_after_the_files(tmp_path, monkeypatch):

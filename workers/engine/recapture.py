@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from app.manifest import CaptureCheckSettings
+from app.manifest import CaptureCheckSettings, RunSettings
 from app.states_compare import compare
 from workers.engine.request import GenRequest, GenResult
 
@@ -115,8 +115,8 @@ class CheckPolicy:
     @classmethod
     def of(cls, settings: dict) -> CheckPolicy:
         """The run's policy from its manifest settings (runs made before the setting existed get the default)."""
-        raw = settings.get("capture_check") or {}
-        return cls(int(raw.get("every", DEFAULT_EVERY)), int(raw.get("first", DEFAULT_FIRST)))
+        check = RunSettings.view(settings).capture_check
+        return cls(int(check.every), int(check.first))
 
     def by_id(self, sample_id: str) -> bool:
         return self.every > 0 and xxhash.xxh64_intdigest(sample_id.encode()) % self.every == 0

@@ -9,6 +9,7 @@ import socket
 from app import manifest as manifest_mod
 from app.errors import ConfigError
 from app.layers import ascending_problem
+from app.manifest import RunSettings
 from app.model_info import read_text_config
 from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
 from app.speculative import ignored_with_capture
@@ -102,11 +103,11 @@ def run_queues(storage: str, run_id: str) -> str:
     """The queues a worker of `run_id` consumes when none are given: the queue the run was produced to
     (produce.json), and for a staged run the capture queue too, so one worker drains both passes."""
     store = RunStore(Storage(storage), run_id)
-    settings = manifest_mod.load(store)["settings"]
+    settings = RunSettings.view(manifest_mod.load(store).settings)
     state = store.storage.read_json(store.produce_path) if store.storage.exists(store.produce_path) else {}
     queues = [state.get("queue") or DEFAULT_QUEUE]
-    if settings["capture_mode"] == "staged":
-        queues.append(settings.get("capture_queue") or DEFAULT_CAPTURE_QUEUE)
+    if settings.staged:
+        queues.append(settings.capture_queue)
     return ",".join(queues)
 
 
@@ -123,7 +124,7 @@ def run_speculative(storage: str, run_id: str, capture_layers: list[int] | None,
     manifest's setting for a generation-only engine, None for a capture engine (capture is itself vLLM's
     speculative method; app.speculative). A capture engine that also consumes a generation queue (a worker
     on both staged queues) says so in the log, since the shards it generates run without it."""
-    setting = manifest_mod.load(RunStore(Storage(storage), run_id))["settings"].get("speculative")
+    setting = _settings(storage, run_id).speculative
     if setting and capture_layers:
         if {q.strip() for q in queues.split(",")} - {DEFAULT_CAPTURE_QUEUE}:
             log.warning("run %s generates with --speculative %s on generation engines only; this worker's "
@@ -157,9 +158,9 @@ def speculative_staged_configs(generate: list[tuple], capture: list[tuple], cpu:
 def refuse_unrunnable(configs, storage: str, run_id: str) -> None:
     """A ConfigError (one line) when a planned worker's engine cannot run the run's settings
     (workers.engine.limits), before any engine starts."""
-    settings = manifest_mod.load(RunStore(Storage(storage), run_id))["settings"]
-    sampling = settings["sampling"]
-    if why := ignored_with_capture(sampling, settings["capture_mode"]):  # every generating engine captures
+    settings = _settings(storage, run_id)
+    sampling = settings.sampling_dict()
+    if why := ignored_with_capture(sampling, settings.capture_mode):  # every generating engine captures
         raise ConfigError(f"workers refuse run {run_id}: {why}")
     for config, *_ in configs:
         why = unsupported(config.device, sampling, bool(config.capture_layers), config.engine.get("speculative"))
@@ -177,14 +178,18 @@ def test_with_run_sampling(configs, storage: str, run_id: str) -> None:
         config.self_test_sampling = sampling
 
 
+def _settings(storage: str, run_id: str) -> RunSettings:
+    return RunSettings.view(manifest_mod.load(RunStore(Storage(storage), run_id)).settings)
+
+
 def run_sampling(storage: str, run_id: str) -> dict:
     """The run's sampling (its manifest's): what a worker started with --run tests its engine with at start."""
-    return dict(manifest_mod.load(RunStore(Storage(storage), run_id))["settings"]["sampling"])
+    return _settings(storage, run_id).sampling_dict()
 
 
 def manifest_engine_args(storage: str, run_id: str) -> dict:
     """The vLLM arguments a run's manifest gives every worker (`regen produce --vllm-arg`)."""
-    return dict(manifest_mod.load(RunStore(Storage(storage), run_id))["settings"].get("engine_args") or {})
+    return dict(_settings(storage, run_id).engine_args or {})
 
 
 def _model_max_len(path: str) -> int | None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from app.documents import CaptureMarker
-from app.jsonl_zst import loads_jsonl_zst
-from app.manifest import compression_level
+from app.manifest import RunSettings, compression_level
+from app.records import read_records
 from app.storage import RunStore
 from workers.engine.capture_faults_for_tests import process_injector
 from workers.engine.recapture import CheckOutcome, CheckPolicy, Pending
@@ -34,8 +34,8 @@ def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_i
     The capture check (workers.shard.capture_check) re-captures its chosen samples in a batch of their own,
     after this batch of the whole shard: the same prefill in another batch composition."""
     marker = store.done_marker(shard_id)
-    records = loads_jsonl_zst(store.storage.read_bytes(marker.records_file["path"]))
-    layers = manifest["settings"]["layers"]["vllm_ids"]
+    records = read_records(store.storage.read_bytes(marker.records_file["path"]), marker.records_file["path"])
+    layers = RunSettings.view(manifest["settings"]).vllm_layer_ids
     level = compression_level(manifest["settings"])
     stored = states_dtype(manifest["settings"])
     requests = [

@@ -16,7 +16,7 @@ import numpy as np
 
 from app.hidden_file import encode_sample
 from app.ids import seed_for
-from app.manifest import QualitySettings, compression_level
+from app.manifest import RunSettings, compression_level
 from app.modes import record_thinking, sampling_for
 from app.quality import (
     answer_token_count,
@@ -29,6 +29,7 @@ from app.quality import (
     think_closed,
 )
 from app.records import conversation_id, loss_mask, rejected_record
+from app.samples import Sample, read_samples
 from app.states_compare import zero_rows_allowed
 from workers.engine.capture_faults_for_tests import process_injector
 from workers.engine.recapture import PREFILL_ONLY, CheckPolicy, Pending
@@ -69,20 +70,20 @@ class ShardGeneration:
     """
 
     def __init__(self, ctx: WorkerContext, manifest: dict, run_id: str, shard_id: str, hidden_out=None):
-        settings = manifest["settings"]
+        settings = RunSettings.view(manifest["settings"])
         self.ctx, self.run_id, self.shard_id = ctx, run_id, shard_id
         self.settings = settings
-        self.sampling = dict(settings["sampling"])
+        self.sampling = settings.sampling_dict()
         self.run_seed = int(self.sampling.pop("seed", 0))
-        self.thinking = bool(settings["thinking"])  # the mode of samples without their own (app.modes)
-        self.capture_inline = settings["capture_mode"] == "inline"
+        self.thinking = bool(settings.thinking)  # the mode of samples without their own (app.modes)
+        self.capture_inline = settings.capture_inline
         if self.capture_inline and hidden_out is None:
             raise ValueError("inline capture needs a hidden-state file to write into")
         self.hidden_out = hidden_out
-        self.layers = settings["layers"]["vllm_ids"] if settings.get("layers") else None
-        self.max_prompt = int(settings["max_prompt_tokens"])
+        self.layers = settings.vllm_layer_ids
+        self.max_prompt = int(settings.max_prompt_tokens)
         self.max_len = ctx.engine.options.max_model_len
-        self.quality = _quality(settings)
+        self.quality = settings.quality
         self.level = compression_level(settings)
         self.stored = states_dtype(settings)  # how the states are stored (app.states_codec)
         self.zero_ids = zero_embedding_ids(settings)  # tokens whose all-zero rows are states
@@ -96,14 +97,14 @@ class ShardGeneration:
         self.to_check: list[Pending] = []
         self.faults = process_injector() if self.capture_inline else None  # None but in the tests
 
-    def base(self, sample: dict, index: int, messages: list[dict], **extra) -> dict:
+    def base(self, sample: Sample, index: int, messages: list[dict], **extra) -> dict:
         mode = {"thinking": record_thinking(sample, self.settings)}
         if sample.get("mode_rule"):
             mode["mode_rule"] = sample["mode_rule"]
         return {
             "run_id": self.run_id, "shard_id": self.shard_id, "sample_id": sample["id"], "index": index, **extra,
             "prompt_id": sample.get("prompt_id") or extra.get("conversation_id") or sample["id"],
-            "sample_index": int(sample.get("sample_index", 0)), **mode,
+            "sample_index": sample.sample_index, **mode,
             "source": sample.get("source"), "messages": messages, "tools": sample.get("tools"),
             "worker": self.ctx.worker_name, "device": self.ctx.config.device_class,
         }
@@ -218,8 +219,9 @@ def generate_records(ctx: WorkerContext, manifest: dict, run_id: str, shard_id: 
                      hidden_out=None):
     """Return (records, summary) for one shard; with inline capture each sample's states go into `hidden_out`
     (a `workers.shard.shard_output.HiddenFileStream`) as soon as they are encoded."""
+    samples = read_samples(samples, f"shard {shard_id}")
     gen = ShardGeneration(ctx, manifest, run_id, shard_id, hidden_out)
-    if manifest["settings"].get("regenerate") == "all":
+    if RunSettings.view(manifest["settings"]).regenerate == "all":
         return regenerate_turns(gen, samples)
     requests = [req for i, sample in enumerate(samples)
                 if (req := gen.add(gen.base(sample, i, sample["messages"]))) is not None]
@@ -227,15 +229,15 @@ def generate_records(ctx: WorkerContext, manifest: dict, run_id: str, shard_id: 
     return gen.collect()
 
 
-def zero_embedding_ids(settings: dict) -> tuple[int, ...]:
+def zero_embedding_ids(settings: dict | RunSettings) -> tuple[int, ...]:
     """The run's token ids whose embedding row is zero (the producer reads them from the checkpoint; runs made
     before it did have none recorded)."""
-    return tuple((settings.get("model") or {}).get("zero_embedding_ids") or ())
+    return RunSettings.view(settings).zero_embedding_ids
 
 
-def states_dtype(settings: dict) -> str:
+def states_dtype(settings: dict | RunSettings) -> str:
     """The run's stored states dtype (app.states_codec); runs made before the setting existed store bf16."""
-    return (settings.get("states") or {}).get("dtype", "bf16")
+    return RunSettings.view(settings).states_dtype
 
 
 def encode_into(hidden_out, sample_id: str, *args, hold_repairable: bool = False,
@@ -346,6 +348,3 @@ def shard_summary(records: list[dict], gen_seconds: float, ctx: WorkerContext) -
         "engine_mode": ctx.engine_mode_key,
     }
 
-
-def _quality(settings: dict):
-    return QualitySettings(**settings.get("quality", {}))

@@ -9,6 +9,7 @@ it. Details: docs/formats.md#how-a-worker-regenerates-every-turn.
 from __future__ import annotations
 
 from app.records import turn_sample_id
+from app.samples import Sample
 
 
 def turns_to_regenerate(messages: list[dict]) -> list[int]:
@@ -36,7 +37,7 @@ def regenerate_turns(gen, samples: list[dict]) -> tuple[list[dict], dict]:
             if r >= len(slots[i]):
                 continue
             sample = samples[i]
-            base = gen.base({**sample, "id": turn_sample_id(sample["id"], r)}, i, _clean(convs[i][: slots[i][r]]),
+            base = gen.base(Sample({**sample, "id": turn_sample_id(sample["id"], r)}), i, _clean(convs[i][: slots[i][r]]),
                             conversation_id=sample["id"], turn=r)
             where[(i, r)] = len(gen.records)
             req = gen.add(base)

@@ -20,9 +20,9 @@ import orjson
 
 from app.documents import DoneMarker
 from app.hidden_file import EncodedSample, HiddenFileWriter
-from app.jsonl_zst import dumps_jsonl_zst
 from app.ledger import sweep_temporaries, timestamp
 from app.manifest import COMPRESSION_LEVEL
+from app.records import encode_records
 from app.storage import RunStore
 
 
@@ -105,7 +105,7 @@ def publish_shard(
     `hidden_samples`: encoded samples to write now, or the file a HiddenFileStream already wrote, or None.
     `stale_after`: once won, remove temporary files in the shard's folder untouched for this many seconds."""
     records_rel = store.records_path(shard, attempt)
-    records_bytes = dumps_jsonl_zst(records, level=level)
+    records_bytes = encode_records(records, level=level)
     files: dict[str, dict] = {}
     if isinstance(hidden_samples, WrittenHidden):  # already in place: deleted below if this attempt loses
         files["hidden"] = hidden_samples.info()
