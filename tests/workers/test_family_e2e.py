@@ -67,11 +67,12 @@ def _tokenizer(model: Path):
 def test_every_shape_renders_on_the_worker_as_the_template_does_in_its_mode(family_runs, family_storage,
                                                                             tiny_hybrid, run):
     from workers.shard.generate import render_prompt
-    from workers.tiny_vocab import QWEN3_6_MODEL_VOCAB
+    from workers.tiny_vocab import QWEN3_6_MODEL_VOCAB, qwen3_6_tokenizer
 
     tok = _tokenizer(tiny_hybrid)
-    assert len(tok) > 248_000 and json.loads((tiny_hybrid / "config.json").read_text())["vocab_size"] == \
-        QWEN3_6_MODEL_VOCAB  # the real vocabulary, not the small one
+    # the real vocabulary (made once per process: the session's fixture made it already), not the small one
+    assert tok.get_vocab() == qwen3_6_tokenizer().get_vocab()
+    assert json.loads((tiny_hybrid / "config.json").read_text())["vocab_size"] == QWEN3_6_MODEL_VOCAB
     state, records = family_runs[run], run_records(family_storage, run)
     rows = len(SHAPES.read_text().splitlines())
     assert state["counts"]["enqueued"] == rows and len(records) >= rows
@@ -119,6 +120,7 @@ def test_regenerate_all_makes_a_sample_of_every_assistant_turn_in_the_multi_step
 
 @pytest.mark.parametrize("run", list(RUNS))
 def test_both_trainers_readers_load_every_export(family_runs, family_storage, tmp_path, run):
+    from workers.tiny_vocab import QWEN3_6_MODEL_VOCAB
     from specforge.algorithms.common.dflash_family_data import build_offline_reader, normalize_offline_sample
     from specforge.runtime.data_plane.feature_store import load_feature_file
     from speculators.train.data import ArrowDataset
@@ -138,7 +140,7 @@ def test_both_trainers_readers_load_every_export(family_runs, family_storage, tm
     assert len(refs) == len(records)
     for ref in refs:
         raw = load_feature_file(ref.feature_store_uri[len("file://"):])
-        assert max(raw["input_ids"].tolist()) < 248_320
+        assert max(raw["input_ids"].tolist()) < QWEN3_6_MODEL_VOCAB
         normalize_offline_sample(raw, max_len=4096)
 
 

@@ -167,3 +167,20 @@ def test_no_messages_is_refused_by_the_template_itself():
 
     with pytest.raises(TemplateError, match="No messages provided."):
         render_jinja_template(conversations=[[]], chat_template=FAMILY_CHAT_TEMPLATE, add_generation_prompt=True)
+
+
+def test_the_dense_models_template_differs_only_in_qwen3s_bare_thinking_prompt(tok):
+    from workers.tiny_model import QWEN3_CHAT_TEMPLATE
+
+    msgs = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {"city": "Paris"})]},
+            {"role": "tool", "content": "sunny"}]
+    family = render(tok, msgs, TOOLS)
+    dense = tok.apply_chat_template(msgs, tools=TOOLS, tokenize=False, add_generation_prompt=True,
+                                    chat_template=QWEN3_CHAT_TEMPLATE)
+    assert family == dense + "<think>\n" and dense.endswith("<|im_start|>assistant\n")
+    for kwargs in ({"enable_thinking": False}, {"add_generation_prompt": False}):
+        both = [tok.apply_chat_template(msgs, tools=TOOLS, tokenize=False, chat_template=t,
+                                        **{"add_generation_prompt": True, **kwargs})
+                for t in (FAMILY_CHAT_TEMPLATE, QWEN3_CHAT_TEMPLATE)]
+        assert both[0] == both[1]
