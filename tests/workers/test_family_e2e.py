@@ -120,10 +120,11 @@ def test_regenerate_all_makes_a_sample_of_every_assistant_turn_in_the_multi_step
 
 @pytest.mark.parametrize("run", list(RUNS))
 def test_both_trainers_readers_load_every_export(family_runs, family_storage, tmp_path, run):
-    from workers.tiny_vocab import QWEN3_6_MODEL_VOCAB
     from specforge.algorithms.common.dflash_family_data import build_offline_reader, normalize_offline_sample
     from specforge.runtime.data_plane.feature_store import load_feature_file
     from speculators.train.data import ArrowDataset
+
+    from workers.tiny_vocab import QWEN3_6_MODEL_VOCAB
 
     records = [r for r in run_records(family_storage, run) if r["status"] == "ok"]
     states = run_states(family_storage, run)
