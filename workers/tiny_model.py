@@ -1,10 +1,12 @@
-"""Build a tiny random Qwen3 (dense) or Qwen3.5 (hybrid) with a real byte-level BPE tokenizer and a ChatML
-thinking template, offline.
+"""Build a tiny random Qwen3 (dense) or Qwen3.5 (hybrid) with a real byte-level BPE tokenizer and the
+Qwen3.5/3.6 family's chat-template conventions, offline.
 
 No model hub is reachable from CI or most dev boxes, yet the whole pipeline (vLLM, capture, the transformers
 reference) must run on a real model; this builds one in seconds. The hybrid has the Qwen3.5/3.6 layer mix, in
-both released checkpoint shapes. `regen tiny-model DIR` exposes them; tests build them once per session.
-Sizes and shapes, and why: docs/measured-facts.md#the-tiny-test-models.
+both released checkpoint shapes. Both render with workers.tiny_chat_template (the family's conventions; the dense
+one keeps Qwen3's bare thinking prompt) and tokenize with a small trained BPE (`vocab="small"`) or the family's
+real 248K vocabulary (`vocab="qwen3_6"`, workers.tiny_vocab). `regen tiny-model DIR` exposes them; tests build
+them once per session. Sizes and shapes, and why: docs/measured-facts.md#the-tiny-test-models.
 """
 
 from __future__ import annotations
@@ -12,32 +14,17 @@ from __future__ import annotations
 import json
 import os
 
+from workers.tiny_chat_template import FAMILY_CHAT_TEMPLATE
+from workers.tiny_vocab import QWEN3_6, QWEN3_6_MODEL_VOCAB, VOCABS, qwen3_6_tokenizer
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
                   "<tool_response>", "</tool_response>"]
 
-# ChatML as Qwen3 writes it, reduced to what the pipeline exercises: system/user/assistant/tool turns, tools,
-# reasoning_content on earlier assistant turns, and `enable_thinking` (False pre-fills an empty think block).
-CHAT_TEMPLATE = (
-    "{%- if tools %}{{ '<|im_start|>system\\n' }}{%- if messages[0].role == 'system' %}{{ messages[0].content + '\\n\\n' }}"
-    "{%- endif %}{{ '# Tools\\n<tools>' }}{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{ '\\n</tools><|im_end|>\\n' }}{%- elif messages[0].role == 'system' %}"
-    "{{ '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'system' and loop.first %}"
-    "{%- elif message.role == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
-    "{%- if message.reasoning_content %}{{ '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
-    "{{ (message.content or '') }}"
-    "{%- if message.tool_calls %}{%- for tc in message.tool_calls %}"
-    "{{ '\\n<tool_call>\\n' + ((tc.function if tc.function is defined else tc) | tojson) + '\\n</tool_call>' }}"
-    "{%- endfor %}{%- endif %}{{ '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'tool' %}{{ '<|im_start|>user\\n<tool_response>\\n' + message.content + "
-    "'\\n</tool_response><|im_end|>\\n' }}"
-    "{%- else %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}"
-)
+# The dense Qwen3 keeps Qwen3's own thinking generation prompt (a bare `<|im_start|>assistant\n`: the model opens
+# the think block itself), so both prompt shapes regen meets stay exercised; everything else is the family's.
+QWEN3_CHAT_TEMPLATE = FAMILY_CHAT_TEMPLATE.replace(
+    "{%- else %}\n        {{- '<think>\\n' }}\n    {%- endif %}\n{%- endif %}\n", "{%- endif %}\n{%- endif %}\n")
+
 
 def _make_stub(model, eos_id: int, dim: int = 0) -> None:
     """Every position's final normed state points along `dim`, and only `<|im_end|>` reads that direction.
@@ -72,7 +59,7 @@ MASSIVE_CHANNEL = 7
 
 
 def build_tiny_qwen3(out_dir: str, vocab_size: int = 1024, num_layers: int = 4, seed: int = 0,
-                     stub: bool = False, massive: float = 0.0) -> str:
+                     stub: bool = False, massive: float = 0.0, vocab: str = "small") -> str:
     """Write a tiny random Qwen3 (weights, config, tokenizer, template) to `out_dir`; return the path.
 
     `stub=True` builds a broken checkpoint that ends every answer at once (its first token is always
@@ -81,16 +68,18 @@ def build_tiny_qwen3(out_dir: str, vocab_size: int = 1024, num_layers: int = 4, 
     carries it in every token at every layer (the decoder layers read it through their norms and add small
     updates), as real Qwen models carry "massive activations" in a few channels. The head is tied, so every
     logit moves by the same amount and sampling is unchanged.
+    `vocab="qwen3_6"` gives it the Qwen3.5/3.6 family's real tokenizer (workers.tiny_vocab) and 248,320
+    embedding rows, as the family's configs have; `vocab_size` then does not apply.
     """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     os.makedirs(out_dir, exist_ok=True)
-    hf_tok = _tokenizer(out_dir, vocab_size, CHAT_TEMPLATE)
+    hf_tok = _tokenizer(out_dir, vocab_size, QWEN3_CHAT_TEMPLATE, vocab=vocab)
 
     torch.manual_seed(seed)
     config = Qwen3Config(
-        vocab_size=len(hf_tok),
+        vocab_size=_model_vocab(hf_tok, vocab),
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=num_layers,
@@ -118,21 +107,28 @@ def build_tiny_qwen3(out_dir: str, vocab_size: int = 1024, num_layers: int = 4, 
     return out_dir
 
 
-# Qwen3.5's conventions on top of CHAT_TEMPLATE: thinking on opens the think block in the generation prompt
-# (`<think>\n`), thinking off pre-fills an empty one; earlier assistant turns carry their reasoning.
-QWEN3_5_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- else %}{{ '<think>\\n' }}{%- endif %}",
-)
 # The wrapper's vision placeholders (Qwen3-VL numbering is the tokenizer's; regen never sends images).
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
-def _tokenizer(out_dir: str, vocab_size: int, chat_template: str, extra_special: tuple[str, ...] = ()):
-    """Train the small byte-level BPE on `_CORPUS`, add Qwen's special tokens, save it with `chat_template`."""
+def _model_vocab(hf_tok, vocab: str) -> int:
+    return QWEN3_6_MODEL_VOCAB if vocab == QWEN3_6 else len(hf_tok)
+
+
+def _tokenizer(out_dir: str, vocab_size: int, chat_template: str, extra_special: tuple[str, ...] = (),
+               vocab: str = "small"):
+    """Train the small byte-level BPE on `_CORPUS` and add Qwen's special tokens (`vocab="small"`), or take the
+    family's real one (`vocab="qwen3_6"`, which holds the vision tokens already); save it with `chat_template`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
+    if vocab not in VOCABS:
+        raise ValueError(f"unknown vocabulary {vocab!r}: expected one of {', '.join(VOCABS)}")
+    if vocab == QWEN3_6:
+        hf_tok = qwen3_6_tokenizer()
+        hf_tok.chat_template = chat_template
+        hf_tok.save_pretrained(out_dir)
+        return hf_tok
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -159,14 +155,15 @@ def hybrid_layer_types(num_layers: int) -> list[str]:
 
 
 def build_tiny_qwen3_5(out_dir: str, vocab_size: int = 1024, num_layers: int = 4, seed: int = 0,
-                       multimodal: bool = False, mtp: bool = False) -> str:
+                       multimodal: bool = False, mtp: bool = False, vocab: str = "small") -> str:
     """Write a tiny random hybrid Qwen3.5 to `out_dir`; return the path.
 
     hidden 128; layers as `hybrid_layer_types` (4 layers: 3 linear + 1 full attention); full attention with 2
     heads of head_dim 64 (vLLM's CPU attention rejects smaller heads), linear attention with 2 key and 2 value
     heads of 64. `multimodal=True` writes the released shape: `Qwen3_5ForConditionalGeneration` with the language
     model under `text_config` and a one-block vision tower. `mtp=True` adds a multi-token-prediction head
-    (`add_mtp_head`), what vLLM's speculative method `mtp` runs.
+    (`add_mtp_head`), what vLLM's speculative method `mtp` runs. `vocab="qwen3_6"`: the family's real tokenizer
+    and 248,320 embedding rows (as `build_tiny_qwen3`).
     """
     import torch
     from transformers import (
@@ -177,10 +174,11 @@ def build_tiny_qwen3_5(out_dir: str, vocab_size: int = 1024, num_layers: int = 4
     )
 
     os.makedirs(out_dir, exist_ok=True)
-    hf_tok = _tokenizer(out_dir, vocab_size, QWEN3_5_CHAT_TEMPLATE, tuple(VISION_TOKENS) if multimodal else ())
+    hf_tok = _tokenizer(out_dir, vocab_size, FAMILY_CHAT_TEMPLATE, tuple(VISION_TOKENS) if multimodal else (),
+                        vocab=vocab)
     eos, pad = hf_tok.convert_tokens_to_ids("<|im_end|>"), hf_tok.convert_tokens_to_ids("<|endoftext|>")
     text = dict(
-        vocab_size=len(hf_tok), hidden_size=128, intermediate_size=256, num_hidden_layers=num_layers,
+        vocab_size=_model_vocab(hf_tok, vocab), hidden_size=128, intermediate_size=256, num_hidden_layers=num_layers,
         layer_types=hybrid_layer_types(num_layers), num_attention_heads=2, num_key_value_heads=1, head_dim=64,
         linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
         linear_conv_kernel_dim=4, max_position_embeddings=4096, tie_word_embeddings=True,

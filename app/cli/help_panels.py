@@ -81,7 +81,7 @@ PANELS: dict[str, list[tuple[str, list[str]]]] = {
     "export": [(OUTPUT, ["--format", "--out", "--layers", "--model"]),
                ("Which samples", ["--exclude-flags", "--min-response-tokens", "--include-unterminated"]),
                (PARALLEL, ["--processes", "--part"]), (FLEET, ["--storage"])],
-    "tiny-model": [("Model", ["--arch", "--num-layers", "--multimodal", "--mtp"])],
+    "tiny-model": [("Model", ["--arch", "--num-layers", "--multimodal", "--mtp", "--vocab"])],
     "selfcheck": [("Checks", ["--device", "--modes", "--models", "--timeout"]), (OUTPUT, ["--workdir", "--json"])],
 }
 

