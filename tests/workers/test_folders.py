@@ -19,10 +19,10 @@ def _folder(module: str) -> str | None:
     return parts[1] if parts[1] in RANK else None
 
 
-def test_every_worker_module_but_the_tiny_model_builder_has_a_folder():
+def test_every_worker_module_but_the_tiny_model_builders_has_a_folder():
     known = modules()
     loose = sorted(m for m in known if m.startswith("workers.") and _folder(m) is None)
-    assert loose == ["workers.tiny_model"]
+    assert loose == ["workers.tiny_chat_template", "workers.tiny_model"]
 
 
 def test_the_worker_folders_import_only_downward():
