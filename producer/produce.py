@@ -54,6 +54,7 @@ from producer.run_setup import (
 )
 from producer.sharding import Deduper, shard_samples
 from producer.take import Selection, rules_from_manifest, selections
+from producer.template_check import TemplateCheck
 
 JSON_ARRAY_ITEM_BYTES = 1024  # rough size of a parsed .json array element, only used to choose compression
 PROGRESS_EVERY = 512
@@ -73,10 +74,11 @@ class ProduceResult:
 
 
 def iter_samples(paths: list[str], opts: ProduceOptions, acc: Accounting, rejects: RejectLog, dedupe: Deduper,
-                 progress: ProgressFn | None = None,
-                 take: dict[str, Selection] | None = None) -> Iterator[tuple[dict, int]]:
+                 progress: ProgressFn | None = None, take: dict[str, Selection] | None = None,
+                 check: TemplateCheck | None = None) -> Iterator[tuple[dict, int]]:
     """Every record of every input, counted once as read and then as left out (`take`), a reject, a duplicate
-    or a yielded sample (a prompt: its samples are made from it, producer.modes)."""
+    or a yielded sample (a prompt: its samples are made from it, producer.modes). `check`: the run's render
+    check (producer.template_check); a sample it refuses is a reject."""
     regenerate, cap = opts.regenerate, opts.prompt_char_cap
     first_time = dedupe.first_time
     done_bytes = 0
@@ -106,6 +108,8 @@ def iter_samples(paths: list[str], opts: ProduceOptions, acc: Accounting, reject
                     else:
                         nbytes, row = JSON_ARRAY_ITEM_BYTES, payload
                     sample = normalise(row, file=path, line=line, regenerate=regenerate, max_prompt_chars=cap)
+                    if check is not None and (problem := check.problem(sample)):
+                        raise Rejected(*problem)
                 except Rejected as exc:
                     rejects.add(path, line, exc.reason, exc.detail)
                     continue
@@ -145,14 +149,16 @@ def _dry_run(opts: ProduceOptions, run_id: str, paths: list[str], settings: dict
     take = selections(rules_from_manifest(setting(settings, "take")), settings["inputs"], opts.seed)
     per_prompt = int(setting(settings, "samples_per_prompt"))
     modes = ModeCounts()
+    check = TemplateCheck.for_run(settings)
     with RejectLog(acc) as rejects:
-        for sample, _ in iter_samples(paths, opts, acc, rejects, Deduper(), progress, take):
+        for sample, _ in iter_samples(paths, opts, acc, rejects, Deduper(), progress, take, check):
             reservoir.offer(sample)
             modes.count_prompt(sample, per_prompt, settings)
     acc.mode_counts = modes.to_dict()
     acc.shards = per_prompt * -(-acc.enqueued // opts.shard_size)
     acc.check_identity()
-    counts = count_prompt_tokens(model["path"], reservoir.items, opts.thinking) if reservoir.items else []
+    counts = (count_prompt_tokens(model["path"], reservoir.items, opts.thinking, opts.preserve_thinking)
+              if reservoir.items else [])
     estimate = build_estimate(
         samples=acc.enqueued * per_prompt,
         token_counts=counts,
@@ -189,7 +195,9 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
             return _dry_run(opts, run_id, paths, settings, progress)
         store = _open_store(opts, run_id)
         state = read_produce_state(store)
-        open_or_create(store, run_settings)
+        manifest, _ = open_or_create(store, run_settings)
+        if "chat_template" not in manifest["settings"]:  # reopened as it was made: unchecked (app.manifest)
+            settings.pop("chat_template", None)
         check_producer_settings(state and state.get("producer_settings"), producer_settings(opts), run_id)
         if state and state.get("complete"):
             return ProduceResult(run_id, "already_produced", Accounting(**_counts_only(state["counts"])), paths,
@@ -208,9 +216,10 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
                         started=started)
     take = selections(rules_from_manifest(setting(settings, "take")), settings["inputs"], opts.seed)
     modes = ModeCounts()
+    check = TemplateCheck.for_run(settings)
     with ShardSender(opts.broker, opts.queue, opts.max_pending, compress=opts.compress,
                      input_bytes=plain_input_bytes(paths)) as sender, RejectLog(acc, store) as rejects:
-        for shard in sample_shards(paths, opts, settings, acc, rejects, modes, take, progress):
+        for shard in sample_shards(paths, opts, settings, acc, rejects, modes, take, progress, check):
             acc.shards += 1
             if shard.id in done:
                 acc.shards_skipped_done += 1
@@ -235,7 +244,8 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
 
 
 def sample_shards(paths: list[str], opts: ProduceOptions, settings: dict, acc: Accounting, rejects: RejectLog,
-                  modes: ModeCounts, take: dict[str, Selection], progress: ProgressFn | None = None):
+                  modes: ModeCounts, take: dict[str, Selection], progress: ProgressFn | None = None,
+                  check: TemplateCheck | None = None):
     """The run's shards: pass k (one per sample of a prompt, `--samples-per-prompt`) makes sample k of every
     prompt, in input order, into shards numbered on from the previous pass's.
 
@@ -246,10 +256,10 @@ def sample_shards(paths: list[str], opts: ProduceOptions, settings: dict, acc: A
     first = 0
     for k in range(int(setting(settings, "samples_per_prompt"))):
         if k == 0:
-            prompts = iter_samples(paths, opts, acc, rejects, Deduper(), progress, take)
+            prompts = iter_samples(paths, opts, acc, rejects, Deduper(), progress, take, check)
         else:
             again = Accounting()
-            prompts = iter_samples(paths, opts, again, RejectLog(again), Deduper(), None, take)
+            prompts = iter_samples(paths, opts, again, RejectLog(again), Deduper(), None, take, check)
         made = 0
         for shard in shard_samples(pass_samples(prompts, k, settings, modes), opts.shard_size, first):
             made += 1

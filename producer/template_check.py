@@ -1,0 +1,73 @@
+"""The producer renders every sample with the target's own chat template before it enqueues it.
+
+Why: a row the template refuses (the Qwen3.5/3.6 family's raises for a system turn after the first, for no user
+query, for an unknown role; it fails with a TypeError on tool-call arguments that are not a mapping) would
+otherwise be found on a GPU worker, after it was enqueued and fetched. Here it is one line of `rejects.jsonl`
+with the template's own message (`template_error`). A row whose tool-call arguments vLLM's chat path would
+erase (app.tool_calls) is `tool_arguments_erased`; one whose calls it refuses, `bad_tool_call`.
+
+Each sample is rendered as the worker will render it: its messages as vLLM's chat path prepares them, the run's
+`preserve_thinking`, and every mode its samples will be drawn in (app.modes); in `--regenerate all` runs each
+turn's prompt, with the dataset's old answers standing in for the new ones (producer.estimate.turn_prompts).
+Only the text is rendered (the template, not the tokenizer: lengths are the worker's); the cost is in
+docs/performance.md. A run whose manifest records no template (made before the check, or a model folder
+without one) is produced as before, unchecked.
+"""
+
+from __future__ import annotations
+
+from app.chat_render import load_tokenizer, render_text, template_sha256
+from app.errors import ConfigError
+from app.ids import prompt_sample_id
+from app.manifest import setting
+from app.modes import sample_mode
+from app.tool_calls import ToolCallError, erased_arguments, prepare
+from producer.estimate import turn_prompts
+
+
+class TemplateCheck:
+    """`problem(sample)`: (reason, detail) when the sample cannot be rendered as the worker would, else None."""
+
+    def __init__(self, tokenizer, settings: dict):
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.preserve = bool(setting(settings, "preserve_thinking"))
+        self.per_prompt = int(setting(settings, "samples_per_prompt"))
+
+    @classmethod
+    def for_run(cls, settings: dict) -> TemplateCheck | None:
+        """The run's check, or None when its manifest records no template (see the module docstring)."""
+        entry = setting(settings, "chat_template")
+        if not entry:
+            return None
+        tokenizer = load_tokenizer(settings["model"]["path"])
+        sha = template_sha256(tokenizer)
+        if sha != entry["sha256"]:
+            raise ConfigError(f"{settings['model']['path']}: its chat template (sha256 {sha}) is not the one the "
+                              f"run was produced with ({entry['sha256']})")
+        return cls(tokenizer, settings)
+
+    def modes(self, sample: dict) -> set[bool]:
+        """Every mode the prompt's samples will be drawn in (as producer.modes.pass_samples draws them)."""
+        own = sample.get("input_thinking")
+        return {sample_mode(self.settings, {"id": prompt_sample_id(sample["id"], k), "input_thinking": own})[0]
+                for k in range(self.per_prompt)}
+
+    def problem(self, sample: dict) -> tuple[str, str] | None:
+        messages = sample["messages"]
+        try:
+            erased = erased_arguments(messages)
+        except ToolCallError as exc:
+            return "bad_tool_call", str(exc)
+        if erased:
+            return "tool_arguments_erased", erased
+        tools = sample.get("tools")
+        modes = sorted(self.modes(sample))
+        for prompt in turn_prompts(messages):
+            prompt = prepare(prompt)
+            for thinking in modes:
+                try:
+                    render_text(self.tokenizer, prompt, tools, thinking, self.preserve)
+                except Exception as exc:  # the template's own refusal (raise_exception) or failure (TypeError)
+                    return "template_error", f"{type(exc).__name__}: {exc}"[:500]
+        return None
