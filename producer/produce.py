@@ -18,6 +18,7 @@ Memory stays flat: one input block, one shard of samples, and one 64-bit int per
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 from collections import Counter
@@ -54,7 +55,8 @@ from producer.run_setup import (
 )
 from producer.sharding import Deduper, shard_samples
 from producer.take import Selection, rules_from_manifest, selections
-from producer.template_check import TemplateCheck
+from producer.template_check import BATCH as CHECK_BATCH
+from producer.template_check import TemplateCheck, processes_for
 
 JSON_ARRAY_ITEM_BYTES = 1024  # rough size of a parsed .json array element, only used to choose compression
 PROGRESS_EVERY = 512
@@ -85,6 +87,16 @@ def iter_samples(paths: list[str], opts: ProduceOptions, acc: Accounting, reject
     total_bytes = sum(os.path.getsize(p) for p in paths)
     read = enqueued = 0  # locals in the hot loop, written back to `acc` on every exit path
     take = take or {}
+    pending: list[tuple[dict, int, int]] = []  # normalised, awaiting the render check: (sample, bytes, line)
+
+    def checked(path: str) -> Iterator[tuple[dict, int]]:
+        for (sample, nbytes, line), problem in zip(pending, check.problems([p[0] for p in pending]), strict=True):
+            if problem is not None:
+                rejects.add(path, line, *problem)
+            elif first_time(sample["id"]):
+                yield sample, nbytes
+        pending.clear()
+
     try:
         for path in paths:
             reader = InputReader(path)
@@ -108,14 +120,22 @@ def iter_samples(paths: list[str], opts: ProduceOptions, acc: Accounting, reject
                     else:
                         nbytes, row = JSON_ARRAY_ITEM_BYTES, payload
                     sample = normalise(row, file=path, line=line, regenerate=regenerate, max_prompt_chars=cap)
-                    if check is not None and (problem := check.problem(sample)):
-                        raise Rejected(*problem)
                 except Rejected as exc:
                     rejects.add(path, line, exc.reason, exc.detail)
                     continue
-                if first_time(sample["id"]):
+                if check is not None:
+                    pending.append((sample, nbytes, line))
+                    if len(pending) >= CHECK_BATCH:
+                        for item in checked(path):
+                            enqueued += 1
+                            yield item
+                elif first_time(sample["id"]):
                     enqueued += 1
                     yield sample, nbytes
+            if pending:
+                for item in checked(path):
+                    enqueued += 1
+                    yield item
             done_bytes += reader.consumed
             if progress is not None:
                 progress(done_bytes, total_bytes)
@@ -128,6 +148,19 @@ def iter_samples(paths: list[str], opts: ProduceOptions, acc: Accounting, reject
 def plain_input_bytes(paths: list[str]) -> int:
     """Roughly how many bytes of prompts the inputs hold (a `.zst` file counted at 4x its size)."""
     return sum(os.path.getsize(p) * (4 if p.lower().endswith(".zst") else 1) for p in paths)
+
+
+@contextlib.contextmanager
+def template_check(settings: dict, opts: ProduceOptions, paths: list[str]) -> Iterator[TemplateCheck | None]:
+    """The run's render check (producer.template_check; None for a run that records no template), its pool
+    stopped on the way out."""
+    processes = opts.render_processes or processes_for(plain_input_bytes(paths))
+    check = TemplateCheck.for_run(settings, processes)
+    try:
+        yield check
+    finally:
+        if check is not None:
+            check.close()
 
 
 def storage_url_for_workers(storage: Storage) -> str:
@@ -149,8 +182,7 @@ def _dry_run(opts: ProduceOptions, run_id: str, paths: list[str], settings: dict
     take = selections(rules_from_manifest(setting(settings, "take")), settings["inputs"], opts.seed)
     per_prompt = int(setting(settings, "samples_per_prompt"))
     modes = ModeCounts()
-    check = TemplateCheck.for_run(settings)
-    with RejectLog(acc) as rejects:
+    with template_check(settings, opts, paths) as check, RejectLog(acc) as rejects:
         for sample, _ in iter_samples(paths, opts, acc, rejects, Deduper(), progress, take, check):
             reservoir.offer(sample)
             modes.count_prompt(sample, per_prompt, settings)
@@ -216,9 +248,9 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
                         started=started)
     take = selections(rules_from_manifest(setting(settings, "take")), settings["inputs"], opts.seed)
     modes = ModeCounts()
-    check = TemplateCheck.for_run(settings)
-    with ShardSender(opts.broker, opts.queue, opts.max_pending, compress=opts.compress,
-                     input_bytes=plain_input_bytes(paths)) as sender, RejectLog(acc, store) as rejects:
+    with template_check(settings, opts, paths) as check, ShardSender(
+            opts.broker, opts.queue, opts.max_pending, compress=opts.compress,
+            input_bytes=plain_input_bytes(paths)) as sender, RejectLog(acc, store) as rejects:
         for shard in sample_shards(paths, opts, settings, acc, rejects, modes, take, progress, check):
             acc.shards += 1
             if shard.id in done:

@@ -9,12 +9,17 @@ erase (app.tool_calls) is `tool_arguments_erased`; one whose calls it refuses, `
 Each sample is rendered as the worker will render it: its messages as vLLM's chat path prepares them, the run's
 `preserve_thinking`, and every mode its samples will be drawn in (app.modes); in `--regenerate all` runs each
 turn's prompt, with the dataset's old answers standing in for the new ones (producer.estimate.turn_prompts).
-Only the text is rendered (the template, not the tokenizer: lengths are the worker's); the cost is in
-docs/performance.md. A run whose manifest records no template (made before the check, or a model folder
-without one) is produced as before, unchecked.
+Only the text is rendered (the template, not the tokenizer: lengths are the worker's). Rendering is the
+producer's costliest step (a few thousand rows a second per core against ~60,000 without it, docs/performance.md),
+so samples are checked in batches, on a pool of processes for large inputs (`processes`); results keep input order.
+A run whose manifest records no template (made before the check, or a model folder without one) is produced as
+before, unchecked.
 """
 
 from __future__ import annotations
+
+import multiprocessing
+import os
 
 from app.chat_render import load_tokenizer, render_text, template_sha256
 from app.errors import ConfigError
@@ -24,28 +29,59 @@ from app.modes import sample_mode
 from app.tool_calls import ToolCallError, erased_arguments, prepare
 from producer.estimate import turn_prompts
 
+BATCH = 512  # samples checked at once (one round trip to the pool)
+POOL_FROM_BYTES = 256 << 20  # inputs this large are checked on a pool of processes; smaller ones in-process
+_IN_WORKER: TemplateCheck | None = None  # a pool process's check
+
+
+def processes_for(input_bytes: int) -> int:
+    """Processes to render with: every core for a large input, else one (a pool's start-up costs seconds)."""
+    return max(1, os.cpu_count() or 1) if input_bytes >= POOL_FROM_BYTES else 1
+
 
 class TemplateCheck:
-    """`problem(sample)`: (reason, detail) when the sample cannot be rendered as the worker would, else None."""
+    """`problem(sample)`: (reason, detail) when the sample cannot be rendered as the worker would, else None;
+    `problems(samples)` for a batch, on the pool when there is one. Close it (or use `with`) to stop the pool."""
 
-    def __init__(self, tokenizer, settings: dict):
+    def __init__(self, tokenizer, settings: dict, processes: int = 1):
         self.tokenizer = tokenizer
         self.settings = settings
         self.preserve = bool(setting(settings, "preserve_thinking"))
         self.per_prompt = int(setting(settings, "samples_per_prompt"))
+        self.pool = None
+        self.processes = processes
+        if processes > 1:  # forkserver: the children start clean, whatever threads this process runs
+            ctx = multiprocessing.get_context("forkserver")
+            self.pool = ctx.Pool(processes, initializer=_start_worker, initargs=(settings,))
 
     @classmethod
-    def for_run(cls, settings: dict) -> TemplateCheck | None:
+    def for_run(cls, settings: dict, processes: int = 1) -> TemplateCheck | None:
         """The run's check, or None when its manifest records no template (see the module docstring)."""
         entry = setting(settings, "chat_template")
         if not entry:
             return None
-        tokenizer = load_tokenizer(settings["model"]["path"])
-        sha = template_sha256(tokenizer)
-        if sha != entry["sha256"]:
-            raise ConfigError(f"{settings['model']['path']}: its chat template (sha256 {sha}) is not the one the "
-                              f"run was produced with ({entry['sha256']})")
-        return cls(tokenizer, settings)
+        tokenizer = _run_tokenizer(settings)
+        return cls(tokenizer, settings, processes)
+
+    def problems(self, samples: list[dict]) -> list[tuple[str, str] | None]:
+        if self.pool is None or len(samples) < 2:
+            return [self.problem(s) for s in samples]
+        return self.pool.map(_problem_in_worker, samples, chunksize=max(1, len(samples) // (4 * self.processes)))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool.join()
+            self.pool = None
+
+    def __enter__(self) -> TemplateCheck:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+            self.pool = None
 
     def modes(self, sample: dict) -> set[bool]:
         """Every mode the prompt's samples will be drawn in (as producer.modes.pass_samples draws them)."""
@@ -71,3 +107,22 @@ class TemplateCheck:
                 except Exception as exc:  # the template's own refusal (raise_exception) or failure (TypeError)
                     return "template_error", f"{type(exc).__name__}: {exc}"[:500]
         return None
+
+
+def _run_tokenizer(settings: dict):
+    entry = setting(settings, "chat_template")
+    tokenizer = load_tokenizer(settings["model"]["path"])
+    sha = template_sha256(tokenizer)
+    if sha != entry["sha256"]:
+        raise ConfigError(f"{settings['model']['path']}: its chat template (sha256 {sha}) is not the one the run "
+                          f"was produced with ({entry['sha256']})")
+    return tokenizer
+
+
+def _start_worker(settings: dict) -> None:
+    global _IN_WORKER
+    _IN_WORKER = TemplateCheck(_run_tokenizer(settings), settings)
+
+
+def _problem_in_worker(sample: dict) -> tuple[str, str] | None:
+    return _IN_WORKER.problem(sample)

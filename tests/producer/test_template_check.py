@@ -75,13 +75,14 @@ def options(tmp_path, model, inputs, **kw) -> ProduceOptions:
                                     model=str(model), broker=PRODUCER_REDIS, queue=QUEUE, shard_size=4), **kw})
 
 
+@pytest.mark.parametrize("processes", [1, 2], ids=["in-process", "pool"])
 def test_refused_rows_are_rejects_with_the_templates_words_and_never_enqueued(producer_redis, tmp_path,
-                                                                               family_model):
-    path = write_jsonl(tmp_path / "in.jsonl", ROWS)
-    result = produce(options(tmp_path, family_model, [path]))
+                                                                               family_model, processes):
+    path = write_jsonl(tmp_path / "in.jsonl", ROWS * 150)  # 1,350 rows: batches of 512 (producer.template_check)
+    result = produce(options(tmp_path, family_model, [path], render_processes=processes))
     acc = result.accounting
-    assert dict(acc.rejected_by_reason) == {"template_error": 2, "tool_arguments_erased": 3, "bad_tool_call": 1}
-    assert acc.enqueued == 3 and acc.read == len(ROWS)
+    assert dict(acc.rejected_by_reason) == {"template_error": 300, "tool_arguments_erased": 450, "bad_tool_call": 150}
+    assert acc.enqueued == 3 and acc.duplicates == 3 * 149 and acc.read == len(ROWS) * 150
     rejects = [json.loads(line) for line in (tmp_path / "store/t1/rejects.jsonl").read_text().splitlines()]
     by_line = {r["line"]: r for r in rejects}
     assert by_line[4]["reason"] == "template_error"
@@ -93,7 +94,8 @@ def test_refused_rows_are_rejects_with_the_templates_words_and_never_enqueued(pr
     assert by_line[8]["detail"].startswith("turn 1: tool call 'get_weather'")
     assert by_line[9]["reason"] == "bad_tool_call"
     counts = json.loads((tmp_path / "store/t1/produce.json").read_text())["counts"]
-    assert counts["rejected_by_reason"] == {"bad_tool_call": 1, "tool_arguments_erased": 3, "template_error": 2}
+    assert counts["rejected_by_reason"] == {"bad_tool_call": 150, "tool_arguments_erased": 450, "template_error": 300}
+    assert [r["line"] for r in rejects] == sorted(r["line"] for r in rejects)  # in input order, pool or not
     sent = [s["source"]["source_id"] for m in decode_queue(producer_redis) for s in m["kwargs"]["samples"]]
     assert sorted(sent) == ["sharegpt-call", "tool-0", "tool-1"]
 

@@ -142,3 +142,36 @@ def test_verify_rerenders_every_prompt_and_names_an_altered_one(runs, tmp_path):
     assert bad.exit_code == 1
     problems = orjson.loads(bad.output)["problems"]
     assert [(p["kind"], p["sample"]) for p in problems if p["kind"] == "prompt"] == [("prompt", victim["sample_id"])]
+
+
+def test_the_sharegpt_export_loads_in_both_trainers_readers_to_the_rendered_prompt(runs, tok, tmp_path):
+    """Tool calls are exported as the record keeps them (arguments as objects, what the template rendered):
+    speculators hands a row's `tool_calls` to the template as they are (a string would fail the family's
+    `arguments|items`), SpecForge's parser takes objects as they are (strings it would parse). Each reader's
+    messages, rendered with the generation prompt, are the record's prompt ids."""
+    from specforge.data.parse import ThinkingParser
+    from specforge.data.template import TEMPLATE_REGISTRY
+    from speculators.data_generation.preprocessing import _normalize_conversation
+
+    storage, _ = runs
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["export", "fam-last", "--storage", str(storage), "--format", "sharegpt",
+                                       "--out", str(out), "--include-unterminated"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for f in sorted((out / "data").glob("*.jsonl")) for line in f.read_text().splitlines()]
+    records = {r["sample_id"]: r for r in run_records(storage, "fam-last")}
+    specforge = ThinkingParser(tok, TEMPLATE_REGISTRY.get("qwen3.5"))  # SpecForge's template for the family
+    assert len(rows) == len(records) == 4
+    exported_calls = 0
+    for row in rows:
+        rec, tools = records[row["id"]], json.loads(row["tools"]) if row.get("tools") else None
+        context = row["conversations"][:-1]
+        exported_calls += sum(len(t.get("tool_calls") or ()) for t in context)
+        assert all(isinstance(c["function"]["arguments"], dict) for t in context for c in t.get("tool_calls") or ())
+        prompt = rec["input_ids"][: rec["num_prompt_tokens"]]
+        for messages in (_normalize_conversation(context),
+                         [specforge._sanitize_message(specforge._normalize_message(t)) for t in context]):
+            text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
+                                           enable_thinking=True)
+            assert tok.encode(text, add_special_tokens=False) == prompt, row["id"]
+    assert exported_calls == 5
