@@ -56,7 +56,7 @@ from producer.run_setup import (
 from producer.sharding import Deduper, shard_samples
 from producer.take import Selection, rules_from_manifest, selections
 from producer.template_check import BATCH as CHECK_BATCH
-from producer.template_check import TemplateCheck, processes_for
+from producer.template_check import TemplateCheck
 
 JSON_ARRAY_ITEM_BYTES = 1024  # rough size of a parsed .json array element, only used to choose compression
 PROGRESS_EVERY = 512
@@ -154,8 +154,7 @@ def plain_input_bytes(paths: list[str]) -> int:
 def template_check(settings: dict, opts: ProduceOptions, paths: list[str]) -> Iterator[TemplateCheck | None]:
     """The run's render check (producer.template_check; None for a run that records no template), its pool
     stopped on the way out."""
-    processes = opts.render_processes or processes_for(plain_input_bytes(paths))
-    check = TemplateCheck.for_run(settings, processes)
+    check = TemplateCheck.for_run(settings, opts.render_processes or 1)
     try:
         yield check
     finally:

@@ -84,7 +84,7 @@ class ProduceOptions:
     take: list[str] = field(default_factory=list)  # GLOB=N / GLOB=FRACTION (producer.take)
     capture_check_every: int = 100  # workers re-capture one sample in this many to check their capture (0: none)
     preserve_thinking: bool = False  # the template keeps earlier turns' reasoning (app.chat_render)
-    render_processes: int | None = None  # the render check's processes; None: producer.template_check.processes_for
+    render_processes: int | None = None  # the render check's processes (producer.template_check); None: in-process
 
     @property
     def prompt_char_cap(self) -> int:

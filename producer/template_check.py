@@ -10,8 +10,10 @@ Each sample is rendered as the worker will render it: its messages as vLLM's cha
 `preserve_thinking`, and every mode its samples will be drawn in (app.modes); in `--regenerate all` runs each
 turn's prompt, with the dataset's old answers standing in for the new ones (producer.estimate.turn_prompts).
 Only the text is rendered (the template, not the tokenizer: lengths are the worker's). Rendering is the
-producer's costliest step (a few thousand rows a second per core against ~60,000 without it, docs/performance.md),
-so samples are checked in batches, on a pool of processes for large inputs (`processes`); results keep input order.
+producer's costliest step (~4,000 rows per CPU-second against ~24,000 without it, docs/performance.md: the
+whole job's 914K rows in ~4 CPU-minutes). Samples are checked in batches, in this process by default; a pool of
+processes (`processes` > 1, ProduceOptions.render_processes) is there for hosts with idle cores (on the
+measuring box, loaded 4x over its 2 cores, it was slower); results keep input order either way.
 A run whose manifest records no template (made before the check, or a model folder without one) is produced as
 before, unchecked.
 """
@@ -19,7 +21,6 @@ before, unchecked.
 from __future__ import annotations
 
 import multiprocessing
-import os
 
 from app.chat_render import load_tokenizer, render_text, template_sha256
 from app.errors import ConfigError
@@ -30,13 +31,7 @@ from app.tool_calls import ToolCallError, erased_arguments, prepare
 from producer.estimate import turn_prompts
 
 BATCH = 512  # samples checked at once (one round trip to the pool)
-POOL_FROM_BYTES = 256 << 20  # inputs this large are checked on a pool of processes; smaller ones in-process
 _IN_WORKER: TemplateCheck | None = None  # a pool process's check
-
-
-def processes_for(input_bytes: int) -> int:
-    """Processes to render with: every core for a large input, else one (a pool's start-up costs seconds)."""
-    return max(1, os.cpu_count() or 1) if input_bytes >= POOL_FROM_BYTES else 1
 
 
 class TemplateCheck:
