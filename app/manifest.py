@@ -87,9 +87,12 @@ class CaptureCheckSettings:
 # its default on either side.
 _ADDED_LATER = {"states": asdict(StatesStorage()), "engine_args": {}, "thinking_mix": None, "mode_sampling": None,
                 "mode_prompt_tails": None, "samples_per_prompt": 1, "sample_temperatures": None, "take": None,
-                "capture_check": asdict(CaptureCheckSettings())}
+                "capture_check": asdict(CaptureCheckSettings()), "preserve_thinking": False, "chat_template": None}
 _LEFT_OUT_AT_DEFAULT = ("engine_args", "thinking_mix", "mode_sampling", "mode_prompt_tails", "samples_per_prompt",
-                        "sample_temperatures", "take")
+                        "sample_temperatures", "take", "preserve_thinking", "chat_template")
+# Recorded when known, compared only when both sides have it: a run made before templates were recorded is
+# reopened as it was (the model's fingerprint covers the template files either way).
+_COMPARED_WHEN_RECORDED = ("chat_template",)
 MODES = ("thinking", "non_thinking")
 _LAST_VIEW: list = []  # [the settings dict last viewed, its RunSettings]
 
@@ -135,6 +138,13 @@ class RunSettings:
     # `--take GLOB=N|FRACTION`: [{"glob", "count"} or {"glob", "fraction"}], drawn with the run seed.
     take: list[dict] | None = None
     capture_check: CaptureCheckSettings = field(default_factory=CaptureCheckSettings)
+    # `--preserve-thinking`: the template keeps earlier assistant turns' reasoning (the Qwen3.5/3.6 family drops
+    # it before the last user query unless set). False in every run made before the setting.
+    preserve_thinking: bool = False
+    # The target's chat template as the run renders with it (app.chat_render.manifest_entry): {"sha256",
+    # "kwargs"}; `regen verify` re-renders every record's prompt with it. None: a model folder without one, or
+    # a run made before it was recorded (verify then leaves prompts as they are).
+    chat_template: dict | None = None
 
     @classmethod
     def view(cls, settings: RunSettings | dict) -> RunSettings:
@@ -238,6 +248,8 @@ def settings_diff(stored: dict, wanted: dict) -> list[str]:
     fields = sorted((set(wanted) | set(stored)) - {"counts"})
     out: list[str] = []
     for f in fields:
+        if f in _COMPARED_WHEN_RECORDED and (f not in stored or f not in wanted):
+            continue
         have, want = _stored(stored, f), _stored(wanted, f)
         if f == "inputs":
             if have != want:

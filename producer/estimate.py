@@ -11,7 +11,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from app.chat_render import load_tokenizer, render_ids
 from app.states_codec import promised_bound
+from app.tool_calls import prepare
 
 COMPRESSION_RATIO = 1.45
 BYTES_PER_VALUE = 2  # bf16
@@ -69,24 +71,16 @@ def turn_prompts(messages: list[dict]) -> list[list[dict]]:
     return [stand_in[:slot] for slot in slots]
 
 
-def count_prompt_tokens(model_path: str, samples: list[dict], thinking: bool) -> list[int]:
+def count_prompt_tokens(model_path: str, samples: list[dict], thinking: bool,
+                        preserve_thinking: bool = False) -> list[int]:
     """Chat-templated prompt lengths, with the generation prompt, as the engine will see them."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     counts = []
     for sample in samples:
         total = 0
         for messages in turn_prompts(sample["messages"]):
-            # Rendered to text, then encoded without special tokens: exactly what the worker does (render_prompt).
-            text = tokenizer.apply_chat_template(
-                messages,
-                tools=sample.get("tools") or None,
-                tokenize=False,
-                add_generation_prompt=True,
-                enable_thinking=thinking,
-            )
-            total += len(tokenizer.encode(text, add_special_tokens=False))
+            # Rendered and encoded exactly as the worker does (app.chat_render, app.tool_calls).
+            total += len(render_ids(tokenizer, prepare(messages), sample.get("tools"), thinking, preserve_thinking))
         counts.append(total)
     return counts
 

@@ -27,6 +27,9 @@ REJECT_REASONS = (
     "nothing_to_answer",
     "prompt_too_long",
     "bad_mode_field",
+    "bad_tool_call",  # a tool call vLLM's chat path refuses (producer.template_check)
+    "tool_arguments_erased",  # arguments vLLM's chat path would replace by {} (app.tool_calls)
+    "template_error",  # the target's chat template refuses the conversation (producer.template_check)
 )
 REGENERATE_MODES = ("last", "all")
 

@@ -8,6 +8,7 @@ Each case: docs/faults.md#why-produce-is-safe-to-run-again.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 from collections import Counter
@@ -43,6 +44,8 @@ from producer.run_setup import (
 )
 from producer.sharding import Deduper, shard_samples
 from producer.take import Selection, rules_from_manifest, selections
+from producer.template_check import BATCH as CHECK_BATCH
+from producer.template_check import TemplateCheck
 
 JSON_ARRAY_ITEM_BYTES = 1024  # rough size of a parsed .json array element, only used to choose compression
 PROGRESS_EVERY = 512
@@ -62,16 +65,27 @@ class ProduceResult:
 
 
 def iter_samples(paths: list[str], opts: ProduceOptions, acc: Accounting, rejects: RejectLog, dedupe: Deduper,
-                 progress: ProgressFn | None = None,
-                 take: dict[str, Selection] | None = None) -> Iterator[tuple[dict, int]]:
+                 progress: ProgressFn | None = None, take: dict[str, Selection] | None = None,
+                 check: TemplateCheck | None = None) -> Iterator[tuple[dict, int]]:
     """Every record of every input, counted once as read and then as left out (`take`), a reject, a duplicate
-    or a yielded sample (a prompt: its samples are made from it, producer.modes)."""
+    or a yielded sample (a prompt: its samples are made from it, producer.modes). `check`: the run's render
+    check (producer.template_check); a sample it refuses is a reject."""
     regenerate, cap = opts.regenerate, opts.prompt_char_cap
     first_time = dedupe.first_time
     done_bytes = 0
     total_bytes = sum(os.path.getsize(p) for p in paths)
     read = enqueued = 0  # locals in the hot loop, written back to `acc` on every exit path
     take = take or {}
+    pending: list[tuple[dict, int, int]] = []  # normalised, awaiting the render check: (sample, bytes, line)
+
+    def checked(path: str) -> Iterator[tuple[dict, int]]:
+        for (sample, nbytes, line), problem in zip(pending, check.problems([p[0] for p in pending]), strict=True):
+            if problem is not None:
+                rejects.add(path, line, *problem)
+            elif first_time(sample["id"]):
+                yield sample, nbytes
+        pending.clear()
+
     try:
         for path in paths:
             reader = InputReader(path)
@@ -98,9 +112,19 @@ def iter_samples(paths: list[str], opts: ProduceOptions, acc: Accounting, reject
                 except Rejected as exc:
                     rejects.add(path, line, exc.reason, exc.detail)
                     continue
-                if first_time(sample["id"]):
+                if check is not None:
+                    pending.append((sample, nbytes, line))
+                    if len(pending) >= CHECK_BATCH:
+                        for item in checked(path):
+                            enqueued += 1
+                            yield item
+                elif first_time(sample["id"]):
                     enqueued += 1
                     yield sample, nbytes
+            if pending:
+                for item in checked(path):
+                    enqueued += 1
+                    yield item
             done_bytes += reader.consumed
             if progress is not None:
                 progress(done_bytes, total_bytes)
@@ -113,6 +137,18 @@ def iter_samples(paths: list[str], opts: ProduceOptions, acc: Accounting, reject
 def plain_input_bytes(paths: list[str]) -> int:
     """Roughly how many bytes of prompts the inputs hold (a `.zst` file counted at 4x its size)."""
     return sum(os.path.getsize(p) * (4 if p.lower().endswith(".zst") else 1) for p in paths)
+
+
+@contextlib.contextmanager
+def template_check(settings: dict, opts: ProduceOptions, paths: list[str]) -> Iterator[TemplateCheck | None]:
+    """The run's render check (producer.template_check; None for a run that records no template), its pool
+    stopped on the way out."""
+    check = TemplateCheck.for_run(settings, opts.render_processes or 1)
+    try:
+        yield check
+    finally:
+        if check is not None:
+            check.close()
 
 
 def storage_url_for_workers(storage: Storage) -> str:
@@ -135,14 +171,15 @@ def _dry_run(opts: ProduceOptions, run_id: str, paths: list[str], settings: dict
     take = selections(rules_from_manifest(typed.take), typed.inputs, opts.seed)
     per_prompt = int(typed.samples_per_prompt)
     modes = ModeCounts()
-    with RejectLog(acc) as rejects:
-        for sample, _ in iter_samples(paths, opts, acc, rejects, Deduper(), progress, take):
+    with template_check(settings, opts, paths) as check, RejectLog(acc) as rejects:
+        for sample, _ in iter_samples(paths, opts, acc, rejects, Deduper(), progress, take, check):
             reservoir.offer(sample)
             modes.count_prompt(sample, per_prompt, settings)
     acc.mode_counts = modes.to_dict()
     acc.shards = per_prompt * -(-acc.enqueued // opts.shard_size)
     acc.check_identity()
-    counts = count_prompt_tokens(model["path"], reservoir.items, opts.thinking) if reservoir.items else []
+    counts = (count_prompt_tokens(model["path"], reservoir.items, opts.thinking, opts.preserve_thinking)
+              if reservoir.items else [])
     estimate = build_estimate(
         samples=acc.enqueued * per_prompt,
         token_counts=counts,
@@ -179,7 +216,9 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
             return _dry_run(opts, run_id, paths, settings, progress)
         store = _open_store(opts, run_id)
         state = read_produce_state(store)
-        open_or_create(store, run_settings)
+        manifest, _ = open_or_create(store, run_settings)
+        if "chat_template" not in manifest["settings"]:  # reopened as it was made: unchecked (app.manifest)
+            settings.pop("chat_template", None)
         check_producer_settings(state and state.get("producer_settings"), producer_settings(opts), run_id)
         if state and state.get("complete"):
             return ProduceResult(run_id, "already_produced", Accounting(**_counts_only(state["counts"])), paths,
@@ -199,9 +238,10 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
     take = selections(rules_from_manifest(RunSettings.view(settings).take), RunSettings.view(settings).inputs,
                       opts.seed)
     modes = ModeCounts()
-    with ShardSender(opts.broker, opts.queue, opts.max_pending, compress=opts.compress,
-                     input_bytes=plain_input_bytes(paths)) as sender, RejectLog(acc, store) as rejects:
-        for shard in sample_shards(paths, opts, settings, acc, rejects, modes, take, progress):
+    with template_check(settings, opts, paths) as check, ShardSender(
+            opts.broker, opts.queue, opts.max_pending, compress=opts.compress,
+            input_bytes=plain_input_bytes(paths)) as sender, RejectLog(acc, store) as rejects:
+        for shard in sample_shards(paths, opts, settings, acc, rejects, modes, take, progress, check):
             acc.shards += 1
             if shard.id in done:
                 acc.shards_skipped_done += 1
@@ -226,7 +266,8 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
 
 
 def sample_shards(paths: list[str], opts: ProduceOptions, settings: dict, acc: Accounting, rejects: RejectLog,
-                  modes: ModeCounts, take: dict[str, Selection], progress: ProgressFn | None = None):
+                  modes: ModeCounts, take: dict[str, Selection], progress: ProgressFn | None = None,
+                  check: TemplateCheck | None = None):
     """The run's shards: pass k (one per sample of a prompt, `--samples-per-prompt`) makes sample k of every
     prompt, in input order, into shards numbered on from the previous pass's.
 
@@ -237,10 +278,10 @@ def sample_shards(paths: list[str], opts: ProduceOptions, settings: dict, acc: A
     first = 0
     for k in range(int(RunSettings.view(settings).samples_per_prompt)):
         if k == 0:
-            prompts = iter_samples(paths, opts, acc, rejects, Deduper(), progress, take)
+            prompts = iter_samples(paths, opts, acc, rejects, Deduper(), progress, take, check)
         else:
             again = Accounting()
-            prompts = iter_samples(paths, opts, again, RejectLog(again), Deduper(), None, take)
+            prompts = iter_samples(paths, opts, again, RejectLog(again), Deduper(), None, take, check)
         made = 0
         for shard in shard_samples(pass_samples(prompts, k, settings, modes), opts.shard_size, first):
             made += 1

@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 
+from app.chat_render import manifest_entry
 from app.errors import ConfigError, InputError, ManifestMismatch
 from app.layers import parse_layers
 from app.manifest import (
@@ -81,6 +82,8 @@ class ProduceOptions:
     sample_temperatures: list[float] | None = None  # sample k of a prompt at [k % len]
     take: list[str] = field(default_factory=list)  # GLOB=N / GLOB=FRACTION (producer.take)
     capture_check_every: int = 100  # workers re-capture one sample in this many to check their capture (0: none)
+    preserve_thinking: bool = False  # the template keeps earlier turns' reasoning (app.chat_render)
+    render_processes: int | None = None  # the render check's processes (producer.template_check); None: in-process
 
     @property
     def prompt_char_cap(self) -> int:
@@ -211,6 +214,8 @@ def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
         sample_temperatures=[float(t) for t in opts.sample_temperatures] if opts.sample_temperatures else None,
         take=take,
         capture_check=CaptureCheckSettings(every=opts.capture_check_every),
+        preserve_thinking=bool(opts.preserve_thinking),
+        chat_template=manifest_entry(opts.model, bool(opts.preserve_thinking)),
     )
 
 
@@ -278,6 +283,7 @@ def options_from_manifest(manifest: dict, stored_producer: dict | None, opts: Pr
                           "samples per prompt; a resume can add samples, never drop them")
     resumed.samples_per_prompt = max(stored_k, opts.samples_per_prompt or 0)
     resumed.sample_temperatures = s.sample_temperatures
+    resumed.preserve_thinking = bool(s.preserve_thinking)
     if stored_producer and "max_prompt_chars" in stored_producer:
         resumed.max_prompt_chars = stored_producer["max_prompt_chars"]
     return resumed

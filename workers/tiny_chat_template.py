@@ -1,21 +1,11 @@
 """The tiny test models' chat template: the Qwen3.5/3.6 family's conventions, in regen's own Jinja.
 
-The users' target renders prompts with the template its checkpoints publish; regen's tests must meet the same
-conventions, or the shapes that break on the real target never break in a test. Written from the family's
-behaviour (its text is not copied, and the tool-use instructions are worded here), it keeps what the token ids
-depend on:
-
-- tools as JSON lines inside `<tools>` in the system turn, with instructions for the XML call format; the first
-  system turn follows them (a system turn anywhere else is refused);
-- assistant tool calls as `<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>\\n</function>\\n
-  </tool_call>`, read by iterating `arguments|items`: a string `arguments` fails with Jinja's TypeError, as it
-  does on the family's; string values as they are, others as JSON;
-- `reasoning_content` (or the part of the content before `</think>`) in a think block only for assistant turns
-  after the last user query, unless `preserve_thinking` is true;
-- consecutive `tool` turns grouped into one user turn of `<tool_response>` blocks; every content trimmed;
-- content parts: text as text, images and videos as vision placeholders;
-- `raise_exception` for no messages, a late system turn, no user query, an unknown role, part or content type;
-- the generation prompt opens a think block (`<think>\\n`), or closes an empty one with `enable_thinking=false`.
+The users' target renders with the template its checkpoints publish; the tests must meet the same conventions,
+or the shapes that break on the real target never break in a test. Written from the family's behaviour (its text
+is not copied): tools in the system turn, XML tool calls read from `arguments|items`, reasoning only after the
+last user query unless `preserve_thinking`, grouped tool responses, trimmed contents, content parts, the
+family's refusals, and the thinking generation prompt. The list, convention by convention:
+docs/formats.md#the-test-models-chat-template.
 """
 
 from __future__ import annotations

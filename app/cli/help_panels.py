@@ -22,7 +22,7 @@ PARALLEL = "Parallel"
 HELP = "Help"
 
 # The options every command that makes a run takes in the same panels (produce, run, pilot).
-_GENERATION = ["--max-tokens", "--thinking", "--thinking-mix", "--samples-per-prompt", "--sample-temperatures",
+_GENERATION = ["--max-tokens", "--thinking", "--thinking-mix", "--preserve-thinking", "--samples-per-prompt", "--sample-temperatures",
                "--temperature", "--top-p", "--top-k", "--min-p", "--seed"]
 _INPUTS = ["--take", "--regenerate", "--max-prompt-tokens", "--max-prompt-chars", "--shard-size"]
 _CAPTURE = ["--model", "--layers", "--capture", "--states-dtype", "--capture-check-every", "--speculative",

@@ -168,6 +168,8 @@ def _load_pilots(paths: list[str]) -> list[dict]:
 @click.option("--thinking-mix", type=click.FloatRange(0, 1), default=None, metavar="P",
               help="As the run will have it (see `regen produce`): the pilot's runs mix the modes alike, and the "
                    "forecast is split by mode [default: no mix, --thinking's mode].")
+@click.option("--preserve-thinking", is_flag=True, default=False,
+              help="As the run will have it (see `regen produce`): earlier turns' reasoning kept in the prompts.")
 @click.option("--samples-per-prompt", type=click.IntRange(min=1), default=1, show_default=True,
               help="As the run will have it: the forecast counts the input's prompts x K samples.")
 @click.option("--take", "take", multiple=True, metavar="GLOB=N|FRACTION",
@@ -199,7 +201,7 @@ def _load_pilots(paths: list[str]) -> list[dict]:
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=7200.0, show_default=True,
               metavar="SECONDS", help="Seconds each candidate may take.")
 def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, layers, max_tokens, thinking,
-          thinking_mix, samples_per_prompt, take, regenerate, shard_size, max_model_len, vllm_args, only, host_results,
+          thinking_mix, preserve_thinking, samples_per_prompt, take, regenerate, shard_size, max_model_len, vllm_args, only, host_results,
           forecast_only, keep_runs, timeout, reference_samples, **sampling):
     """Measure this host on a sample of INPUTS in each candidate setting, then forecast the whole job.
 
@@ -228,6 +230,7 @@ def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, la
     measured = measure_host(say, inputs=list(inputs), model=model, name=name, storage=storage, broker=broker,
                             cpu=cpu, gpus=gpus, sample_size=sample_size, seed=seed, layers=layers,
                             max_tokens=max_tokens, thinking=thinking, thinking_mix=thinking_mix,
+                            preserve_thinking=preserve_thinking,
                             samples_per_prompt=samples_per_prompt, take=list(take), regenerate=regenerate,
                             shard_size=shard_size,
                             max_model_len=max_model_len, vllm_args=list(vllm_args), only=only, keep_runs=keep_runs,

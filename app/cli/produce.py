@@ -66,7 +66,7 @@ def sampling_options(f):
 SETTING_FLAGS = ("shard_size", "max_tokens", "thinking", "temperature", "top_p", "top_k", "min_p", "seed",
                   "capture", "layers", "max_prompt_tokens", "max_prompt_chars", "regenerate", "model",
                   "pause_stub_rate", "pause_window", "pause_min_samples", "vllm_args", "states_dtype", "speculative",
-                  "thinking_mix", "sample_temperatures", "take", "capture_check_every")
+                  "thinking_mix", "sample_temperatures", "take", "capture_check_every", "preserve_thinking")
 # ... and those `regen run` takes over from `regen produce` (samples per prompt can grow on a resume)
 RUN_SETTING_FLAGS = (*SETTING_FLAGS, "samples_per_prompt")
 
@@ -102,6 +102,9 @@ def _broker_options(f, *, storage_required: bool = True):
               help="Both modes in one run: each sample in thinking mode with probability P (drawn from the run seed "
                    "and the sample id; an input row's own enable_thinking/thinking field is kept), each mode with "
                    "its own sampling defaults. 1 and 0 are --thinking and --no-thinking for rows without a field.")
+@click.option("--preserve-thinking", is_flag=True, default=False,
+              help="Render earlier assistant turns' reasoning_content into later prompts (the template's "
+                   "preserve_thinking; the Qwen3.5/3.6 family drops it before the last user query by default).")
 @click.option("--samples-per-prompt", type=click.IntRange(min=1), default=None, metavar="K",
               help="K samples of every prompt, each its own record, seed and id (PROMPT-sK; the first keeps the "
                    "prompt's id) [default: 1]. With --resume RUN: a larger K adds only the new samples.")

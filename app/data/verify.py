@@ -24,6 +24,7 @@ from app.data.engine_modes import ModeCounts, check_failure, shard_mode
 from app.data.fanout import WHOLE, Part, open_reader, ordered_map, worker_reader
 from app.data.run_reader import RunReader, ShardInfo
 from app.data.verify_checks import Problem, ShardResult, check_mode, check_states
+from app.data.verify_prompts import prompt_check
 from app.data.verify_reference import reference_check
 from app.data.verify_sampled import check_index_entry, decode_sample
 from app.documents import MalformedDocument
@@ -262,6 +263,7 @@ def _check_records(res: ShardResult, reader: RunReader, info: ShardInfo, raw: by
     rejected: Counter = Counter()
     seen_hidden: set[int] = set()
     turns: dict[str, list[dict]] = {}
+    prompts, _ = prompt_check(reader.settings)
     try:
         for rec in iter_records(io.BytesIO(raw), m.records_file["path"]):
             res.records += 1
@@ -276,6 +278,8 @@ def _check_records(res: ShardResult, reader: RunReader, info: ShardInfo, raw: by
                 continue
             res.ok += 1
             good = _check_record(res, rec, reader.run_id) and check_mode(res, rec, reader.settings)
+            if good and prompts is not None:
+                good = prompts.check(res, rec, reader.settings)
             if hreader is None or "input_ids" not in rec:
                 continue
             pos = hreader.by_id.get(sid)
@@ -356,6 +360,9 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
     elif not produce.get("complete"):
         problems.append(Problem("produce_incomplete", None, None, "the producer has not finished enqueuing",
                                 severity=gap))
+    _, skipped = prompt_check(reader.settings)
+    if skipped is not None:
+        problems.append(skipped)
     if reader.layers is not None and (mislabelled := ascending_problem(reader.layers)):
         problems.append(Problem("layers_order", None, None, mislabelled))
     expected = _expected_sizes(reader, counts)

@@ -256,6 +256,8 @@ def commands(pilots: list[dict], plan: dict, pilot_paths: list[str], storage: st
         produce.append(f"--thinking-mix {s['thinking_mix']}")
     elif not s.get("thinking", True):
         produce.append("--no-thinking")
+    if s.get("preserve_thinking"):
+        produce.append("--preserve-thinking")
     if int(s.get("samples_per_prompt") or 1) > 1:
         produce.append(f"--samples-per-prompt {s['samples_per_prompt']}")
     if s.get("regenerate", DEFAULT_REGENERATE) != DEFAULT_REGENERATE:

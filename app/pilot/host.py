@@ -107,7 +107,7 @@ def _tail(path: str, lines: int = 6) -> str:
 
 
 def measure_host(say: Callable[[str], None], *, inputs, model, name, storage, broker, cpu, gpus, sample_size, seed,
-                 layers, max_tokens, thinking, regenerate, thinking_mix=None, samples_per_prompt, take=(),
+                 layers, max_tokens, thinking, regenerate, thinking_mix=None, samples_per_prompt, take=(), preserve_thinking=False,
                  shard_size, max_model_len, vllm_args, only, keep_runs, timeout, sampling: dict,
                  reference_samples: int = 2) -> tuple[dict, str]:
     """Measure every candidate on this host; (the pilot JSON, the path it was written to). `say` gets each line
@@ -153,7 +153,8 @@ def measure_host(say: Callable[[str], None], *, inputs, model, name, storage, br
             "--regenerate", regenerate, "--timeout", str(timeout),
             *(["--thinking-mix", str(thinking_mix)] if thinking_mix is not None
               else ["--thinking" if thinking else "--no-thinking"]),
-            *(["--samples-per-prompt", str(samples_per_prompt)] if samples_per_prompt > 1 else [])]
+            *(["--samples-per-prompt", str(samples_per_prompt)] if samples_per_prompt > 1 else []),
+            *(["--preserve-thinking"] if preserve_thinking else [])]
     base += ["--cpu"] if cpu else (["--gpus", ",".join(devices["indices"])])
     if broker:
         base += ["--broker", broker]
@@ -203,6 +204,7 @@ def measure_host(say: Callable[[str], None], *, inputs, model, name, storage, br
         "settings": {"layers": layers, "max_tokens": max_tokens, "shard_size": shard_size, "thinking": thinking,
                      **({"thinking_mix": thinking_mix} if thinking_mix is not None else {}),
                      **({"samples_per_prompt": samples_per_prompt} if samples_per_prompt > 1 else {}),
+                     **({"preserve_thinking": True} if preserve_thinking else {}),
                      "regenerate": regenerate, "max_model_len": max_model_len, "vllm_args": vllm_args,
                      "sampling": sampling},
         "candidates": results,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from app.chat_render import render_ids
 from app.hidden_file import encode_sample
 from app.ids import seed_for
 from app.manifest import RunSettings, compression_level
@@ -31,6 +32,7 @@ from app.quality import (
 from app.records import conversation_id, loss_mask, rejected_record
 from app.samples import Sample, read_samples
 from app.states_compare import zero_rows_allowed
+from app.tool_calls import worker_prepare
 from workers.engine.capture_faults_for_tests import process_injector
 from workers.engine.recapture import PREFILL_ONLY, CheckPolicy, Pending
 from workers.engine.request import GenRequest, GenResult
@@ -45,12 +47,10 @@ log = logging.getLogger("regen.generate")
 SAMPLING_RECORDED = ("temperature", "top_p", "top_k", "min_p")  # the record's `sampling`: what its mode and index gave
 
 
-def render_prompt(tokenizer, messages: list[dict], tools, thinking: bool) -> list[int]:
-    """The target's own chat template with `enable_thinking`; ids are what the engine will see."""
-    text = tokenizer.apply_chat_template(
-        messages, tools=tools or None, add_generation_prompt=True, enable_thinking=thinking, tokenize=False
-    )
-    return tokenizer.encode(text, add_special_tokens=False)
+def render_prompt(tokenizer, messages: list[dict], tools, thinking: bool, preserve_thinking: bool = False) -> list[int]:
+    """The target's own chat template on the messages as vLLM's chat path prepares them (string tool-call
+    arguments parsed, app.tool_calls); ids are what the engine will see."""
+    return render_ids(tokenizer, worker_prepare(messages), tools, thinking, preserve_thinking)
 
 
 def _special_ids(tokenizer) -> tuple[int | None, set[int]]:
@@ -76,6 +76,7 @@ class ShardGeneration:
         self.sampling = settings.sampling_dict()
         self.run_seed = int(self.sampling.pop("seed", 0))
         self.thinking = bool(settings.thinking)  # the mode of samples without their own (app.modes)
+        self.preserve_thinking = bool(settings.preserve_thinking)
         self.capture_inline = settings.capture_inline
         if self.capture_inline and hidden_out is None:
             raise ValueError("inline capture needs a hidden-state file to write into")
@@ -114,9 +115,12 @@ class ShardGeneration:
         pos = len(self.records)
         thinking = base["thinking"]
         try:
+            # the record keeps the messages as rendered: tool-call arguments as the objects the template saw
+            base["messages"] = worker_prepare(base["messages"])
             with self.ctx.tokenizer_lock:
-                prompt_ids = render_prompt(self.ctx.tokenizer, base["messages"], base["tools"], thinking)
-        except Exception as exc:  # a template that cannot render this conversation
+                prompt_ids = render_ids(self.ctx.tokenizer, base["messages"], base["tools"], thinking,
+                                        self.preserve_thinking)
+        except Exception as exc:  # a template (or vLLM's chat path) that cannot render this conversation
             self.records.append(rejected_record(base, "template_error", f"{type(exc).__name__}: {exc}"))
             return None
         if len(prompt_ids) > self.max_prompt or len(prompt_ids) + self.sampling["max_tokens"] > self.max_len:
