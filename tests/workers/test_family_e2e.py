@@ -148,8 +148,6 @@ def test_both_trainers_readers_load_every_export(family_runs, family_storage, tm
         normalize_offline_sample(raw, max_len=4096)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 43 item 1: string tool-call arguments are parsed as vLLM's chat "
-                                       "path does (until then the template's TypeError is a worker template_error)")
 def test_string_arguments_render_as_their_parsed_objects(hybrid_worker, family_storage, tiny_hybrid, tmp_path):
     from workers.shard.generate import render_prompt
 

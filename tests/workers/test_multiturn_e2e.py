@@ -32,8 +32,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 # template iterates `arguments|items`, so until issue 43 item 1 parses them as vLLM's chat path does, the worker
 # rejects that conversation as template_error in the `last` run (in `all` runs the model's own turns replace the
 # calls before any prompt holds them).
-STRING_ARGUMENTS = pytest.mark.xfail(strict=True, reason="issue 43 item 1: toolcall_openai.jsonl's string tool-call "
-                                     "arguments are a worker template_error until they are parsed")
 E2E_VLLM_IDS = E2E_LAYERS.removeprefix("vllm:").split(",")  # the session worker's captured layers
 FIXTURES = FIXTURES_DIR / "chat"
 CONVERSATIONS = [
@@ -146,7 +144,7 @@ def test_staged_capture_of_a_multi_turn_run_captures_every_turns_sequence(runs, 
     assert report.accounting["written"] == 2 and report.accounting["identity_holds"]
 
 
-@pytest.mark.parametrize("run", [pytest.param("tools-last", marks=STRING_ARGUMENTS), "mt-all"])
+@pytest.mark.parametrize("run", ["tools-last", "mt-all"])
 def test_exported_rows_re_render_to_every_records_prompt_ids(runs, e2e_storage, tiny_qwen3, tmp_path, run):
     tok = AutoTokenizer.from_pretrained(str(tiny_qwen3))
     out = tmp_path / "out"
