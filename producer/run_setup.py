@@ -29,6 +29,7 @@ from app.model_info import read_model_info, read_text_config, zero_embedding_ids
 from app.settings import DEFAULT_QUEUE, DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
 from app.speculative import check_speculative, ignored_with_capture, parse_speculative
 from app.states_codec import STATES_DTYPES, promised_bound, resolve
+from app.thinking import DEFAULT_THINKING_CLOSE, engine_refusal
 from app.vllm_args import check_data_args, parse_vllm_args, split_item
 from producer.enqueue import COMPRESS_MODES
 from producer.modes import mode_prompt_tails
@@ -82,6 +83,9 @@ class ProduceOptions:
     sample_temperatures: list[float] | None = None  # sample k of a prompt at [k % len]
     take: list[str] = field(default_factory=list)  # GLOB=N / GLOB=FRACTION (producer.take)
     capture_check_every: int = 100  # workers re-capture one sample in this many to check their capture (0: none)
+    thinking_budget: int | None = None  # close each thinking sample's reasoning after N tokens (app.thinking)
+    thinking_close: str | None = None  # the text forced then [default: app.thinking.DEFAULT_THINKING_CLOSE]
+    stop_loops: bool = False  # end requests whose output loops (app.loops)
 
     @property
     def prompt_char_cap(self) -> int:
@@ -129,6 +133,15 @@ def validate_options(opts: ProduceOptions) -> None:
                       model_path=None)
     if why := ignored_with_capture({"min_p": opts.min_p}, opts.capture):
         raise ConfigError(why)
+    speculative = parse_speculative(opts.speculative)
+    if why := engine_refusal(opts.thinking_budget, opts.thinking_close, opts.stop_loops, opts.capture, speculative):
+        raise ConfigError(why)
+    any_thinking = opts.thinking if opts.thinking_mix is None else opts.thinking_mix > 0
+    if opts.thinking_budget is not None and not any_thinking:
+        raise ConfigError(f"--thinking-budget {opts.thinking_budget} with --no-thinking: no sample thinks")
+    if opts.thinking_budget is not None and opts.thinking_budget >= opts.max_tokens:
+        raise ConfigError(f"--thinking-budget {opts.thinking_budget} is not below --max-tokens {opts.max_tokens}: "
+                          "the budget could never close a sample")
 
 
 def validate_mix_options(opts: ProduceOptions) -> None:
@@ -212,6 +225,10 @@ def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
         sample_temperatures=[float(t) for t in opts.sample_temperatures] if opts.sample_temperatures else None,
         take=take,
         capture_check=CaptureCheckSettings(every=opts.capture_check_every),
+        thinking_budget=opts.thinking_budget,
+        thinking_close=(opts.thinking_close if opts.thinking_close is not None else DEFAULT_THINKING_CLOSE)
+        if opts.thinking_budget is not None else None,
+        stop_loops=bool(opts.stop_loops),
     )
 
 
@@ -280,6 +297,9 @@ def options_from_manifest(manifest: dict, stored_producer: dict | None, opts: Pr
                           "samples per prompt; a resume can add samples, never drop them")
     resumed.samples_per_prompt = max(stored_k, opts.samples_per_prompt or 0)
     resumed.sample_temperatures = setting(s, "sample_temperatures")
+    resumed.thinking_budget = setting(s, "thinking_budget")
+    resumed.thinking_close = setting(s, "thinking_close")
+    resumed.stop_loops = bool(setting(s, "stop_loops"))
     if stored_producer and "max_prompt_chars" in stored_producer:
         resumed.max_prompt_chars = stored_producer["max_prompt_chars"]
     return resumed

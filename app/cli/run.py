@@ -42,6 +42,8 @@ from workers.engine.limits import unsupported
 from workers.process.plan import (
     check_max_model_len,
     manifest_engine_args,
+    needs_plain_generation,
+    run_generation_features,
     run_speculative,
     settings_from_run,
     speculative_staged_configs,
@@ -148,13 +150,14 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
                      "vllm_args": vllm_args or None}
 
         def configs_for(layers, speculative=None, name=None):
+            features = run_generation_features(storage, result.run_id, layers)
             return worker_configs(cpu=cpu, gpus=gpus, model=os.path.abspath(model_path), layers=layers,
                                   storage=None, name=name, max_attempts=5,
-                                  engine_overrides={**overrides, "speculative": speculative},
+                                  engine_overrides={**overrides, "speculative": speculative, **features},
                                   shard_size=run_shard_size, task_slots=task_slots, encode_threads=encode_threads)
 
         speculative = run_speculative(storage, result.run_id, None, DEFAULT_QUEUE)
-        if staged_split(capture, speculative):
+        if staged_split(capture, speculative, needs_plain_generation(storage, result.run_id)):
             configs = speculative_staged_configs(configs_for(None, speculative),
                                                  configs_for(layer_ids, name="cpu-capture" if cpu else None), cpu)
         else:
