@@ -31,6 +31,7 @@ from workers.engine.settings import model_engine_settings
 # does not depend on what else the process holds. 256 MiB is ~170K tokens of the tiny test model; a real model
 # on a CPU host needs more (`regen worker --kv-cache-gib`).
 CPU_KV_CACHE_BYTES = 256 << 20
+LOOP_STOP_PROCESSOR = "workers.engine.loop_stop:LoopStop"
 
 
 def llm_kwargs(options: EngineOptions) -> dict:
@@ -62,9 +63,7 @@ def llm_kwargs(options: EngineOptions) -> dict:
         if options.speculative or options.capture_layers:
             raise ConfigError("the loop stop is a logits processor, which vLLM refuses beside a speculative config "
                               "(capture's or MTP's)")
-        from workers.engine.loop_stop import LoopStop  # imports vLLM
-
-        kwargs["logits_processors"] = [LoopStop]
+        kwargs["logits_processors"] = [LOOP_STOP_PROCESSOR]  # vLLM loads it by name (it imports vLLM)
     if options.capture_layers:
         kwargs["speculative_config"] = {
             "method": "extract_hidden_states",
