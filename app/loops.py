@@ -14,6 +14,7 @@ from app.quality import repetition_loop
 
 LOOP_STOP_ARG = "regen_loop_stop"  # the key of SamplingParams.extra_args the engine's processor reads
 CHECK_EVERY = 16
+MAX_PERIOD = 64  # app.quality.repetition_loop's default: the longest repeated span looked for
 
 
 def stop_request(min_repeats: int, eos: int) -> dict:

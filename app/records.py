@@ -15,14 +15,19 @@ Fields (a record is either `status: "ok"` or `status: "rejected"` with `reject_r
                                                so far, earlier turns as the model regenerated them)
     status, reject_reason, reject_detail
     input_ids                                  prompt ids + generated ids, exactly as the engine returned them
-    loss_mask                                  0 over the prompt, 1 over the generated ids (same length)
+    loss_mask                                  0 over the prompt, 1 over the generated ids (same length), but 0
+                                               over `forced`
+    budget_closed, loop_stopped, forced        only when true: the thinking budget closed the reasoning (app.thinking),
+                                               the loop stop ended the output (app.loops); `forced` lists the
+                                               [first, end) spans of input_ids the engine forced
     num_prompt_tokens, num_output_tokens, num_answer_tokens
     text, reasoning, answer                    decoded output, split at `</think>`; in thinking mode an output that
                                                never reached `</think>` is all reasoning, answer "" (flagged
                                                missing_think_end); outside thinking mode reasoning is None
     finish_reason, stop_reason, seed
     sampling {temperature, top_p, top_k, min_p} what the sample was sampled with (its mode's, its index's
-                                               temperature); records made before it: the run's `sampling`
+                                               temperature; `thinking_budget` N on a budgeted thinking sample);
+                                               records made before it: the run's `sampling`
     flags                                      quality flags (app.quality)
     hidden {index, n_tokens, layers}           where the states are in the shard's hidden file (None if off)
     seconds, worker, device                    timing and who produced it

@@ -21,10 +21,8 @@ from __future__ import annotations
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from app.loops import CHECK_EVERY, LOOP_STOP_ARG
+from app.loops import CHECK_EVERY, LOOP_STOP_ARG, MAX_PERIOD
 from app.quality import repetition_loop
-
-MAX_PERIOD = 64  # app.quality.repetition_loop's default: the longest repeated span looked for
 
 
 class LoopStop(LogitsProcessor):
