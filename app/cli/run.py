@@ -29,7 +29,9 @@ from app.cli.options import (
 )
 from app.cli.produce import RUN_SETTING_FLAGS, mix_options, produce_command
 from app.embedded_broker import broker_for_run
+from app.errors import ConfigError
 from app.ledger import pause_state
+from app.loops import gpu_runner_refusal
 from app.ops.run_watch import LostShardWatch, dead_shard_ids, progress_counts
 from app.pilot.forecast import link_pilots, load_pilot_file
 from app.run_totals import RunTotals
@@ -116,6 +118,8 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
     if cpu and top_k is None and (capture != "off" or speculative):
         top_k = 0
 
+    if settings.get("stop_loops") and (why := gpu_runner_refusal("cpu" if cpu else "cuda", os.environ)):
+        raise ConfigError(why)
     why = unsupported("cpu" if cpu else "cuda", {"top_k": top_k}, capture != "off", speculative)
     if why:  # before anything is produced: the local workers could only crash on every shard
         raise click.UsageError(f"--cpu --top-k {top_k}: {why}")

@@ -72,3 +72,11 @@ def test_the_engines_processor_forces_the_end_only_on_requests_that_ask_and_loop
     proc.update_state(BatchUpdate(batch_size=3, removed=[0], added=[],
                                   moved=[(2, 0, MoveDirectionality.UNIDIRECTIONAL)]))
     assert set(proc.rows) == {0} and proc.rows[0][0] is fresh
+
+
+def test_a_gpu_engine_refuses_the_loop_stop_unless_it_runs_vllms_v1_runner():
+    from app.loops import gpu_runner_refusal
+
+    assert gpu_runner_refusal("cpu", {}) is None
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in gpu_runner_refusal("cuda", {})
+    assert gpu_runner_refusal("cuda", {"VLLM_USE_V2_MODEL_RUNNER": "0"}) is None

@@ -16,8 +16,10 @@ speculative setting is refused here, and the manifest's and operator's arguments
 
 from __future__ import annotations
 
+import os
+
 from app.errors import ConfigError
-from app.loops import LOOP_STOP_ARG
+from app.loops import LOOP_STOP_ARG, gpu_runner_refusal
 from app.speculative import speculative_config
 from app.thinking import reasoning_config
 from app.vllm_args import parse_vllm_args
@@ -63,6 +65,8 @@ def llm_kwargs(options: EngineOptions) -> dict:
         if options.speculative or options.capture_layers:
             raise ConfigError("the loop stop is a logits processor, which vLLM refuses beside a speculative config "
                               "(capture's or MTP's)")
+        if why := gpu_runner_refusal(options.device, os.environ):
+            raise ConfigError(why)
         kwargs["logits_processors"] = [LOOP_STOP_PROCESSOR]  # vLLM loads it by name (it imports vLLM)
     if options.capture_layers:
         kwargs["speculative_config"] = {
