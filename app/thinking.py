@@ -72,31 +72,30 @@ def forced_span(prompt_ids: list[int], output_ids: list[int], budget: int, start
     when the budget did not close it (reasoning ended by itself before, or never began).
 
     The reasoning starts after the prompt's last `start_ids` when the prompt leaves the block open (Qwen3.5/3.6's
-    templates), else after the first `start_ids` the model writes (Qwen3's); the budget runs out `budget` tokens
-    after it, and vLLM forces the close ids from there. The GPU runner keeps a tail the model already wrote of the close text's first ids, so the
+    templates), or after a `start_ids` the model writes (Qwen3's; the GPU runner restarts its count at each);
+    the budget runs out `budget` tokens after it, and vLLM forces the close ids from there. The GPU runner keeps a tail the model already wrote of the close text's first ids, so the
     close ids may begin up to len(close) - 1 earlier; only those at or after the budget's position are forced.
     A reasoning the model closed itself (`end_id`, `</think>`, before that position) was not closed by the budget.
     """
     if budget < 0 or not close_ids or not start_ids:
         return None
     seq = list(prompt_ids) + list(output_ids)
-    n_prompt = len(prompt_ids)
-    start = _last_index(seq[:n_prompt], start_ids)
-    closed_in_prompt = (end_id in seq[start:n_prompt] if end_id is not None
-                        else _last_index(seq[:n_prompt], close_ids) > start)
-    in_prompt = start >= 0 and not closed_in_prompt
-    if not in_prompt:
-        start = next((i for i in range(len(output_ids) - len(start_ids) + 1)
-                      if output_ids[i:i + len(start_ids)] == start_ids), -1)  # the model opens it itself (Qwen3)
-        if start < 0:
-            return None
-        start += n_prompt
-    limit = start + len(start_ids) + budget  # the first absolute position the budget forces
-    for first in range(max(limit - len(close_ids) + 1, n_prompt), limit + 1):
-        if seq[first:first + len(close_ids)] == close_ids:
-            if end_id is not None and end_id in seq[n_prompt:first]:
-                return None
-            return max(first, limit) - n_prompt, first + len(close_ids) - n_prompt
+    n_prompt, k = len(prompt_ids), len(start_ids)
+    opened = _last_index(seq[:n_prompt], start_ids)
+    closed_in_prompt = opened >= 0 and (end_id in seq[opened:n_prompt] if end_id is not None
+                                        else _last_index(seq[:n_prompt], close_ids) > opened)
+    starts = [opened] if opened >= 0 and not closed_in_prompt else []
+    # a `<think>` the model writes: where Qwen3's reasoning starts, and where the GPU runner (which counts from the
+    # last one) restarts the count
+    stop = seq.index(end_id, n_prompt) if end_id is not None and end_id in seq[n_prompt:] else len(seq)
+    starts += [i for i in range(n_prompt, stop - k + 1) if seq[i:i + k] == start_ids]
+    for start in starts:
+        limit = start + k + budget  # the first absolute position the budget forces
+        for first in range(max(limit - len(close_ids) + 1, n_prompt), limit + 1):
+            if seq[first:first + len(close_ids)] == close_ids:
+                if end_id is not None and end_id in seq[n_prompt:first]:
+                    break
+                return max(first, limit) - n_prompt, first + len(close_ids) - n_prompt
     return None
 
 

@@ -27,6 +27,11 @@ def test_a_tail_the_model_wrote_of_the_close_text_is_its_own():
     assert forced_span(PROMPT, out, 5, [START], CLOSE, END) == (4, 7)
 
 
+def test_a_think_the_model_writes_inside_its_reasoning_restarts_the_count_where_vllm_restarts_it():
+    out = [30, START, 31, 32, 33, 34, 35, *CLOSE, 40]  # the GPU runner counts from the last <think>
+    assert forced_span(PROMPT, out, 5, [START], CLOSE, END) == (7, 11)
+
+
 def test_a_reasoning_the_model_closed_itself_was_not_closed_by_the_budget():
     out = [30, END, NL, 33, *CLOSE, 40]  # </think> at 1, then by chance the close text at the budget's place
     assert forced_span(PROMPT, out, 5, [START], CLOSE, END) is None
