@@ -35,7 +35,7 @@ from app.loops import gpu_runner_refusal
 from app.ops.run_watch import LostShardWatch, dead_shard_ids, progress_counts
 from app.pilot.forecast import link_pilots, load_pilot_file
 from app.run_totals import RunTotals
-from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, mask_url
+from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, current, mask_url
 from app.storage import RunStore, Storage
 from app.vllm_args import data_changing, parse_vllm_args, split_item, worker_vllm_args
 from producer.produce import produce
@@ -118,7 +118,7 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
     if cpu and top_k is None and (capture != "off" or speculative):
         top_k = 0
 
-    if settings.get("stop_loops") and (why := gpu_runner_refusal("cpu" if cpu else "cuda", os.environ)):
+    if settings.get("stop_loops") and (why := gpu_runner_refusal("cpu" if cpu else "cuda", current().vllm_v1_runner)):
         raise ConfigError(why)
     why = unsupported("cpu" if cpu else "cuda", {"top_k": top_k}, capture != "off", speculative)
     if why:  # before anything is produced: the local workers could only crash on every shard

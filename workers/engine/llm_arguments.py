@@ -16,10 +16,9 @@ speculative setting is refused here, and the manifest's and operator's arguments
 
 from __future__ import annotations
 
-import os
-
 from app.errors import ConfigError
 from app.loops import LOOP_STOP_ARG, gpu_runner_refusal
+from app.settings import current
 from app.speculative import speculative_config
 from app.thinking import reasoning_config
 from app.vllm_args import parse_vllm_args
@@ -65,7 +64,7 @@ def llm_kwargs(options: EngineOptions) -> dict:
         if options.speculative or options.capture_layers:
             raise ConfigError("the loop stop is a logits processor, which vLLM refuses beside a speculative config "
                               "(capture's or MTP's)")
-        if why := gpu_runner_refusal(options.device, os.environ):
+        if why := gpu_runner_refusal(options.device, current().vllm_v1_runner):
             raise ConfigError(why)
         kwargs["logits_processors"] = [LOOP_STOP_PROCESSOR]  # vLLM loads it by name (it imports vLLM)
     if options.capture_layers:
