@@ -87,9 +87,11 @@ class CaptureCheckSettings:
 # its default on either side.
 _ADDED_LATER = {"states": asdict(StatesStorage()), "engine_args": {}, "thinking_mix": None, "mode_sampling": None,
                 "mode_prompt_tails": None, "samples_per_prompt": 1, "sample_temperatures": None, "take": None,
-                "capture_check": asdict(CaptureCheckSettings()), "preserve_thinking": False, "chat_template": None}
+                "capture_check": asdict(CaptureCheckSettings()), "preserve_thinking": False, "chat_template": None,
+                "thinking_budget": None, "thinking_close": None, "stop_loops": False}
 _LEFT_OUT_AT_DEFAULT = ("engine_args", "thinking_mix", "mode_sampling", "mode_prompt_tails", "samples_per_prompt",
-                        "sample_temperatures", "take", "preserve_thinking", "chat_template")
+                        "sample_temperatures", "take", "preserve_thinking", "chat_template", "thinking_budget",
+                        "thinking_close", "stop_loops")
 # Recorded when known, compared only when both sides have it: a run made before templates were recorded is
 # reopened as it was (the model's fingerprint covers the template files either way).
 _COMPARED_WHEN_RECORDED = ("chat_template",)
@@ -138,6 +140,12 @@ class RunSettings:
     # `--take GLOB=N|FRACTION`: [{"glob", "count"} or {"glob", "fraction"}], drawn with the run seed.
     take: list[dict] | None = None
     capture_check: CaptureCheckSettings = field(default_factory=CaptureCheckSettings)
+    # `--thinking-budget N` / `--thinking-close TEXT` (app.thinking): each thinking-mode sample's reasoning closed
+    # by vLLM after N tokens with that text; None: unbudgeted (every run made before the setting).
+    thinking_budget: int | None = None
+    thinking_close: str | None = None
+    # `--stop-loops` (app.loops): the generation engines end a request whose output loops.
+    stop_loops: bool = False
     # `--preserve-thinking`: the template keeps earlier assistant turns' reasoning (the Qwen3.5/3.6 family drops
     # it before the last user query unless set). False in every run made before the setting.
     preserve_thinking: bool = False

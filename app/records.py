@@ -63,9 +63,11 @@ RECORD_FIELDS: dict[str, RecordField] = {
     "seconds": _f(*_NUM, by="ok"), "flags": _f(list, by="ok"),
     "hidden": _f(dict, _NONE, by="ok"),  # {index, n_tokens, layers} in the shard's hidden file
     "capture_check": _f(dict, by="some"), "capture_repaired": _f(dict, by="some"),
-    # the thinking budget closed the reasoning (its forced ids are masked out); ended early for repeating
+    # the thinking budget closed the reasoning; ended early for repeating (only written when true); the
+    # [first, end) spans of input_ids the engine forced, which the loss mask leaves out (app.thinking)
     "budget_closed": _f(bool, by="some", later=True, default=False),
     "loop_stopped": _f(bool, by="some", later=True, default=False),
+    "forced": _f(list, by="some", later=True),
     # a fault the tests' capture-fault injector put into this sample's states (never in production)
     "fault_injected_for_tests": _f(str, dict, by="some"),
 }

@@ -107,6 +107,9 @@ class Settings:
     # corrupts on purpose (workers.engine.capture_faults_for_tests); None everywhere else
     fault_injection_for_tests: str | None = None
     storage_counts: str | None = None  # REGEN_STORAGE_COUNTS=DIR: count storage operations (app.storage_counts)
+    # VLLM_USE_V2_MODEL_RUNNER=0 (vLLM's own variable): its engines run the V1 model runner, which the loop stop
+    # needs on a GPU (app.loops.gpu_runner_refusal)
+    vllm_v1_runner: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -133,6 +136,7 @@ class Settings:
             bench_tasks=_switch(env, "REGEN_BENCH_TASKS"),
             fault_injection_for_tests=env.get("REGEN_FAULT_INJECTION_FOR_TESTS") or None,
             storage_counts=env.get("REGEN_STORAGE_COUNTS") or None,
+            vllm_v1_runner=env.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("0", "false"),
         )
 
     def broker_for(self, url: str | None = None, visibility_timeout: int | None = None) -> BrokerSettings:

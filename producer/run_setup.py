@@ -29,6 +29,7 @@ from app.model_info import read_model_info, read_text_config, zero_embedding_ids
 from app.settings import DEFAULT_QUEUE, DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
 from app.speculative import check_speculative, ignored_with_capture, parse_speculative
 from app.states_codec import STATES_DTYPES, promised_bound, resolve
+from app.thinking import DEFAULT_THINKING_CLOSE, engine_refusal
 from app.vllm_args import check_data_args, parse_vllm_args, split_item
 from producer.enqueue import COMPRESS_MODES
 from producer.modes import mode_prompt_tails
@@ -84,6 +85,9 @@ class ProduceOptions:
     capture_check_every: int = 100  # workers re-capture one sample in this many to check their capture (0: none)
     preserve_thinking: bool = False  # the template keeps earlier turns' reasoning (app.chat_render)
     render_processes: int | None = None  # the render check's processes (producer.template_check); None: in-process
+    thinking_budget: int | None = None  # close each thinking sample's reasoning after N tokens (app.thinking)
+    thinking_close: str | None = None  # the text forced then [default: app.thinking.DEFAULT_THINKING_CLOSE]
+    stop_loops: bool = False  # end requests whose output loops (app.loops)
 
     @property
     def prompt_char_cap(self) -> int:
@@ -131,6 +135,15 @@ def validate_options(opts: ProduceOptions) -> None:
                       model_path=None)
     if why := ignored_with_capture({"min_p": opts.min_p}, opts.capture):
         raise ConfigError(why)
+    speculative = parse_speculative(opts.speculative)
+    if why := engine_refusal(opts.thinking_budget, opts.thinking_close, opts.stop_loops, opts.capture, speculative):
+        raise ConfigError(why)
+    any_thinking = opts.thinking if opts.thinking_mix is None else opts.thinking_mix > 0
+    if opts.thinking_budget is not None and not any_thinking:
+        raise ConfigError(f"--thinking-budget {opts.thinking_budget} with --no-thinking: no sample thinks")
+    if opts.thinking_budget is not None and opts.thinking_budget >= opts.max_tokens:
+        raise ConfigError(f"--thinking-budget {opts.thinking_budget} is not below --max-tokens {opts.max_tokens}: "
+                          "the budget could never close a sample")
 
 
 def validate_mix_options(opts: ProduceOptions) -> None:
@@ -216,6 +229,10 @@ def build_settings(opts: ProduceOptions, inputs: list[str]) -> RunSettings:
         capture_check=CaptureCheckSettings(every=opts.capture_check_every),
         preserve_thinking=bool(opts.preserve_thinking),
         chat_template=manifest_entry(opts.model, bool(opts.preserve_thinking)),
+        thinking_budget=opts.thinking_budget,
+        thinking_close=(opts.thinking_close if opts.thinking_close is not None else DEFAULT_THINKING_CLOSE)
+        if opts.thinking_budget is not None else None,
+        stop_loops=bool(opts.stop_loops),
     )
 
 
@@ -284,6 +301,9 @@ def options_from_manifest(manifest: dict, stored_producer: dict | None, opts: Pr
     resumed.samples_per_prompt = max(stored_k, opts.samples_per_prompt or 0)
     resumed.sample_temperatures = s.sample_temperatures
     resumed.preserve_thinking = bool(s.preserve_thinking)
+    resumed.thinking_budget = s.thinking_budget
+    resumed.thinking_close = s.thinking_close
+    resumed.stop_loops = bool(s.stop_loops)
     if stored_producer and "max_prompt_chars" in stored_producer:
         resumed.max_prompt_chars = stored_producer["max_prompt_chars"]
     return resumed

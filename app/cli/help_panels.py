@@ -22,12 +22,13 @@ PARALLEL = "Parallel"
 HELP = "Help"
 
 # The options every command that makes a run takes in the same panels (produce, run, pilot).
-_GENERATION = ["--max-tokens", "--thinking", "--thinking-mix", "--preserve-thinking", "--samples-per-prompt", "--sample-temperatures",
-               "--temperature", "--top-p", "--top-k", "--min-p", "--seed"]
+_GENERATION = ["--max-tokens", "--thinking", "--thinking-mix", "--preserve-thinking", "--thinking-budget",
+               "--thinking-close", "--samples-per-prompt", "--sample-temperatures", "--temperature", "--top-p",
+               "--top-k", "--min-p", "--seed"]
 _INPUTS = ["--take", "--regenerate", "--max-prompt-tokens", "--max-prompt-chars", "--shard-size"]
 _CAPTURE = ["--model", "--layers", "--capture", "--states-dtype", "--capture-check-every", "--speculative",
             "--vllm-arg"]
-_QUALITY = ["--pause-stub-rate", "--pause-window", "--pause-min-samples"]
+_QUALITY = ["--stop-loops", "--pause-stub-rate", "--pause-window", "--pause-min-samples"]
 
 PANELS: dict[str, list[tuple[str, list[str]]]] = {
     "produce": [

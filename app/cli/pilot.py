@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from app.cli.options import broker_option, max_model_len_option, renamed, storage_option, vllm_arg_option
-from app.cli.produce import LAYERS_HELP, sampling_options
+from app.cli.produce import LAYERS_HELP, sampling_options, thinking_budget_options
 from app.data.format_fit import layer_lines
 from app.layers import parse_layers
 from app.model_info import read_model_info
@@ -178,6 +178,7 @@ def _load_pilots(paths: list[str]) -> list[dict]:
 @click.option("--regenerate", type=click.Choice(REGENERATE_MODES), default=DEFAULT_REGENERATE, show_default=True,
               help="As the run will have it: last: the final assistant turn; all: every assistant turn.")
 @sampling_options
+@thinking_budget_options
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None,
               help="As the run will have it [default: regen produce's].")
 @click.option("--sample-temperatures", default=None, metavar="T1,T2,...",

@@ -50,6 +50,17 @@ LAYERS_HELP = ("Layers to capture: dflash (5 layers for DFlash, no final layer),
                "ids and the export formats they allow.")
 
 
+def thinking_budget_options(f):
+    """--thinking-budget, --thinking-close (produce, run, pilot)."""
+    f = click.option("--thinking-close", default=None, metavar="TEXT",
+                     help="The text vLLM forces when the budget runs out; must contain </think> [default: "
+                          "\"\\n</think>\\n\\n\", how Qwen3's chat templates close a reasoning block].")(f)
+    return click.option("--thinking-budget", type=click.IntRange(min=0), default=None, metavar="N",
+                        help="Close each thinking-mode sample's reasoning after N tokens (vLLM's "
+                             "thinking_token_budget); the record says budget_closed and its loss mask leaves the "
+                             "forced ids out. With --capture staged or off, without --speculative [default: none].")(f)
+
+
 def sampling_options(f):
     """--temperature, --top-p, --top-k, --min-p: bounded as vLLM's SamplingParams takes them (produce, run, pilot)."""
     f = click.option("--min-p", type=click.FloatRange(0, 1), default=None,
@@ -66,7 +77,8 @@ def sampling_options(f):
 SETTING_FLAGS = ("shard_size", "max_tokens", "thinking", "temperature", "top_p", "top_k", "min_p", "seed",
                   "capture", "layers", "max_prompt_tokens", "max_prompt_chars", "regenerate", "model",
                   "pause_stub_rate", "pause_window", "pause_min_samples", "vllm_args", "states_dtype", "speculative",
-                  "thinking_mix", "sample_temperatures", "take", "capture_check_every", "preserve_thinking")
+                  "thinking_mix", "sample_temperatures", "take", "capture_check_every", "preserve_thinking",
+                  "thinking_budget", "thinking_close", "stop_loops")
 # ... and those `regen run` takes over from `regen produce` (samples per prompt can grow on a resume)
 RUN_SETTING_FLAGS = (*SETTING_FLAGS, "samples_per_prompt")
 
@@ -115,6 +127,12 @@ def _broker_options(f, *, storage_required: bool = True):
               help="Draw N rows (or a FRACTION, written with a point: 0.5) of the inputs GLOB matches, seeded with "
                    "--seed; the rest are counted as left out. Repeatable; unmatched inputs are read whole.")
 @sampling_options
+@thinking_budget_options
+@click.option("--stop-loops", is_flag=True, default=False,
+              help="End a request whose output has started repeating one span (the repetition_loop test, checked "
+                   "every 16 tokens) instead of generating it to --max-tokens; the record says loop_stopped. With "
+                   "--capture staged or off, without --speculative (vLLM refuses the logits processor beside a "
+                   "speculative config) [default: off, loops only flagged].")
 @click.option("--seed", type=click.IntRange(min=0, max=2**32 - 1), default=0, show_default=True,
               help="Run seed; each prompt gets its own seed from it.")
 @click.option("--capture", type=click.Choice(CAPTURE_MODES), default="inline", show_default=True,

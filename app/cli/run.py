@@ -29,12 +29,14 @@ from app.cli.options import (
 )
 from app.cli.produce import RUN_SETTING_FLAGS, mix_options, produce_command
 from app.embedded_broker import broker_for_run
+from app.errors import ConfigError
 from app.ledger import pause_state
+from app.loops import gpu_runner_refusal
 from app.manifest import RunSettings
 from app.ops.run_watch import LostShardWatch, dead_shard_ids, progress_counts
 from app.pilot.forecast import link_pilots, load_pilot_file
 from app.run_totals import RunTotals
-from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, mask_url
+from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, current, mask_url
 from app.storage import RunStore, Storage
 from app.vllm_args import data_changing, parse_vllm_args, split_item, worker_vllm_args
 from producer.produce import produce
@@ -43,6 +45,8 @@ from workers.engine.limits import unsupported
 from workers.process.plan import (
     check_max_model_len,
     manifest_engine_args,
+    needs_plain_generation,
+    run_generation_features,
     run_speculative,
     settings_from_run,
     speculative_staged_configs,
@@ -115,6 +119,9 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
     if cpu and top_k is None and (capture != "off" or speculative):
         top_k = 0
 
+    runner_refusal = gpu_runner_refusal("cpu" if cpu else "cuda", current().vllm_v1_runner)
+    if RunSettings.view(settings).stop_loops and runner_refusal:
+        raise ConfigError(runner_refusal)
     why = unsupported("cpu" if cpu else "cuda", {"top_k": top_k}, capture != "off", speculative)
     if why:  # before anything is produced: the local workers could only crash on every shard
         raise click.UsageError(f"--cpu --top-k {top_k}: {why}")
@@ -149,13 +156,14 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
                      "vllm_args": vllm_args or None}
 
         def configs_for(layers, speculative=None, name=None):
+            features = run_generation_features(storage, result.run_id, layers)
             return worker_configs(cpu=cpu, gpus=gpus, model=os.path.abspath(model_path), layers=layers,
                                   storage=None, name=name, max_attempts=5,
-                                  engine_overrides={**overrides, "speculative": speculative},
+                                  engine_overrides={**overrides, "speculative": speculative, **features},
                                   shard_size=run_shard_size, task_slots=task_slots, encode_threads=encode_threads)
 
         speculative = run_speculative(storage, result.run_id, None, DEFAULT_QUEUE)
-        if staged_split(capture, speculative):
+        if staged_split(capture, speculative, needs_plain_generation(storage, result.run_id)):
             configs = speculative_staged_configs(configs_for(None, speculative),
                                                  configs_for(layer_ids, name="cpu-capture" if cpu else None), cpu)
         else:

@@ -32,6 +32,7 @@ from app.vllm_args import worker_vllm_args
 from workers.process.plan import (
     check_max_model_len,
     manifest_engine_args,
+    run_generation_features,
     run_queues,
     run_speculative,
     settings_from_run,
@@ -131,7 +132,8 @@ def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_
                  "max_model_len": max_model_len or derived_len,
                  "kv_cache_memory_bytes": int(kv_cache_gib * (1 << 30)) if kv_cache_gib else None,
                  "host_process": engine_host, "vllm_args": vllm_args or None,
-                 "speculative": run_speculative(storage, run_id, layer_ids, queues) if run_id else None}
+                 "speculative": run_speculative(storage, run_id, layer_ids, queues) if run_id else None,
+                 **(run_generation_features(storage, run_id, layer_ids) if run_id else {})}
     configs = worker_configs(cpu=cpu, gpus=gpus, model=os.path.abspath(model), layers=layer_ids, storage=storage,
                              name=name, max_attempts=max_attempts, engine_overrides=overrides,
                              max_crashes=max_crashes, tensor_parallel_size=tensor_parallel_size,

@@ -164,6 +164,21 @@ class OnePassSha256:
         return self.hash.hexdigest()
 
 
+def expected_mask(n_prompt: int, n_output: int, rec: dict) -> list[int] | None:
+    """The loss mask a record must have: 0 over the prompt, 1 over the output but 0 over the ids the engine forced
+    (`forced`: [first, end) spans in input_ids, only in the output, only in a record that says `budget_closed` or
+    `loop_stopped`); None when `forced` cannot be right."""
+    mask = [0] * n_prompt + [1] * n_output
+    forced = rec.get("forced") or []
+    if forced and not (rec.get("budget_closed") or rec.get("loop_stopped")):
+        return None
+    for first, end in forced:
+        if not n_prompt <= first < end <= n_prompt + n_output:
+            return None
+        mask[first:end] = [0] * (end - first)
+    return mask
+
+
 def _check_record(res: ShardResult, rec: dict, run_id: str) -> bool:
     sid = rec.get("sample_id")
     try:
@@ -179,8 +194,10 @@ def _check_record(res: ShardResult, rec: dict, run_id: str) -> bool:
     if len(ids) != n_p + n_o:
         res.add("token_count", f"{len(ids)} input_ids != {n_p} prompt + {n_o} output tokens", sid)
         good = False
-    if mask != [0] * n_p + [1] * n_o:
-        res.add("loss_mask", f"loss_mask (sum {sum(mask)}, len {len(mask)}) is not {n_p} zeros then {n_o} ones", sid)
+    if mask != expected_mask(n_p, n_o, rec):
+        forced = f" but 0 over the forced ids {rec['forced']}" if rec.get("forced") else ""
+        res.add("loss_mask", f"loss_mask (sum {sum(mask)}, len {len(mask)}) is not {n_p} zeros then {n_o} "
+                             f"ones{forced}", sid)
         good = False
     return good
 

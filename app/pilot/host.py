@@ -28,6 +28,7 @@ from app.pilot.measure import measure_run
 from app.pilot.peak_memory import PeakMemory, memory_kind
 from app.pilot.sample import sample_inputs
 from app.storage import RunStore, Storage
+from app.thinking import engine_refusal
 from producer.estimate import human_bytes
 from producer.readers import expand_inputs
 from producer.run_setup import ProduceOptions, check_lengths
@@ -106,6 +107,22 @@ def _tail(path: str, lines: int = 6) -> str:
     return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
 
 
+def _honoured(chosen: list, sampling: dict, say: Callable[[str], None]) -> list:
+    """The candidates whose engines honour the run's thinking budget (app.thinking.engine_refusal); the others
+    are left out, saying why (their `regen run` would refuse them)."""
+    budget, close = sampling.get("thinking_budget"), sampling.get("thinking_close")
+    kept = []
+    for c in chosen:
+        why = engine_refusal(budget, close, False, c.capture, c.speculative)
+        if why:
+            say(f"candidate {c.name} left out: {why}")
+        else:
+            kept.append(c)
+    if not kept:
+        raise ConfigError("no candidate setting can run with --thinking-budget (every one was left out, above)")
+    return kept
+
+
 def measure_host(say: Callable[[str], None], *, inputs, model, name, storage, broker, cpu, gpus, sample_size, seed,
                  layers, max_tokens, thinking, regenerate, thinking_mix=None, samples_per_prompt, take=(), preserve_thinking=False,
                  shard_size, max_model_len, vllm_args, only, keep_runs, timeout, sampling: dict,
@@ -131,6 +148,7 @@ def measure_host(say: Callable[[str], None], *, inputs, model, name, storage, br
 
     chosen = candidates(slots=slots_for(seqs), max_num_seqs=seqs, slots_for=slots_for, mtp=mtp_available(model),
                         only=[n.strip() for n in only.split(",") if n.strip()] if only else None)
+    chosen = _honoured(chosen, sampling, say)
     files = expand_inputs(inputs)
     # the producer's own character cap on prompts, so the sample holds no line `regen produce` would reject
     char_cap = ProduceOptions(**({"max_prompt_tokens": sampling["max_prompt_tokens"]}

@@ -268,3 +268,24 @@ def test_verify_real_run_with_reference(cpu_worker, e2e_storage, tiny_qwen3, tmp
     # test_selfcheck.py). Half the bound leaves the run's batch composition room.
     assert ref["checked"] == 2 and ref["failed"] == 0 and 0 < ref["worst"]["error"] < ref["tolerance"] / 2
     assert report["accounting"]["identity_holds"] and report["accounting"]["written_ok"] == 4
+
+
+def test_masks_with_zeros_over_forced_ids_pass_only_where_the_record_says_so(tmp_path):
+    built = build_run(tmp_path)
+    rel = built.store.done_marker("shard-000000")["files"]["records"]["path"]
+    rows = loads_jsonl_zst((tmp_path / rel).read_bytes())
+    for row in rows[:4]:
+        n_p, n_o = row["num_prompt_tokens"], row["num_output_tokens"]
+        first = n_p + min(1, n_o - 1)
+        row["loss_mask"][first] = 0
+        row["forced"] = [[first, first + 1]]
+    rows[0]["budget_closed"] = True  # right: the zero is where the record says the engine forced an id
+    rows[1]["loop_stopped"] = True
+    rows[1]["loss_mask"][rows[1]["num_prompt_tokens"] + rows[1]["num_output_tokens"] - 1] = 0  # not in `forced`
+    # rows[2]: `forced` without budget_closed or loop_stopped
+    rows[3]["budget_closed"] = True
+    rows[3]["forced"] = [[0, 1]]  # inside the prompt
+    (tmp_path / rel).write_bytes(dumps_jsonl_zst(rows))
+    _, report = run_verify(tmp_path)
+    bad = {sample for kind, _, sample in kinds(report) if kind == "loss_mask"}
+    assert bad == {rows[1]["sample_id"], rows[2]["sample_id"], rows[3]["sample_id"]}

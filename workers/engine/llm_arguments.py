@@ -9,7 +9,10 @@ always vLLM's `extract_hidden_states`. CPU specifics and why: docs/workers.md#th
 from __future__ import annotations
 
 from app.errors import ConfigError
+from app.loops import LOOP_STOP_ARG, gpu_runner_refusal
+from app.settings import current
 from app.speculative import speculative_config
+from app.thinking import reasoning_config
 from app.vllm_args import parse_vllm_args
 from workers.engine.options import EngineOptions
 from workers.engine.request import GenRequest
@@ -21,6 +24,7 @@ from workers.engine.settings import model_engine_settings
 # does not depend on what else the process holds. 256 MiB is ~170K tokens of the tiny test model; a real model
 # on a CPU host needs more (`regen worker --kv-cache-gib`).
 CPU_KV_CACHE_BYTES = 256 << 20
+LOOP_STOP_PROCESSOR = "workers.engine.loop_stop:LoopStop"
 
 
 def llm_kwargs(options: EngineOptions) -> dict:
@@ -46,6 +50,15 @@ def llm_kwargs(options: EngineOptions) -> dict:
                           "vLLM's speculative method, so only generation engines run it")
     if options.speculative:
         kwargs["speculative_config"] = speculative_config(options.speculative)
+    if options.thinking_close is not None:
+        kwargs["reasoning_config"] = reasoning_config(options.thinking_close)
+    if options.stop_loops:
+        if options.speculative or options.capture_layers:
+            raise ConfigError("the loop stop is a logits processor, which vLLM refuses beside a speculative config "
+                              "(capture's or MTP's)")
+        if why := gpu_runner_refusal(options.device, current().vllm_v1_runner):
+            raise ConfigError(why)
+        kwargs["logits_processors"] = [LOOP_STOP_PROCESSOR]  # vLLM loads it by name (it imports vLLM)
     if options.capture_layers:
         kwargs["speculative_config"] = {
             "method": "extract_hidden_states",
@@ -83,9 +96,12 @@ def sampling_params(req: GenRequest):
 
     s = req.sampling
     top_k = int(s.get("top_k") or 0)
-    extra = None
+    extra = {}
     if req.capture:
-        extra = {"kv_transfer_params": {"include_output_tokens": req.include_output_tokens}}
+        extra["kv_transfer_params"] = {"include_output_tokens": req.include_output_tokens}
+    if s.get("stop_loop"):  # workers.engine.loop_stop reads it
+        extra[LOOP_STOP_ARG] = dict(s["stop_loop"])
+    budget = s.get("thinking_budget")
     return SamplingParams(
         temperature=float(s["temperature"]),
         top_p=float(s.get("top_p", 1.0)),
@@ -94,7 +110,8 @@ def sampling_params(req: GenRequest):
         max_tokens=int(s["max_tokens"]),
         seed=s.get("seed"),
         repetition_penalty=float(s.get("repetition_penalty", 1.0)),
-        extra_args=extra,
+        extra_args=extra or None,
+        thinking_token_budget=int(budget) if budget is not None else None,
         detokenize=True,
         # Only finished requests are used. The default (CUMULATIVE) builds a RequestOutput, text so far
         # included, for every running request on every step, on the engine thread; `LLM.generate` sets

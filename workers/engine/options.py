@@ -34,6 +34,12 @@ class EngineOptions:
     # Speculative generation ("mtp:K", app.speculative): a generation engine's only; llm_kwargs refuses it
     # beside capture_layers.
     speculative: str | None = None
+    # The run's thinking-budget close text (app.thinking): the engine gets vLLM's `reasoning_config` with it, which
+    # `thinking_token_budget` needs; None: no reasoning config (a budgeted request would be rejected).
+    thinking_close: str | None = None
+    # vLLM's custom logits processors cannot run beside any speculative config, so only an engine without one
+    # gets the loop stop (workers.engine.loop_stop); requests ask for it in their sampling.
+    stop_loops: bool = False
 
     def to_dict(self) -> dict:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}

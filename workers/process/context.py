@@ -213,6 +213,11 @@ class WorkerContext:
                 "speculative": describe_engine_config(self.speculative_config),
                 "speculative_config": self.speculative_config,
                 "mode": self.engine_mode, "mode_key": self.engine_mode_key,
+                # the run's thinking budget close text and loop stop, where this engine has them (app.thinking,
+                # app.loops)
+                **({"thinking_close": self.engine.options.thinking_close}
+                   if self.engine.options.thinking_close is not None else {}),
+                **({"stop_loops": True} if self.engine.options.stop_loops else {}),
                 **({"fault_injection_for_tests": self.faults_for_tests.path} if self.faults_for_tests else {})}
 
     def close(self) -> None:

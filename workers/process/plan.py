@@ -134,10 +134,27 @@ def run_speculative(storage: str, run_id: str, capture_layers: list[int] | None,
     return setting
 
 
-def staged_split(capture_mode: str, speculative: str | None) -> bool:
-    """Whether `regen run` starts generation and capture workers apart: a staged run with speculative generation
-    (a worker on both queues holds a capture engine, which cannot run it)."""
-    return capture_mode == "staged" and bool(speculative)
+def run_generation_features(storage: str, run_id: str, capture_layers: list[int] | None) -> dict:
+    """The engine settings a run's thinking budget and loop stop need (`thinking_close`, `stop_loops`), for an
+    engine that generates without capturing; none for a capture engine, where vLLM honours neither (app.thinking;
+    its shards' guard refuses the run's generate shards on it)."""
+    settings = _settings(storage, run_id)
+    if capture_layers:
+        return {}
+    return {"thinking_close": settings.thinking_close, "stop_loops": bool(settings.stop_loops) or None}
+
+
+def needs_plain_generation(storage: str, run_id: str) -> bool:
+    """Whether the run's generation needs an engine without a speculative config: a thinking budget or the loop
+    stop (app.thinking, app.loops)."""
+    settings = _settings(storage, run_id)
+    return settings.thinking_budget is not None or bool(settings.stop_loops)
+
+
+def staged_split(capture_mode: str, speculative: str | None, plain_generation: bool = False) -> bool:
+    """Whether `regen run` starts generation and capture workers apart: a staged run with speculative generation,
+    a thinking budget or the loop stop (a worker on both queues holds a capture engine, which cannot run them)."""
+    return capture_mode == "staged" and (bool(speculative) or plain_generation)
 
 
 def speculative_staged_configs(generate: list[tuple], capture: list[tuple], cpu: bool) -> list[tuple]:
@@ -149,8 +166,8 @@ def speculative_staged_configs(generate: list[tuple], capture: list[tuple], cpu:
     if cpu:
         return gen + cap
     if len(gen) < 2:
-        raise ConfigError("--capture staged with --speculative needs two GPU groups here (one generates with MTP, "
-                          "one captures); or start `regen worker --queue regen` and `--queue regen.capture` "
+        raise ConfigError("--capture staged with --speculative, --thinking-budget or --stop-loops needs two GPU "
+                          "groups here (one generates, one captures); or start `regen worker --queue regen` and `--queue regen.capture` "
                           "workers yourself")
     return gen[:-1] + cap[-1:]
 

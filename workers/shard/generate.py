@@ -17,6 +17,7 @@ import numpy as np
 from app.chat_render import render_ids
 from app.hidden_file import encode_sample
 from app.ids import seed_for
+from app.loops import loop_stopped, stop_request
 from app.manifest import RunSettings, compression_level
 from app.modes import record_thinking, sampling_for
 from app.quality import (
@@ -32,6 +33,7 @@ from app.quality import (
 from app.records import conversation_id, loss_mask, rejected_record
 from app.samples import Sample, read_samples
 from app.states_compare import zero_rows_allowed
+from app.thinking import REASONING_START, budget_mask, forced_span
 from app.tool_calls import worker_prepare
 from workers.engine.capture_faults_for_tests import process_injector
 from workers.engine.recapture import PREFILL_ONLY, CheckPolicy, Pending
@@ -89,6 +91,14 @@ class ShardGeneration:
         self.stored = states_dtype(settings)  # how the states are stored (app.states_codec)
         self.zero_ids = zero_embedding_ids(settings)  # tokens whose all-zero rows are states
         self.think_end_id, self.eos_ids = _special_ids(ctx.tokenizer)
+        # The thinking budget (app.thinking) and the loop stop (app.loops), as the run's manifest sets them.
+        self.thinking_budget = settings.thinking_budget
+        self.stop_loops = bool(settings.stop_loops)
+        self.eos_id = ctx.tokenizer.eos_token_id
+        if self.thinking_budget is not None:
+            with ctx.tokenizer_lock:
+                self.close_ids = ctx.tokenizer.encode(settings.thinking_close, add_special_tokens=False)
+                self.start_ids = ctx.tokenizer.encode(REASONING_START, add_special_tokens=False)
         self.records: list[dict] = []
         self.encoded: dict[int, Future] = {}
         self.spans: list[tuple[float, float]] = []
@@ -132,7 +142,12 @@ class ShardGeneration:
             return None
         seed = seed_for(self.run_seed, base["sample_id"])
         sampling = sampling_for(self.settings, thinking, base["sample_index"])
-        self.records.append({**base, "seed": seed, "sampling": {k: sampling[k] for k in SAMPLING_RECORDED}})
+        recorded = {k: sampling[k] for k in SAMPLING_RECORDED}
+        if thinking and self.thinking_budget is not None:
+            sampling["thinking_budget"] = recorded["thinking_budget"] = int(self.thinking_budget)
+        if self.stop_loops and self.eos_id is not None:
+            sampling["stop_loop"] = stop_request(self.quality.repetition_min_repeats, self.eos_id)
+        self.records.append({**base, "seed": seed, "sampling": recorded})
         return GenRequest(str(pos), prompt_ids, {**sampling, "seed": seed}, capture=self.capture_inline)
 
     def finish(self, res: GenResult) -> dict:
@@ -146,10 +161,12 @@ class ShardGeneration:
         flags = sample_flags(thinking=thinking, reasoning=reasoning, think_closed=think_closed(res.text),
                              answer=answer, answer_tokens=n_answer, finish_reason=res.finish_reason,
                              output_ids=res.output_token_ids, quality=self.quality)
+        mask = loss_mask(len(res.prompt_token_ids), len(res.output_token_ids))
+        marks = self.forced_ids(rec, res, mask, flags)
         rec.update({
             "status": "ok",
             "input_ids": input_ids,
-            "loss_mask": loss_mask(len(res.prompt_token_ids), len(res.output_token_ids)),
+            "loss_mask": mask, **marks,
             "num_prompt_tokens": len(res.prompt_token_ids),
             "num_output_tokens": len(res.output_token_ids),
             "num_answer_tokens": n_answer,
@@ -174,6 +191,35 @@ class ShardGeneration:
                 states, self.layers, self.level, stored=self.stored, zero_ids=self.zero_ids,
                 hold_repairable=True)
         return rec
+
+    def forced_ids(self, rec: dict, res: GenResult, mask: list[int], flags: list[str]) -> dict:
+        """The record's marks for ids the engine forced, with their mask set to 0 in place: `budget_closed` (the
+        thinking budget's close text, app.thinking) and `loop_stopped` (the loop stop's end-of-turn id, app.loops,
+        which also keeps the `repetition_loop` flag the forced id hid from the gate and, like a cut at max_tokens,
+        is no stub)."""
+        out: dict = {}
+        n_prompt = len(res.prompt_token_ids)
+        forced = []  # [first, end) in input_ids
+        budget = rec["sampling"].get("thinking_budget")
+        if budget is not None:
+            span = forced_span(res.prompt_token_ids, res.output_token_ids, int(budget), self.start_ids,
+                               self.close_ids, self.think_end_id)
+            if span is not None:
+                mask[:] = budget_mask(mask, n_prompt, span)
+                out["budget_closed"] = True
+                forced.append([n_prompt + span[0], n_prompt + span[1]])
+        if self.stop_loops and loop_stopped(res.output_token_ids, res.finish_reason, self.eos_id,
+                                            self.quality.repetition_min_repeats):
+            mask[-1] = 0
+            out["loop_stopped"] = True
+            forced.append([len(mask) - 1, len(mask)])
+            # a loop cut short is a loop, as one cut at max_tokens is `truncated`: neither is a stub
+            flags[:] = [f for f in flags if f not in ("empty_answer", "stub_answer")]
+            if "repetition_loop" not in flags:
+                flags.append("repetition_loop")
+        if forced:
+            out["forced"] = forced
+        return out
 
     def run(self, requests: list[GenRequest], on_done=None) -> None:
         """One engine batch; `on_done(record, result)` runs after each result is in its record."""

@@ -28,6 +28,7 @@ from celery.exceptions import Reject
 
 from app import ledger
 from app.errors import InvalidTask, ManifestMismatch
+from app.manifest import RunSettings
 from app.modes import record_mode, run_modes
 from app.quality import StubWindow, is_stub
 from app.speculative import ignored_with_capture
@@ -51,12 +52,15 @@ class Worker:
     max_crashes: int = 10
     engine: dict | None = None  # what attempt records say about the engine
     device: str = "cuda"  # "cpu" or "cuda": what workers.engine.limits judges
+    thinking_close: str | None = None  # the engine's reasoning config's close text (app.thinking); None: none
+    stop_loops: bool = False  # the engine runs the loop stop (workers.engine.loop_stop)
 
     @classmethod
     def of(cls, ctx) -> Worker:
+        options = ctx.engine.options
         return cls(ctx.worker_name, ctx.model.fingerprint, ctx.model.path,
-                   list(ctx.engine.options.capture_layers or []), ctx.config.max_attempts, ctx.config.max_crashes,
-                   ctx.engine_record, ctx.config.device)
+                   list(options.capture_layers or []), ctx.config.max_attempts, ctx.config.max_crashes,
+                   ctx.engine_record, ctx.config.device, options.thinking_close, options.stop_loops)
 
 
 @dataclass
@@ -170,12 +174,30 @@ def check_manifest(d: Delivery) -> None:
         problems.append(why)
     if d.stage == ledger.GENERATE and (ignored := ignored_with_capture(settings["sampling"], settings["capture_mode"])):
         problems.append(ignored)
+    if d.stage == ledger.GENERATE:
+        problems += generation_features_missing(settings, d.worker)
     if problems:
         exc = ManifestMismatch(f"run {manifest['run_id']}: worker {d.worker.name} refuses shard: "
                                + "; ".join(problems))
         ledger.record_attempt_error(d.store, d.key, attempt, str(exc))
         log.error("%s", exc)
         raise Reject(str(exc), requeue=True)
+
+
+def generation_features_missing(settings: dict, worker: Worker) -> list[str]:
+    """What a run's thinking budget or loop stop needs of the engine that generates its shards and this one lacks:
+    a reasoning config with the run's close text, the loop stop (engines get them from the run: `--run`)."""
+    out = []
+    s = RunSettings.view(settings)
+    budget, close = s.thinking_budget, s.thinking_close
+    if budget is not None and worker.thinking_close != close:
+        out.append(f"the run closes thinking at {budget} tokens with {close!r}, and this engine "
+                   + (f"closes with {worker.thinking_close!r}" if worker.thinking_close is not None
+                      else "has no reasoning config (a capture engine, or started without --run)"))
+    if s.stop_loops and not worker.stop_loops:
+        out.append("the run stops loops, and this engine has no loop stop (a capture engine, or started without "
+                   "--run)")
+    return out
 
 
 def run_guards(d: Delivery) -> str | None:
