@@ -23,6 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 SEQS, TOKENS, FORWARDS = 16, 128, 5
+MARK = "figures: "  # the child's result line (vLLM logs to the same stdout)
 
 
 def measure(vocab: str, arch: str) -> dict:
@@ -70,13 +71,13 @@ def main() -> None:
     parser.add_argument("--one", choices=("small", "qwen3_6"), help=argparse.SUPPRESS)  # a child's vocabulary
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure(args.one, args.arch)))
+        print(MARK + json.dumps(measure(args.one, args.arch)), flush=True)
         return
     figures = {}
     for vocab in ("small", "qwen3_6"):
         child = subprocess.run([sys.executable, __file__, "--arch", args.arch, "--one", vocab], capture_output=True,
                                text=True, check=True)
-        figures[vocab] = json.loads(child.stdout.strip().splitlines()[-1])
+        figures[vocab] = json.loads(next(ln for ln in child.stdout.splitlines() if ln.startswith(MARK))[len(MARK):])
     print(f"{'':22}{'small':>10}{'qwen3_6':>10}{'ratio':>8}   ({args.arch}, {SEQS} x {TOKENS} tokens)")
     for key in figures["small"]:
         small, real = figures["small"][key], figures["qwen3_6"][key]
