@@ -32,7 +32,7 @@ from app.data.stats import (
     yield_summary,
 )
 from app.data.verify import verify_run
-from app.data.verify_reference import reference_line
+from app.data.verify_reference import reference_line, tokens_line
 from app.errors import ConfigError
 from app.packages import require
 
@@ -133,6 +133,7 @@ def _print_verify(report, strict: bool) -> None:
         summary.add_row(key.replace("_", " "), str(value))
     if report.reference:
         summary.add_row("reference", reference_line(report.reference))
+        summary.add_row("reference tokens", tokens_line(report.reference))
     if report.sampled:
         s = report.sampled
         summary.add_row("states decoded", f"{s['states_decoded']:,} of {s['of_samples']:,} samples, in "

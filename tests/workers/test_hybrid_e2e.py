@@ -103,6 +103,42 @@ def test_a_hybrid_runs_states_equal_transformers_at_linear_and_full_attention_la
     verify_ok(hybrid_storage, "hybrid-inline")
 
 
+def test_a_token_the_targets_sampling_could_not_have_produced_fails_verify_reference(hybrid_inline, hybrid_storage,
+                                                                                     tiny_hybrid, tmp_path):
+    """A right run's tokens pass (every generated token judged at its record's sampling); one record's last token
+    replaced by the test-only injector with the token transformers rates lowest there fails, naming its position."""
+    import shutil
+
+    import torch
+
+    from app.data.reference import ReferenceCapture
+    from tests.support.token_injection_for_tests import inject_last_token
+
+    records = [r for r in run_records(hybrid_storage, "hybrid-inline") if r["status"] == "ok"]
+    right = verify_ok(hybrid_storage, "hybrid-inline", reference=len(records))["reference"]["tokens"]
+    assert right["samples"] == len(records) and right["outside"] == 0
+    assert right["tokens"] == sum(r["num_output_tokens"] for r in records)
+    print(f"hybrid inline: worst token margin {right['worst_sigma']:.3g} sd (tolerance {right['tolerance_sigma']})")
+    shutil.copytree(hybrid_storage / "hybrid-inline", tmp_path / "hybrid-inline")
+    rec = records[0]
+    ref = ReferenceCapture(str(tiny_hybrid), [1])
+    _, final = ref.capture_with_final(rec["input_ids"][:-1])
+    with torch.inference_mode():
+        lowest = int(ref.head(final[-1:]).float().argmin())
+    ref.close()
+    position = inject_last_token(tmp_path, "hybrid-inline", rec["shard_id"], rec["sample_id"], lowest)
+    result = CliRunner().invoke(main, ["verify", "hybrid-inline", "--storage", str(tmp_path), "--reference",
+                                       str(len(records)), "--json"], catch_exceptions=False)
+    report_ = json.loads(result.output[result.output.index("{"):])
+    assert result.exit_code == 1 and not report_["ok"]
+    misses = [p for p in report_["problems"] if p["kind"] == "token_outside_sampling"]
+    assert [(p["shard"], p["sample"]) for p in misses] == [(rec["shard_id"], rec["sample_id"])], report_["problems"]
+    index = rec["num_prompt_tokens"] + position
+    assert f"first: output token {position} (input_ids[{index}]) = {lowest}: p=" in misses[0]["detail"]
+    assert report_["reference"]["failed"] == 0  # its states are still the target's: only the token is wrong
+    assert report_["reference"]["tokens"]["outside"] == 1
+
+
 def test_a_hybrid_staged_capture_equals_transformers_too(hybrid_worker, hybrid_storage, tiny_hybrid,
                                                          tmp_path):
     inputs = prompts_file(tmp_path, n_synthetic=6, with_formats=False)
