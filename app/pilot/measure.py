@@ -14,6 +14,9 @@ timed from outside except peak memory (a poll of the run's processes, app.pilot.
 - Bytes per sample by states dtype are the codec's real output: the run's own states (read back as bf16),
   encoded again by app.hidden_file.encode_sample for each dtype, on up to `codec_samples` samples, scaled per
   token to the run's context tokens (the states of a sample cover `input_ids[:-1]`).
+- Each ok sample's reasoning and answer lengths (`lengths`: [reasoning, answer, cut, thinking, thinking unclosed];
+  a cut sample's answer, and an unclosed one's reasoning, are lower bounds) for the recommendation of --max-tokens and --thinking-budget, and the tokens that end
+  in a trainable sample (app.data.outcomes: what the default text export keeps) for the forecast's yield.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 
 from app import ledger
 from app.data.engine_modes import ModeCounts, check_failure, shard_mode
+from app.data.outcomes import OUTCOMES, outcome, trainable
 from app.data.run_reader import RunReader
 from app.hidden_file import encode_sample
 from app.modes import record_mode, run_modes
@@ -62,6 +66,8 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
         modes = {mode: {"samples": 0, "generated_tokens": 0, "context_tokens": 0, "lengths": [], "at_cap": 0,
                         "stubs": 0} for mode in run_modes(reader.settings)}
         engine_modes, failures = ModeCounts(), []
+        sample_lengths, trainable_tokens = [], 0
+        outcomes = {name: {"samples": 0, "tokens": 0} for name in OUTCOMES}
         for info in reader.shards():
             m = info.marker
             engine_mode, checked, failed = shard_mode(m, info.captured)
@@ -86,10 +92,21 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
                 stored_bytes += int(info.captured.hidden_file["bytes"])
             elif m.hidden_file:
                 stored_bytes += int(m.hidden_file["bytes"])
-            for rec in reader.records(info):
+            records = list(reader.records(info))
+            for rec, kept in zip(records, trainable(records), strict=True):
+                tokens = int(rec.get("num_output_tokens") or 0)
+                trainable_tokens += tokens if kept else 0
+                what = outcomes[outcome(rec)]
+                what["samples"] += 1
+                what["tokens"] += tokens
+            for rec in records:
                 if rec.get("status") != "ok":
                     continue
                 n = int(rec["num_output_tokens"])
+                thinking = record_mode(rec, reader.settings) == "thinking"
+                answer = int(rec.get("num_answer_tokens") or 0)
+                sample_lengths.append([n - answer if thinking else 0, answer, outcome(rec) == "cut", thinking,
+                                       "missing_think_end" in (rec.get("flags") or ())])
                 lengths.append(n)
                 at_cap += rec.get("finish_reason") == "length"
                 stubs += is_stub(rec.get("flags") or [])
@@ -129,6 +146,9 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
         "hidden_size": hidden_size,
         "stored_states_bytes": stored_bytes,
         "codec": codec,
+        "trainable_tokens": trainable_tokens,
+        "outcomes": outcomes,
+        "lengths": sample_lengths,
         "capture_check": {"checked": sum(c.checked for c in engine_modes.modes.values()), "failed": engine_modes.failed,
                           "failures": failures[:5], "modes": engine_modes.as_dict()},
         "responses": {
