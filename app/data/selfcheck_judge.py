@@ -8,7 +8,10 @@
 - `duplicate`: the duplicate request's states compare equal to its original's over the ids both have (its
   tokens may differ after a while: a batch's numerics are not batch-invariant, and a near-uniform random model
   samples differently on the least difference; that is noted, not failed);
-- `staged`: the staged (prefill-only, other batch composition) capture of each request against its inline one.
+- `staged`: the staged (prefill-only, other batch composition) capture of each request against its inline one;
+- `tokens` (where `judge_tokens` is given): each greedy request's generated tokens are transformers' top tokens
+  over the same prefix, within app.data.token_check's tolerance (a near-tie may go either way; a clear top
+  token may not be passed over).
 A verdict is one line per mode and model: PASS with the worst error against transformers, or FAIL naming the
 first failed check, the request and the comparison's line.
 """
@@ -23,6 +26,7 @@ import numpy as np
 from app.states_compare import REL_BOUND, compare, row_problems
 
 CHECKS = ("ids", "rows", "reference", "duplicate", "staged")
+GREEDY_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 
 
 @dataclass
@@ -46,8 +50,9 @@ def load(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     return json.loads(arrays.pop("meta").tobytes()), arrays
 
 
-def judge(path: str, model: str, reference_capture, notes: list[str] | None = None) -> Verdict:
-    """Hold one mode's captures to CHECKS; `reference_capture(ids) -> bf16 states` is transformers'."""
+def judge(path: str, model: str, reference_capture, notes: list[str] | None = None, judge_tokens=None) -> Verdict:
+    """Hold one mode's captures to CHECKS; `reference_capture(ids) -> bf16 states` is transformers';
+    `judge_tokens(prompt, output, sampling)` -> app.data.token_check.TokenResult holds greedy requests' tokens."""
     meta, arrays = load(path)
     layers = meta["layers"]
     failures: list[str] = []
@@ -65,6 +70,12 @@ def judge(path: str, model: str, reference_capture, notes: list[str] | None = No
             failures.append(f"ids: {rid}: {len(inline_ids)} captured ids are not the prompt + output ids "
                             f"({len(want)})")
             continue
+        greedy = float((r.get("sampling") or {}).get("temperature", 1.0)) < GREEDY_EPS
+        if judge_tokens is not None and greedy:
+            judged = judge_tokens(list(r["prompt"]), list(r["output"]), r["sampling"])
+            if judged.misses:
+                failures.append(f"tokens: {rid}: {len(judged.misses)} of {judged.checked} greedy tokens are not "
+                                f"transformers' top token; first: {judged.misses[0].line()}")
         if (problem := row_problems(inline)) is not None:
             failures.append(f"rows: {rid}: {problem.line(layers)}")
         result = compare(reference_capture(want), inline, layers, bound=REL_BOUND, token_ids=want)
@@ -102,5 +113,6 @@ def judge(path: str, model: str, reference_capture, notes: list[str] | None = No
         first = failures[0]
         more = f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""
         return Verdict(meta["mode"], model, False, f"FAIL {first}{more}{tail}", worst, failures, notes)
-    return Verdict(meta["mode"], model, True, f"PASS {n} requests, {', '.join(CHECKS)}; worst error against "
+    checks = CHECKS + (("tokens",) if judge_tokens is not None else ())
+    return Verdict(meta["mode"], model, True, f"PASS {n} requests, {', '.join(checks)}; worst error against "
                    f"transformers {worst:.2g} of the row (bound {REL_BOUND:.3g}){tail}", worst, [], notes)

