@@ -68,26 +68,24 @@ class TokenResult:
 
 
 def candidate_edge(logits: torch.Tensor, sampling: dict) -> torch.Tensor:
-    """The lowest raw logit vLLM's sampler keeps at each position (`logits` [N, V] float32)."""
+    """The lowest raw logit vLLM's sampler keeps at each position (`logits` [N, V] float32). With top-k only the k
+    highest logits are sorted (the others have no mass after its mask): the vocabulary-wide sort is top-p's alone."""
     temperature = float(sampling.get("temperature") or 0.0)
+    top = logits.max(dim=-1, keepdim=True).values
     if temperature < SAMPLING_EPS:
-        return logits.max(dim=-1).values
-    scaled = logits / temperature
-    keep = torch.ones_like(scaled, dtype=torch.bool)
-    top = scaled.max(dim=-1, keepdim=True).values
+        return top.squeeze(-1)
+    top_k = int(sampling.get("top_k") or 0)
+    cand = torch.topk(logits, top_k, dim=-1).values if 0 < top_k < logits.shape[-1] else logits
     min_p = float(sampling.get("min_p") or 0.0)
     if min_p > 0:
-        keep &= scaled >= top + math.log(min_p)
-    top_k = int(sampling.get("top_k") or 0)
-    if 0 < top_k < scaled.shape[-1]:
-        keep &= scaled >= torch.topk(scaled, top_k, dim=-1).values[:, -1:]
+        cand = cand.masked_fill(cand / temperature < top / temperature + math.log(min_p), -math.inf)
     top_p = float(sampling.get("top_p") or 1.0)
     if top_p < 1.0:
-        ordered = logits.masked_fill(~keep, -math.inf).sort(dim=-1).values  # ascending, as vLLM sums it
+        ordered = cand.sort(dim=-1).values  # ascending, as vLLM sums it
         kept = ((ordered / temperature).softmax(dim=-1).cumsum(dim=-1) > 1 - top_p) & torch.isfinite(ordered)
         kept[:, -1] = True
         return ordered.masked_fill(~kept, math.inf).min(dim=-1).values
-    return logits.masked_fill(~keep, math.inf).min(dim=-1).values
+    return cand.masked_fill(~torch.isfinite(cand), math.inf).min(dim=-1).values
 
 
 def judge(logits: torch.Tensor, tokens: torch.Tensor, sampling: dict, start: int, prompt: int) -> TokenResult:
