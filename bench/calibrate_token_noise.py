@@ -11,7 +11,8 @@ largest margin past the set's edge in standard deviations of the position's logi
 how many tokens lie past the edge at all and past the tolerance (TOL_SIGMA), and the seconds of the reference's
 states-only pass against the pass with the token check (the check's cost, as a ratio in the same run).
 A random model's distribution is flat (every token near the nucleus edge), the hardest case for a tolerance.
-`hybrid-chunked` is the hybrid with chunked prefill on, which the CPU preset turns off (per-request seeds crash
+`hybrid-generate` is the hybrid on a generation-only engine (no capture: vLLM's `extract_hidden_states` speculative
+path off), the way a staged run generates. `hybrid-chunked` is the hybrid with chunked prefill on, which the CPU preset turns off (per-request seeds crash
 it there, workers/engine/llm_arguments.py): greedy only, without seeds, to see whether the preset's setting is
 what moves the hybrid's tokens.
 """
@@ -42,14 +43,15 @@ HYBRID_ARGS = ["max_num_batched_tokens=6144"]  # the tests' hybrid worker settin
 def build(kind: str, folder: str) -> str:
     from workers.tiny_model import build_tiny_qwen3, build_tiny_qwen3_5
 
-    return build_tiny_qwen3(folder) if kind == "dense" else build_tiny_qwen3_5(folder)  # hybrid, hybrid-chunked
+    return build_tiny_qwen3(folder) if kind.startswith("dense") else build_tiny_qwen3_5(folder)
 
 
 def generate(model: str, kind: str, settings: list[str], samples: int, max_tokens: int, work: str) -> dict:
     from workers.engine.process import EngineProcess
 
     chunked = kind.endswith("-chunked")
-    engine = EngineProcess(EngineOptions(model=model, capture_layers=LAYERS, max_model_len=2048,
+    capture = None if kind.endswith("-generate") else LAYERS
+    engine = EngineProcess(EngineOptions(model=model, capture_layers=capture, max_model_len=2048,
                                          max_num_seqs=samples, host_process=True,
                                          scratch_dir=os.path.join(work, "scratch-" + kind),
                                          extra={"enable_chunked_prefill": True} if chunked else {},
@@ -64,7 +66,7 @@ def generate(model: str, kind: str, settings: list[str], samples: int, max_token
                 sid = f"{name}-{i:04d}"
                 seed = {} if chunked else {"seed": seed_for(0, sid)}
                 requests.append(GenRequest(sid, ids, {**SETTINGS[name], "max_tokens": max_tokens, **seed},
-                                           capture=True))
+                                           capture=capture is not None))
             got: dict[str, GenResult] = {}
             engine.run(requests, lambda res, got=got: got.__setitem__(res.request_id, res))
             out[name] = [(got[r.request_id].prompt_token_ids, got[r.request_id].output_token_ids) for r in requests]
@@ -116,7 +118,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--models", default="dense,hybrid,hybrid-chunked")
+    ap.add_argument("--models", default="dense,hybrid,hybrid-generate,hybrid-chunked")
     ap.add_argument("--sampling", default="thinking,nucleus,greedy")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
