@@ -99,7 +99,8 @@ def judge(logits: torch.Tensor, tokens: torch.Tensor, sampling: dict, start: int
     sigma = logits.std(dim=-1)
     margin = torch.where(inside, edge - chosen, torch.full_like(edge, math.inf))
     tolerance = TOL_SIGMA * sigma + BF16_STEP * edge.abs()
-    out.worst_sigma = float((margin / sigma.clamp(min=1e-12)).max())
+    in_vocab = torch.where(inside, margin / sigma.clamp(min=1e-12), torch.full_like(margin, -math.inf))
+    out.worst_sigma = float(in_vocab.max())  # ids outside the vocabulary are misses, not a figure
     bad = (margin > tolerance).nonzero().flatten().tolist()
     if bad:
         temperature = float(sampling.get("temperature") or 0.0)

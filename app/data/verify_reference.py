@@ -23,6 +23,7 @@ where torch sees one). transformers on a GPU is a second, independent implementa
 
 from __future__ import annotations
 
+import math
 import os
 import random
 
@@ -125,7 +126,7 @@ def reference_check(reader: RunReader, pool: list[tuple[str, str]], n: int, prob
            "worst": worst, "per_layer": list(per_layer.values()), "per_engine_mode": per_mode,
            "tokens": {"samples": token_samples, "tokens": tokens_result.checked, "forced": tokens_result.skipped,
                       "outside": len(tokens_result.misses), "tolerance_sigma": token_check.TOL_SIGMA,
-                      "worst_sigma": tokens_result.worst_sigma if tokens_result.checked else None,
+                      "worst_sigma": tokens_result.worst_sigma if math.isfinite(tokens_result.worst_sigma) else None,
                       "unchecked": unchecked}}
     return {**out, "states_dtype": lossy.dtype, "excess": worst["error"] / bound} if lossy.lossy else out
 
@@ -153,6 +154,6 @@ def tokens_line(reference: dict) -> str:
         return f"generated tokens not judged ({why or 'none'})"
     unchecked = sum((t.get("unchecked") or {}).values())
     return (f"generated tokens: {t['tokens']} of {t['samples']} samples judged against their sampling, "
-            f"{t['outside']} outside (worst {t['worst_sigma']:.2g} sd past the set's edge, tolerance "
+            f"{t['outside']} outside (worst {t['worst_sigma'] or 0:.2g} sd past the set's edge, tolerance "
             f"{t['tolerance_sigma']} sd)" + (f", {t['forced']} forced ids not judged" if t["forced"] else "")
             + (f", {unchecked} samples not judged" if unchecked else ""))
