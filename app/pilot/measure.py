@@ -28,7 +28,7 @@ import numpy as np
 
 from app import ledger
 from app.data.engine_modes import ModeCounts, check_failure, shard_mode
-from app.data.outcomes import OUTCOMES, outcome, trainable
+from app.data.outcomes import CUT_FLAGS, OUTCOMES, outcome, trainable
 from app.data.run_reader import RunReader
 from app.hidden_file import encode_sample
 from app.modes import record_mode, run_modes
@@ -105,8 +105,10 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
                 n = int(rec["num_output_tokens"])
                 thinking = record_mode(rec, reader.settings) == "thinking"
                 answer = int(rec.get("num_answer_tokens") or 0)
-                sample_lengths.append([n - answer if thinking else 0, answer, outcome(rec) == "cut", thinking,
-                                       "missing_think_end" in (rec.get("flags") or ())])
+                flags = set(rec.get("flags") or ())
+                cut = rec.get("finish_reason") == "length" or bool(flags & CUT_FLAGS)  # its lengths are unknown
+                sample_lengths.append([n - answer if thinking else 0, answer, cut, thinking,
+                                       "missing_think_end" in flags])
                 lengths.append(n)
                 at_cap += rec.get("finish_reason") == "length"
                 stubs += is_stub(rec.get("flags") or [])
