@@ -119,7 +119,7 @@ def forecast_table(plan: dict) -> Table:
         share = plan["trainable_tokens"] / plan["generated_tokens"] if plan["generated_tokens"] else 0.0
         table.add_row("trainable tokens (default export)", f"{plan['trainable_tokens']:,.0f} ({share:.0%})")
         rate = plan["trainable_tokens_per_device_hour"]
-        table.add_row("trainable tokens per device-hour", "-" if rate is None else f"{rate:,.0f}")
+        table.add_row("trainable tokens per device-hour, the job", "-" if rate is None else f"{rate:,.0f}")
     for dtype, n in plan["disk_bytes"].items():
         table.add_row(f"disk, states {dtype}", _human(n))
     table.add_row("export (raw bf16 of the captured layers)", _human(plan["export_bytes"]))

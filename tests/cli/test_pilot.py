@@ -279,7 +279,7 @@ def _check_forecast(output: str, pilots: list[dict]) -> dict:
     trainable = n * sum(m["trainable_tokens"] for m in best) / samples
     generated = n * sum(m["generated_tokens"] for m in best) / samples
     assert _cell(output, "trainable tokens (default export)") == f"{trainable:,.0f} ({trainable / generated:.0%})"
-    assert _cell(output, "trainable tokens per device-hour") == f"{trainable / hours:,.0f}"
+    assert _cell(output, "trainable tokens per device-hour, the job") == f"{trainable / hours:,.0f}"
     for dtype in ("bf16", "fp8-e4m3"):
         per_token = sum(m["codec"]["bytes"][dtype] / m["codec"]["tokens"] * m["context_tokens"] for m in best) / samples
         assert _cell(output, f"disk, states {dtype}") == human_bytes(n * per_token)
