@@ -201,6 +201,7 @@ LAZY = {
     # the project's modules that import a heavy library at their top
     "app.data.reference": "imports torch at its top (2.0 s): `regen selfcheck` and `regen verify --reference` "
                           "need it, `regen --help` and a plain `regen verify` must not",
+    "app.data.token_check": "imports torch at its top (2.0 s): only `regen verify --reference` judges tokens",
     "app.ops.metrics": "imports prometheus_client (optional, extra `monitor`) at its top: only `regen metrics`",
     "workers.engine.capture_connector": "imports vllm and torch at its top: the engine's capture connector, "
                                         "imported by the worker only when it builds a capturing engine",

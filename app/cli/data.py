@@ -22,9 +22,17 @@ from app.data.engine_modes import modes_table
 from app.data.export import Exporter, ExportOptions
 from app.data.fanout import Part
 from app.data.run_reader import RunReader
-from app.data.stats import collect, modes_summary, plots, print_terminal, render_html, states_summary
+from app.data.stats import (
+    collect,
+    modes_summary,
+    plots,
+    print_terminal,
+    render_html,
+    states_summary,
+    yield_summary,
+)
 from app.data.verify import verify_run
-from app.data.verify_reference import reference_line
+from app.data.verify_reference import reference_line, tokens_line
 from app.errors import ConfigError
 from app.packages import require
 
@@ -125,6 +133,7 @@ def _print_verify(report, strict: bool) -> None:
         summary.add_row(key.replace("_", " "), str(value))
     if report.reference:
         summary.add_row("reference", reference_line(report.reference))
+        summary.add_row("reference tokens", tokens_line(report.reference))
     if report.sampled:
         s = report.sampled
         summary.add_row("states decoded", f"{s['states_decoded']:,} of {s['of_samples']:,} samples, in "
@@ -220,7 +229,8 @@ _ASSEMBLY = {"assembled": "written now", "assembled_before": "up to date",
 @_part_option("Each part reports its shards; the parts' counts add up to the run's (--json).")
 def stats_cmd(run_id: str, storage: str, html_path: str | None, as_json: bool, processes: int,
               part_spec: str | None) -> None:
-    """Token lengths, finish reasons, quality-flag rates (overall and per source) and worker speed of RUN.
+    """Token lengths, finish reasons, quality-flag rates (overall and per source), the yield (generated tokens and
+    engine seconds by outcome, the share in trainable samples) and worker speed of RUN.
 
     Reads only done shards, so it works while the run is in progress.
     """
@@ -237,7 +247,7 @@ def stats_cmd(run_id: str, storage: str, html_path: str | None, as_json: bool, p
             "finish_reasons": {str(k): v for k, v in t.finish.items()}, "rejected": dict(st.rejected),
             "sources": {s: {"ok": g.ok, "stubs": g.stubs, "flags": dict(g.flags)} for s, g in st.sources.items()},
             "states": states_summary(st), "modes": modes_summary(st),
-            "engine_modes": st.engine_modes.as_dict(),
+            "engine_modes": st.engine_modes.as_dict(), "yield": yield_summary(st),
         }, option=orjson.OPT_INDENT_2).decode())
     else:
         print_terminal(st, _console())

@@ -51,7 +51,7 @@ PANELS: dict[str, list[tuple[str, list[str]]]] = {
     ],
     "pilot": [
         (RUN, ["--name", "--sample", "--candidates", "--reference", "--timeout", "--keep-runs"]),
-        ("Forecast", ["--forecast-only", "--host-results"]),
+        ("Forecast", ["--forecast-only", "--host-results", "--complete-share"]),
         (CAPTURE, ["--model", "--layers", "--vllm-arg"]),
         (GENERATION, _GENERATION),
         (INPUTS, ["--take", "--regenerate", "--max-prompt-tokens", "--shard-size"]),

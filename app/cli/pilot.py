@@ -20,6 +20,7 @@ from app.layers import parse_layers
 from app.model_info import read_model_info
 from app.pilot.forecast import capture_failure, commands, forecast, load_pilot_file, rates
 from app.pilot.host import measure_host
+from app.pilot.lengths import DEFAULT_COMPLETE_SHARE, pooled_lengths, recommend
 from app.pilot.measure import CODEC_DTYPES
 from app.settings import DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
 from producer.estimate import human_bytes
@@ -66,6 +67,8 @@ def setting_rows(entry: dict) -> dict[str, str]:
     r, resp = rates(m), m["responses"]
     rows |= {
         "generated tokens/s per device": f"{r['tokens_per_s_per_device']:,.1f}",
+        "trainable tokens per device-hour": ("n/a" if r["trainable_tokens_per_device_hour"] is None
+                                             else f"{r['trainable_tokens_per_device_hour']:,.0f}"),
         "samples/s": f"{r['samples_per_s']:,.3f}",
         "capture pass's share": f"{r['capture_share']:.0%}" if c["capture"] == "staged" else "-",
         "measured": f"{m['samples']:,} samples in {m['window_s']:,.1f} s "
@@ -112,6 +115,11 @@ def forecast_table(plan: dict) -> Table:
     hours = plan["device_hours"]
     table.add_row("device-hours", "-" if hours is None else f"{hours:,.1f}" if hours >= 10 else f"{hours:.3g}")
     table.add_row("generated tokens", f"{plan['generated_tokens']:,.0f}")
+    if plan.get("trainable_tokens") is not None:
+        share = plan["trainable_tokens"] / plan["generated_tokens"] if plan["generated_tokens"] else 0.0
+        table.add_row("trainable tokens (default export)", f"{plan['trainable_tokens']:,.0f} ({share:.0%})")
+        rate = plan["trainable_tokens_per_device_hour"]
+        table.add_row("trainable tokens per device-hour, the job", "-" if rate is None else f"{rate:,.0f}")
     for dtype, n in plan["disk_bytes"].items():
         table.add_row(f"disk, states {dtype}", _human(n))
     table.add_row("export (raw bf16 of the captured layers)", _human(plan["export_bytes"]))
@@ -127,6 +135,31 @@ def forecast_table(plan: dict) -> Table:
             table.add_row(f"{what}: device-hours", "-" if hours is None else f"{hours:.3g}")
             for dtype, n in m["disk_bytes"].items():
                 table.add_row(f"{what}: disk, states {dtype}", _human(n))
+    return table
+
+
+def lengths_table(pilot: dict, share: float) -> Table:
+    """The sample's reasoning and answer lengths and the --thinking-budget and --max-tokens they call for."""
+    measured_with = pilot["settings"]  # the pilot file's own settings (what its runs were made with)
+    rec = recommend(pooled_lengths(pilot), share, int(measured_with["max_tokens"]))
+    table = Table(title=f"lengths on {pilot['host']} and the settings for {share:.0%} complete samples",
+                  show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for name in ("reasoning", "answer"):
+        spread = rec[name]
+        if spread:
+            table.add_row(f"{name} tokens, median / p90 / p99 / max",
+                          " / ".join(f"{spread[k]:,}" for k in ("median", "p90", "p99", "max")))
+    table.add_row("samples cut at the pilot's --max-tokens", f"{rec['cut']} of {rec['samples']}")
+    budget = rec["thinking_budget"]
+    table.add_row("recommended --thinking-budget", "-" if budget is None else f"{budget:,}")
+    table.add_row("recommended --max-tokens", "-" if rec["max_tokens"] is None else f"{rec['max_tokens']:,}")
+    if "complete_share" in rec:
+        table.add_row("complete with them (pilot's samples)", f"{rec['complete_share']:.0%}")
+        table.add_row("ending within --max-tokens (complete or budget-closed)", f"{rec['within_max_tokens_share']:.0%}")
+    if "advice" in rec:
+        table.add_row("advice", rec["advice"])
     return table
 
 
@@ -198,12 +231,16 @@ def _load_pilots(paths: list[str]) -> list[dict]:
 @click.option("--reference", "reference_samples", type=click.IntRange(min=0), default=2, show_default=True,
               help="After each capturing candidate's run, `regen verify --reference N` on its samples (transformers "
                    "on this host, where the checkpoint fits the free memory); a failure rules the candidate out.")
+@click.option("--complete-share", type=click.FloatRange(0, 1, min_open=True), default=DEFAULT_COMPLETE_SHARE,
+              show_default=True, metavar="SHARE",
+              help="The share of samples that should end complete: --thinking-budget and --max-tokens are "
+                   "recommended for it from the sample's measured reasoning and answer lengths.")
 @click.option("--keep-runs", is_flag=True, help="Keep the candidates' scratch runs [default: removed].")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=7200.0, show_default=True,
               metavar="SECONDS", help="Seconds each candidate may take.")
 def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, layers, max_tokens, thinking,
-          thinking_mix, preserve_thinking, samples_per_prompt, take, regenerate, shard_size, max_model_len, vllm_args, only, host_results,
-          forecast_only, keep_runs, timeout, reference_samples, **sampling):
+          thinking_mix, preserve_thinking, samples_per_prompt, take, regenerate, shard_size, max_model_len, vllm_args,
+          only, host_results, forecast_only, keep_runs, timeout, reference_samples, complete_share, **sampling):
     """Measure this host on a sample of INPUTS in each candidate setting, then forecast the whole job.
 
     Prints a table per setting (generated tokens/s per device, samples/s, the staged capture's share, peak
@@ -216,6 +253,7 @@ def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, la
         pilots = _load_pilots(paths)
         for p in pilots:
             console.print(settings_table(p))
+            console.print(lengths_table(p, complete_share))
         print_forecast(console, pilots, [os.path.abspath(p) for p in paths], storage)
         return
     if not model:
@@ -239,6 +277,8 @@ def pilot(inputs, model, name, storage, broker, cpu, gpus, sample_size, seed, la
                             reference_samples=reference_samples)
     pilot_json, path = measured
     console.print(settings_table(pilot_json))
+    if any(c.get("measured") for c in pilot_json["candidates"]):
+        console.print(lengths_table(pilot_json, complete_share))
     console.print(f"measurements: {path}", soft_wrap=True, markup=False)
     if not any(c.get("measured") for c in pilot_json["candidates"]):
         raise click.ClickException("no candidate setting completed; see the logs named above")

@@ -4,7 +4,8 @@ For a new GPU host, a new vLLM version or a new driver: builds a tiny dense mode
 token, as real Qwen models carry massive activations) and a tiny hybrid (Gated DeltaNet + full attention)
 offline, captures a fixed set of requests in each engine mode the device runs (workers.engine.selfcheck: lengths 1
 to ~2,500 tokens, a shared prefix, a duplicate, a KV cache small enough to preempt, `top_k` where the platform
-can), and judges every capture against transformers on the same device, row by row (app.data.selfcheck_judge).
+can, two greedy requests), and judges every capture against transformers on the same device, row by row, and the
+greedy requests' tokens against transformers' top tokens (app.data.selfcheck_judge, app.data.token_check).
 One line per mode and model; exit 0 only when every mode passed.
 
 Each mode runs in a process of its own (a mode's environment, such as `VLLM_USE_V2_MODEL_RUNNER=0`, is read
@@ -88,6 +89,7 @@ def selfcheck(device: str, modes: str | None, models: str, workdir: str | None, 
 
 
 def _run(folder: Path, model_paths: dict[str, str], chosen, device: str, timeout: int, quiet: bool) -> list:
+    from app.data import token_check
     from app.data.reference import ReferenceCapture
 
     verdicts = []
@@ -114,7 +116,9 @@ def _run(folder: Path, model_paths: dict[str, str], chosen, device: str, timeout
                     verdict = Verdict(m.name, name, False, f"FAIL engine: {why}: {(tail or ['?'])[0][:200]} "
                                       f"(log {log})", notes=notes)
                 else:
-                    verdict = judge(str(out), name, reference.capture, notes)
+                    verdict = judge(str(out), name, reference.capture, notes,
+                                    lambda prompt, output, sampling, ref=reference: token_check.check_request(
+                                        ref, prompt, output, sampling))
                 verdicts.append(verdict)
                 if not quiet:
                     click.echo(f"{m.name:14} {name:7} {verdict.line} [{time.monotonic() - start:.0f} s]")

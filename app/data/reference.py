@@ -71,6 +71,7 @@ class ReferenceCapture:
         self._deepest = max(self.layers)
         self._captured: dict[int, torch.Tensor] = {}
         self._active = False  # hooks record only during our own capture(): several captures may share a model
+        self._stop = True  # the deepest hook ends the pass (capture); False runs to the final norm (with_final)
         self._handles = [
             decoder_layers[v - 1].register_forward_hook(self._make_hook(v)) for v in sorted(set(self.layers))
         ]
@@ -86,7 +87,7 @@ class ReferenceCapture:
             # Decoder layers return a tensor in current transformers and a tuple (hidden, ...) in older ones.
             hidden = output[0] if isinstance(output, tuple | list) else output
             self._captured[vllm_id] = hidden
-            if vllm_id == self._deepest:
+            if vllm_id == self._deepest and self._stop:
                 raise _StopForward
 
         return hook
@@ -103,14 +104,32 @@ class ReferenceCapture:
         The whole sequence is one causal forward pass with no cache, so token t's state depends on tokens
         0..t only, exactly as in vLLM's prefill + decode.
         """
+        return self._run(token_ids)[0]
+
+    def capture_with_final(self, token_ids: Sequence[int]) -> tuple[np.ndarray, torch.Tensor]:
+        """`capture` and, from the same pass run to the end, the final normed hidden states `[T, H]`: row t is what
+        the LM head (`head`) turns into the logits of token t+1 (app.data.token_check)."""
+        self._stop = False
+        try:
+            return self._run(token_ids)
+        finally:
+            self._stop = True
+
+    @property
+    def head(self) -> torch.nn.Module:
+        """The LM head: final hidden states -> logits."""
+        return self.model.get_output_embeddings()
+
+    def _run(self, token_ids: Sequence[int]) -> tuple[np.ndarray, torch.Tensor | None]:
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device).unsqueeze(0)
         if ids.shape[1] == 0:
             raise ValueError("empty token sequence")
         self._captured = {}
         self._active = True
+        final = None
         try:
             with torch.inference_mode():
-                self.base(input_ids=ids, use_cache=False)
+                final = self.base(input_ids=ids, use_cache=False).last_hidden_state[0]
         except _StopForward:
             pass
         finally:
@@ -120,7 +139,7 @@ class ReferenceCapture:
         if missing:
             raise RuntimeError(f"hooks for vLLM layers {missing} did not fire")
         stacked = torch.stack([captured[v][0] for v in self.layers], dim=1)  # [T, L, H]
-        return _to_bf16_bits(stacked)
+        return _to_bf16_bits(stacked), final
 
     def capture_batch(self, batch: Sequence[Sequence[int]]) -> list[np.ndarray]:
         """`capture` for each sequence (one pass each: no padding, so no mask or position subtleties)."""

@@ -1,7 +1,8 @@
 """The judging side of `regen selfcheck`: one mode's captures (workers.engine.selfcheck's file) held to five
 checks.
 
-`ids`, `rows`, `reference` (against transformers, app.states_compare), `duplicate` and `staged`. A verdict is
+`ids`, `rows`, `reference` (against transformers, app.states_compare), `duplicate`, `staged`, and `tokens`
+(greedy requests' tokens held to transformers' top tokens within app.data.token_check's tolerance). A verdict is
 one line per mode and model: PASS with the worst error against transformers, or FAIL naming the first failed
 check, the request and the comparison's line. Each check: docs/capture.md#how-selfcheck-judges.
 """
@@ -16,6 +17,7 @@ import numpy as np
 from app.states_compare import REL_BOUND, compare, row_problems
 
 CHECKS = ("ids", "rows", "reference", "duplicate", "staged")
+GREEDY_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 
 
 @dataclass
@@ -39,8 +41,9 @@ def load(path: str) -> tuple[dict, dict[str, np.ndarray]]:
     return json.loads(arrays.pop("meta").tobytes()), arrays
 
 
-def judge(path: str, model: str, reference_capture, notes: list[str] | None = None) -> Verdict:
-    """Hold one mode's captures to CHECKS; `reference_capture(ids) -> bf16 states` is transformers'."""
+def judge(path: str, model: str, reference_capture, notes: list[str] | None = None, judge_tokens=None) -> Verdict:
+    """Hold one mode's captures to CHECKS; `reference_capture(ids) -> bf16 states` is transformers';
+    `judge_tokens(prompt, output, sampling)` -> app.data.token_check.TokenResult holds greedy requests' tokens."""
     meta, arrays = load(path)
     layers = meta["layers"]
     failures: list[str] = []
@@ -58,6 +61,12 @@ def judge(path: str, model: str, reference_capture, notes: list[str] | None = No
             failures.append(f"ids: {rid}: {len(inline_ids)} captured ids are not the prompt + output ids "
                             f"({len(want)})")
             continue
+        greedy = float((r.get("sampling") or {}).get("temperature", 1.0)) < GREEDY_EPS
+        if judge_tokens is not None and greedy:
+            judged = judge_tokens(list(r["prompt"]), list(r["output"]), r["sampling"])
+            if judged.misses:
+                failures.append(f"tokens: {rid}: {len(judged.misses)} of {judged.checked} greedy tokens are not "
+                                f"transformers' top token; first: {judged.misses[0].line()}")
         if (problem := row_problems(inline)) is not None:
             failures.append(f"rows: {rid}: {problem.line(layers)}")
         result = compare(reference_capture(want), inline, layers, bound=REL_BOUND, token_ids=want)
@@ -95,5 +104,6 @@ def judge(path: str, model: str, reference_capture, notes: list[str] | None = No
         first = failures[0]
         more = f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""
         return Verdict(meta["mode"], model, False, f"FAIL {first}{more}{tail}", worst, failures, notes)
-    return Verdict(meta["mode"], model, True, f"PASS {n} requests, {', '.join(CHECKS)}; worst error against "
+    checks = CHECKS + (("tokens",) if judge_tokens is not None else ())
+    return Verdict(meta["mode"], model, True, f"PASS {n} requests, {', '.join(checks)}; worst error against "
                    f"transformers {worst:.2g} of the row (bound {REL_BOUND:.3g}){tail}", worst, [], notes)

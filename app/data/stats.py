@@ -1,14 +1,9 @@
 """`regen stats`: what a run's data looks like, in the terminal and as one self-contained HTML file.
 
-Why: the 87%-stub dataset (docs/measured-facts.md) was only found after training. A glance at token-length histograms,
-finish reasons and flag rates -- overall and per input file, since one bad source can hide in an average --
-shows it at once, and the stub-or-empty rate is printed in red when it is above the run's pause threshold.
-Only done shards are read, so it works on a run still in progress. Reasoning tokens are not stored; they are
-`num_output_tokens - num_answer_tokens` (answer tokens count what follows `</think>`, end-of-turn excluded).
-
-A run of both modes (`--thinking-mix`) is split by mode everywhere: a table per mode with its own stub rate and
-alarm, every flag and finish table per mode, and every histogram drawn per mode, since a non-thinking answer is
-a fraction of a thinking one and an average over both describes neither. A run of one mode reads as before.
+A glance at length histograms, finish reasons and flag rates (overall, per input file and per mode) shows a
+stub-ridden dataset at once; the stub-or-empty rate is red above the run's pause threshold. The yield table
+splits generated tokens and engine seconds by outcome (app.data.outcomes) and gives the share of generated tokens
+that end in a sample the text exports keep. Only done shards are read. What each table means: docs/checking.md#what-regen-stats-shows-appdatastatspy.
 """
 
 from __future__ import annotations
@@ -24,6 +19,7 @@ from rich.table import Table
 
 from app.data.engine_modes import ModeCounts, modes_table, shard_mode
 from app.data.fanout import WHOLE, Part, open_reader, ordered_map, worker_reader
+from app.data.outcomes import OUTCOMES, outcome, trainable
 from app.data.run_reader import RunReader
 from app.modes import record_mode, run_modes
 from app.quality import is_stub
@@ -43,6 +39,17 @@ class Group:
 
     def rate(self, n: int) -> float:
         return n / self.ok if self.ok else 0.0
+
+
+@dataclass
+class Outcome:
+    """Samples, generated tokens and engine seconds of one outcome, and how much of it a default export keeps."""
+
+    samples: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    trainable_samples: int = 0
+    trainable_tokens: int = 0
 
 
 @dataclass
@@ -68,6 +75,15 @@ class RunStats:
     states_errors: LayerErrors | None = None  # lossy runs: the recorded error per layer (app.states_bound)
     part: str | None = None  # `I/N` when only that part's shards were read
     engine_modes: ModeCounts = field(default_factory=ModeCounts)  # samples and capture checks per engine mode
+    outcomes: dict[str, Outcome] = field(default_factory=lambda: {o: Outcome() for o in OUTCOMES})
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(o.tokens for o in self.outcomes.values())
+
+    @property
+    def trainable_tokens(self) -> int:
+        return sum(o.trainable_tokens for o in self.outcomes.values())
 
     @property
     def stub_rate(self) -> float:
@@ -132,6 +148,7 @@ class ShardRead:
     ok: list[tuple]
     rejected: list[str]
     engine_mode: tuple[str, int, int] = ("unknown", 0, 0)  # engine mode, samples re-checked, failed (engine_modes.py)
+    outcomes: list[tuple[str, bool, int, float]] = field(default_factory=list)  # (outcome, trainable, tokens, s)
 
 
 def read_shard(reader: RunReader, info, lossy: bool) -> ShardRead:
@@ -142,14 +159,17 @@ def read_shard(reader: RunReader, info, lossy: bool) -> ShardRead:
     if m.get("generation_seconds") and m.get("generated_tokens") is not None:
         speed = (str(m.get("worker")), str(m.get("finished")), m["generated_tokens"] / m["generation_seconds"])
     ok, rejected = [], []
-    for rec in reader.records(info):
+    records = list(reader.records(info))
+    outcomes = [(outcome(rec), kept, int(rec.get("num_output_tokens") or 0), float(rec.get("seconds") or 0.0))
+                for rec, kept in zip(records, trainable(records), strict=True)]
+    for rec in records:
         if rec.get("status") != "ok":
             rejected.append(rec.get("reject_reason", "?"))
             continue
         ok.append(((rec.get("source") or {}).get("file") or "?", rec["num_prompt_tokens"], rec["num_output_tokens"],
                    rec.get("num_answer_tokens") or 0, sum(rec["loss_mask"]), tuple(rec.get("flags") or ()),
                    rec.get("finish_reason"), record_mode(rec, reader.settings)))
-    return ShardRead(speed, entries, ok, rejected, shard_mode(m, info.captured))
+    return ShardRead(speed, entries, ok, rejected, shard_mode(m, info.captured), outcomes)
 
 
 def add_shard(st: RunStats, shard: ShardRead) -> None:
@@ -161,6 +181,13 @@ def add_shard(st: RunStats, shard: ShardRead) -> None:
     for reason in shard.rejected:
         st.rejected[reason] += 1
     st.engine_modes.add(shard.engine_mode[0], len(shard.ok), shard.engine_mode[1], shard.engine_mode[2])
+    for name, kept, tokens, seconds in shard.outcomes:
+        o = st.outcomes[name]
+        o.samples += 1
+        o.tokens += tokens
+        o.seconds += seconds
+        o.trainable_samples += kept
+        o.trainable_tokens += tokens if kept else 0
     for src, n_prompt, n_out, n_ans, mask_sum, flags, finish, mode in shard.ok:
         st.mode_of.append(mode)
         st.prompt.append(n_prompt)
@@ -181,6 +208,32 @@ def add_shard(st: RunStats, shard: ShardRead) -> None:
 def _read_task(task: tuple[str, bool]) -> ShardRead:
     shard, lossy = task
     return read_shard(reader := worker_reader(), reader.shard(shard), lossy)
+
+
+def yield_line(st: RunStats) -> str:
+    """The job's yield: the share of generated tokens that ends in a sample the text exports keep by default."""
+    n = st.generated_tokens
+    return (f"yield: {_pct(st.trainable_tokens, n)} of generated tokens end in a trainable sample "
+            f"({st.trainable_tokens:,} of {n:,}; what `regen export` keeps by default)")
+
+
+YIELD_HEADER = ["outcome", "samples", "generated tokens", "share of tokens", "engine seconds", "share of seconds",
+                "trainable samples", "trainable tokens"]
+
+
+def _yield_rows(st: RunStats) -> list[list[str]]:
+    tokens, seconds = st.generated_tokens, sum(o.seconds for o in st.outcomes.values())
+    return [[name.replace("_", " "), str(o.samples), f"{o.tokens:,}", _pct(o.tokens, tokens), f"{o.seconds:,.1f}",
+             f"{100 * o.seconds / seconds:.1f}%" if seconds else "-", str(o.trainable_samples),
+             f"{o.trainable_tokens:,}"] for name, o in st.outcomes.items()]
+
+
+def yield_summary(st: RunStats) -> dict:
+    """The yield part of `regen stats --json`."""
+    tokens = st.generated_tokens
+    return {"generated_tokens": tokens, "trainable_tokens": st.trainable_tokens,
+            "trainable_share": st.trainable_tokens / tokens if tokens else 0.0,
+            "outcomes": {name: vars(o).copy() for name, o in st.outcomes.items()}}
 
 
 def stub_line(st: RunStats) -> str:
@@ -330,6 +383,8 @@ def print_terminal(st: RunStats, console) -> None:
     for row in _flag_rows(st, flags):
         t.add_row(*map(str, row))
     console.print(t)
+    console.print(yield_table(st))
+    console.print(yield_line(st), soft_wrap=True)
     per = Table(title="per input source")
     for col in ("source", "ok", "stub-or-empty", *flags, "mean output tokens"):
         per.add_column(col, justify="left" if col == "source" else "right")
@@ -353,6 +408,15 @@ def print_terminal(st: RunStats, console) -> None:
                 of = f" ({mode.replace('_', '-')})" if mode else ""
                 console.print(f"{name} tokens{of}: median {s[len(s) // 2]}, p90 {s[int(0.9 * (len(s) - 1))]}, "
                               f"max {s[-1]}")
+
+
+def yield_table(st: RunStats) -> Table:
+    table = Table(title="yield: generated tokens and engine seconds by outcome")
+    for col in YIELD_HEADER:
+        table.add_column(col, justify="left" if col == "outcome" else "right")
+    for row in _yield_rows(st):
+        table.add_row(*row)
+    return table
 
 
 def plots(st: RunStats) -> dict[str, bytes]:
@@ -455,6 +519,9 @@ def render_html(st: RunStats, images: dict[str, bytes]) -> str:
         f"<h1>regen run {html.escape(st.run_id)}</h1>",
         f'<p class="stub" style="color:{color};font-weight:bold">{html.escape(stub_line(st))}</p>',
         _table(["", ""], [list(r) for r in _summary_rows(st)]),
+        "<h2>yield</h2>",
+        f'<p class="yield">{html.escape(yield_line(st))}</p>',
+        _table(YIELD_HEADER, _yield_rows(st)),
         "<h2>flags and finish reasons</h2>",
         _table(_flag_header(st), _flag_rows(st, flags)),
         *(["<h2>per mode</h2>",

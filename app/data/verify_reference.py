@@ -2,13 +2,15 @@
 
 The judgement is app.states_compare's, the same the worker-side re-capture uses (a relative error per row
 under a measured bound, each row nearer its own counterpart, each slot nearer its own layer). A lossy run's
-rows may differ by its promised `max_rel_error` on top (`reference_bound`). `device` runs the reference where
-the target fits (`cpu`, `cuda[:N]`, `auto`). Why, and the bound's arithmetic:
-docs/checking.md#how-the-reference-comparison-judges.
+rows may differ by its promised `max_rel_error` on top (`reference_bound`). The same pass, run on to the LM head,
+holds every generated token to the record's own sampling (app.data.token_check: `token_outside_sampling`).
+`device` runs the reference where the target fits (`cpu`, `cuda[:N]`, `auto`). Why, and the bound's
+arithmetic: docs/checking.md#how-the-reference-comparison-judges.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import random
 
@@ -63,12 +65,32 @@ def reference_check(reader: RunReader, pool: list[tuple[str, str]], n: int, prob
     per_layer = {v: {"layer": v, "worst_error": 0.0, "shard": None, "sample": None, "token": None} for v in layers}
     worst = {"error": 0.0, "layer": None, "token": None, "shard": None, "sample": None}
     failed = 0
+    from app.data import token_check
+
+    tokens_result, token_samples, unchecked = token_check.TokenResult(), 0, {}
+    records: dict[str, dict] = {}
     per_mode: dict[str, dict] = {}  # by the engine mode that made the states: an sm_120 host beside an sm_100 one
     try:
         for shard, sid in chosen:
             info = reader.shard(shard)
             tokens, states = reader.states(info, {"sample_id": sid})
-            result = compare(ref.capture(tokens.tolist()), states, layers, bound=bound, token_ids=tokens)
+            if shard not in records:
+                records[shard] = {r["sample_id"]: r for r in reader.records(info) if r.get("status") == "ok"}
+            rec = records[shard].get(sid)
+            why = "no ok record" if rec is None else token_check.checkable(rec, reader.settings)
+            if why is None:
+                captured, final = ref.capture_with_final(tokens.tolist())
+                judged = token_check.check_record(token_check.record_chunks(final, rec), ref.head, rec)
+                tokens_result.add(judged)
+                token_samples += 1
+                if judged.misses:
+                    problems.append(Problem("token_outside_sampling", shard, sid, f"{len(judged.misses)} of "
+                                            f"{judged.checked} generated tokens outside the record's sampling "
+                                            f"{rec['sampling']}; first: {judged.misses[0].line()}"))
+            else:
+                captured = ref.capture(tokens.tolist())
+                unchecked[why] = unchecked.get(why, 0) + 1
+            result = compare(captured, states, layers, bound=bound, token_ids=tokens)
             mode = per_mode.setdefault(shard_mode(info.marker, info.captured)[0],
                                        {"checked": 0, "failed": 0, "worst_error": 0.0})
             mode["checked"] += 1
@@ -88,7 +110,11 @@ def reference_check(reader: RunReader, pool: list[tuple[str, str]], n: int, prob
         ref.close()
         reader.close()
     out = {"checked": len(chosen), "failed": failed, "device": device, "tolerance": bound,
-           "worst": worst, "per_layer": list(per_layer.values()), "per_engine_mode": per_mode}
+           "worst": worst, "per_layer": list(per_layer.values()), "per_engine_mode": per_mode,
+           "tokens": {"samples": token_samples, "tokens": tokens_result.checked, "forced": tokens_result.skipped,
+                      "outside": len(tokens_result.misses), "tolerance_sigma": token_check.TOL_SIGMA,
+                      "worst_sigma": tokens_result.worst_sigma if math.isfinite(tokens_result.worst_sigma) else None,
+                      "unchecked": unchecked}}
     return {**out, "states_dtype": lossy.dtype, "excess": worst["error"] / bound} if lossy.lossy else out
 
 
@@ -105,3 +131,16 @@ def reference_line(reference: dict) -> str:
     return (f"{reference['checked']} samples on {reference['device']}, {reference['failed']} failed; worst error "
             f"{worst['error']:.2g} of the row at layer {worst['layer']} token {worst['token']} (bound "
             f"{reference['tolerance']:.3g}); worst per layer: {layers}{by_mode}")
+
+
+def tokens_line(reference: dict) -> str:
+    """The token check's summary: tokens judged, outside the sampling, the worst margin against the tolerance."""
+    t = reference.get("tokens") or {}
+    if not t.get("tokens"):
+        why = "; ".join(f"{n} {w}" for w, n in (t.get("unchecked") or {}).items())
+        return f"generated tokens not judged ({why or 'none'})"
+    unchecked = sum((t.get("unchecked") or {}).values())
+    return (f"generated tokens: {t['tokens']} of {t['samples']} samples judged against their sampling, "
+            f"{t['outside']} outside (worst {t['worst_sigma'] or 0:.2g} sd past the set's edge, tolerance "
+            f"{t['tolerance_sigma']} sd)" + (f", {t['forced']} forced ids not judged" if t["forced"] else "")
+            + (f", {unchecked} samples not judged" if unchecked else ""))

@@ -3,7 +3,8 @@ and the forecast of the whole job on a fleet of hosts, each measured by its own 
 
 Why one module: `regen pilot`, `regen pilot --forecast-only` and `regen status` must use one arithmetic. Every
 figure of the forecast is a product or quotient of measured ones (nothing assumed), so a test recomputes it
-from the JSON. Each figure's formula: docs/pilot.md#the-forecasts-arithmetic.
+from the JSON; its yield is in trainable tokens per device-hour (those ending in a sample the default text
+export keeps, app.data.outcomes). Each figure's formula: docs/pilot.md#the-forecasts-arithmetic.
 """
 
 from __future__ import annotations
@@ -90,6 +91,14 @@ def tokens_per_s_per_device(measured: dict) -> float:
     return measured["generated_tokens"] / window if window > 0 else 0.0
 
 
+def trainable_tokens_per_device_hour(measured: dict) -> float | None:
+    """Tokens ending in a trainable sample per device-hour; None for a pilot measured before they were counted."""
+    window = measured["window_s"] * max(1, measured["devices"])
+    if measured.get("trainable_tokens") is None or window <= 0:
+        return None
+    return measured["trainable_tokens"] / window * 3600
+
+
 def capture_share(measured: dict) -> float:
     total = measured["generate_task_s"] + measured["capture_task_s"]
     return measured["capture_task_s"] / total if total > 0 else 0.0
@@ -115,6 +124,7 @@ def raw_bytes_per_sample(measured: dict) -> float:
 def rates(measured: dict) -> dict:
     """The derived figures of one candidate, as the pilot prints and stores them."""
     return {"samples_per_s": samples_per_s(measured), "tokens_per_s_per_device": tokens_per_s_per_device(measured),
+            "trainable_tokens_per_device_hour": trainable_tokens_per_device_hour(measured),
             "capture_share": capture_share(measured), "bytes_per_sample": bytes_per_sample(measured),
             "raw_bytes_per_sample": raw_bytes_per_sample(measured)}
 
@@ -195,6 +205,8 @@ def forecast(pilots: list[dict]) -> dict:
     devices = sum(int(p["device"]["count"]) for p in pilots)
     device_hours = None if wall_s is None else devices * wall_s / 3600
     export_bytes = samples * per_sample_tokens * layers * hidden * 2
+    counted = all(m.get("trainable_tokens") is not None for _, m in best)
+    trainable = samples * sum(m["trainable_tokens"] for _, m in best) / pooled["samples"] if counted else None
     return {
         "input_samples": samples,
         "run_setting": setting,
@@ -206,6 +218,8 @@ def forecast(pilots: list[dict]) -> dict:
         "device_hours": device_hours,
         "generated_tokens": samples * pooled["generated_tokens"] / pooled["samples"],
         "context_tokens": samples * per_sample_tokens,
+        "trainable_tokens": trainable,
+        "trainable_tokens_per_device_hour": trainable / device_hours if trainable is not None and device_hours else None,
         "disk_bytes": disk,
         "export_bytes": export_bytes,
         "modes": mode_forecast(best, samples, device_hours, disk, export_bytes),

@@ -2,8 +2,9 @@
 
 Why from storage: the pilot's runs are real `regen run`s, so their markers, attempt records and records hold
 every figure, written by the workers a production run uses; only peak memory is polled from outside. The
-window, the capture pass's share, the capture check's results and the bytes per sample by states dtype are
-read or recomputed from them. Each figure: docs/pilot.md#what-a-pilot-run-measured.
+window, the capture pass's share, the capture check's results, the bytes per sample by states dtype, each
+sample's reasoning and answer lengths and the trainable tokens are read or recomputed from them. Each figure:
+docs/pilot.md#what-a-pilot-run-measured.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 from app import ledger
 from app.data.engine_modes import ModeCounts, check_failure, shard_mode
+from app.data.outcomes import CUT_FLAGS, OUTCOMES, outcome, trainable
 from app.data.run_reader import RunReader
 from app.hidden_file import encode_sample
 from app.modes import record_mode, run_modes
@@ -52,6 +54,8 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
         modes = {mode: {"samples": 0, "generated_tokens": 0, "context_tokens": 0, "lengths": [], "at_cap": 0,
                         "stubs": 0} for mode in run_modes(reader.settings)}
         engine_modes, failures = ModeCounts(), []
+        sample_lengths, trainable_tokens = [], 0
+        outcomes = {name: {"samples": 0, "tokens": 0} for name in OUTCOMES}
         for info in reader.shards():
             m = info.marker
             engine_mode, checked, failed = shard_mode(m, info.captured)
@@ -76,10 +80,23 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
                 stored_bytes += int(info.captured.hidden_file["bytes"])
             elif m.hidden_file:
                 stored_bytes += int(m.hidden_file["bytes"])
-            for rec in reader.records(info):
+            records = list(reader.records(info))
+            for rec, kept in zip(records, trainable(records), strict=True):
+                tokens = int(rec.get("num_output_tokens") or 0)
+                trainable_tokens += tokens if kept else 0
+                what = outcomes[outcome(rec)]
+                what["samples"] += 1
+                what["tokens"] += tokens
+            for rec in records:
                 if rec.get("status") != "ok":
                     continue
                 n = int(rec["num_output_tokens"])
+                thinking = record_mode(rec, reader.settings) == "thinking"
+                answer = int(rec.get("num_answer_tokens") or 0)
+                flags = set(rec.get("flags") or ())
+                cut = rec.get("finish_reason") == "length" or bool(flags & CUT_FLAGS)  # its lengths are unknown
+                sample_lengths.append([n - answer if thinking else 0, answer, cut, thinking,
+                                       "missing_think_end" in flags])
                 lengths.append(n)
                 at_cap += rec.get("finish_reason") == "length"
                 stubs += is_stub(rec.get("flags") or [])
@@ -119,6 +136,9 @@ def measure_run(storage: str, run_id: str, devices: int, codec_samples: int = 64
         "hidden_size": hidden_size,
         "stored_states_bytes": stored_bytes,
         "codec": codec,
+        "trainable_tokens": trainable_tokens,
+        "outcomes": outcomes,
+        "lengths": sample_lengths,
         "capture_check": {"checked": sum(c.checked for c in engine_modes.modes.values()), "failed": engine_modes.failed,
                           "failures": failures[:5], "modes": engine_modes.as_dict()},
         "responses": {

@@ -222,6 +222,13 @@ def _check_measurements_against_the_runs(pilot: dict, storage: Path) -> None:
         assert m["context_tokens"] == sum(len(r["input_ids"]) - 1 for r in ok)
         assert m["responses"]["median"] == statistics.median(r["num_output_tokens"] for r in ok)
         assert m["responses"]["at_cap_share"] == sum(r["finish_reason"] == "length" for r in ok) / 6
+        # the yield: tokens of samples the default text export keeps (single-turn: all but unterminated thinking)
+        assert m["trainable_tokens"] == sum(r["num_output_tokens"] for r in ok
+                                            if "missing_think_end" not in r["flags"])
+        assert sorted(m["lengths"]) == sorted([r["num_output_tokens"] - r["num_answer_tokens"], r["num_answer_tokens"],
+                                               r["finish_reason"] == "length" or "missing_think_end" in r["flags"]
+                                               or "truncated" in r["flags"], True, "missing_think_end" in r["flags"]]
+                                              for r in ok)
         assert m["stored_states_bytes"] == hidden_bytes
         # the codec's bf16 output is the stored file's bulk (the file adds an index and headers)
         assert 0.5 * hidden_bytes < m["codec"]["bytes"]["bf16"] <= hidden_bytes and m["codec"]["samples"] == 6
@@ -231,6 +238,19 @@ def _check_measurements_against_the_runs(pilot: dict, storage: Path) -> None:
             assert m["capture_task_s"] > 0
         else:
             assert m["capture_task_s"] == 0
+
+
+def _check_lengths(output: str, pilot: dict) -> None:
+    """The recommendation printed is the one the pooled lengths give for the default share (95%)."""
+    from app.pilot.lengths import recommend
+
+    rows = [row for e in pilot["candidates"] for row in e["measured"]["lengths"]]
+    rec = recommend(rows, 0.95, 16)
+    assert _cell(output, "samples cut at the pilot's --max-tokens") == f"{rec['cut']} of {len(rows)}"
+    want = "-" if rec["max_tokens"] is None else f"{rec['max_tokens']:,}"
+    assert _cell(output, "recommended --max-tokens") == want
+    if rec["max_tokens"] is None:  # the random tiny model rarely closes its thinking in 16 tokens
+        assert _cell(output, "advice").startswith(f"{rec['cut']} of {len(rows)} samples")
 
 
 def _check_forecast(output: str, pilots: list[dict]) -> dict:
@@ -256,6 +276,10 @@ def _check_forecast(output: str, pilots: list[dict]) -> dict:
     hours = len(pilots) * wall / 3600
     assert _cell(output, "device-hours") == (f"{hours:,.1f}" if hours >= 10 else f"{hours:.3g}")
     assert _cell(output, "generated tokens") == f"{n * sum(m['generated_tokens'] for m in best) / samples:,.0f}"
+    trainable = n * sum(m["trainable_tokens"] for m in best) / samples
+    generated = n * sum(m["generated_tokens"] for m in best) / samples
+    assert _cell(output, "trainable tokens (default export)") == f"{trainable:,.0f} ({trainable / generated:.0%})"
+    assert _cell(output, "trainable tokens per device-hour, the job") == f"{trainable / hours:,.0f}"
     for dtype in ("bf16", "fp8-e4m3"):
         per_token = sum(m["codec"]["bytes"][dtype] / m["codec"]["tokens"] * m["context_tokens"] for m in best) / samples
         assert _cell(output, f"disk, states {dtype}") == human_bytes(n * per_token)
@@ -280,6 +304,7 @@ def test_the_dense_pilot_prints_every_setting_and_a_forecast_recomputed_from_its
                                "duplicates": 1}
     _check_measurements_against_the_runs(pilot, storage)
     _check_forecast(output, [pilot])
+    _check_lengths(output, pilot)
     # every capture candidate proved its capture on the host: the capture check's re-captures (each engine's
     # first samples) and verify --reference on two samples, all agreeing
     for entry in pilot["candidates"]:
@@ -389,3 +414,42 @@ def test_the_recommended_produce_line_repeats_the_mix_the_pilot_measured():
         assert part in produce, (part, produce)
     plain = _pilot("b", [_measured("b", "inline", 2.0)])  # no mix, seed 0: nothing to repeat
     assert "--seed" not in commands([plain], forecast([plain]), ["/p.json"])["produce"]
+
+
+def test_the_recommended_budget_and_cap_are_the_smallest_that_give_the_share():
+    from app.pilot.lengths import recommend
+
+    # 40 thinking samples, reasoning 10..400 and answers 3..42 tokens; 10 non-thinking answers of 50..95
+    rows = [[10 * (i + 1), 3 + (7 * i) % 40, False, True, False] for i in range(40)]
+    rows += [[0, 50 + 5 * i, False, False, False] for i in range(10)]
+    rec = recommend(rows, 0.9, 4096)
+    budget, cap = rec["thinking_budget"], rec["max_tokens"]
+
+    def share_reasoning_within(n):
+        return sum(r[0] <= n for r in rows if r[3]) / 40
+
+    def share_within(b, m):
+        return sum((min(r[0], b) if r[3] else 0) + r[1] <= m for r in rows) / len(rows)
+    assert share_reasoning_within(budget) >= 0.9 > share_reasoning_within(budget - 1)
+    assert share_within(budget, cap) >= 0.9 > share_within(budget, cap - 1)
+    assert rec["within_max_tokens_share"] == share_within(budget, cap) and "advice" not in rec
+    assert rec["complete_share"] == sum(
+        (not r[3] or r[0] <= budget) and (min(r[0], budget) if r[3] else 0) + r[1] <= cap for r in rows) / len(rows)
+    # samples the pilot's own cap cut are of unknown length: when they reach the quantile, no recommendation
+    cut = [[r[0], r[1], i % 4 == 0, r[3], i % 4 == 0] for i, r in enumerate(rows)]  # a quarter cut, thinking open
+    unknown = recommend(cut, 0.9, 64)
+    assert unknown["thinking_budget"] is None and unknown["max_tokens"] is None
+    assert unknown["advice"].startswith(f"{unknown['cut']} of 50 samples were cut at the pilot's --max-tokens 64")
+    assert recommend(cut, 0.5, 64)["max_tokens"] is not None  # below the cut quarter: known
+
+
+def test_the_forecast_counts_trainable_tokens_per_device_hour():
+    entry = _measured("a", "inline", 2.0)
+    entry["measured"]["trainable_tokens"] = 3000  # of 5000 generated
+    plan = forecast([_pilot("a", [entry])])
+    assert plan["trainable_tokens"] == pytest.approx(10_000 * 3000 / 100)
+    assert plan["trainable_tokens_per_device_hour"] == pytest.approx(plan["trainable_tokens"] / plan["device_hours"])
+    from app.pilot.forecast import rates
+
+    assert rates(entry["measured"])["trainable_tokens_per_device_hour"] == pytest.approx(3000 / 50 * 3600)
+    assert forecast([_pilot("b", [_measured("b", "inline", 2.0)])])["trainable_tokens"] is None  # an older pilot

@@ -80,3 +80,55 @@ def _duplicate(arrays, reference):
 def test_each_fault_fails_its_check(tmp_path, reference, change, check):
     verdict = judge(write(tmp_path / "c.npz", reference, change), "dense", reference.capture)
     assert not verdict.ok and verdict.line.startswith(check), verdict.line
+
+
+@pytest.fixture(scope="module")
+def plain_reference(tmp_path_factory):
+    """The tiny model without the massive channel: its logits differ per token (the massive one's are all equal)."""
+    from app.data.reference import ReferenceCapture
+    from workers.tiny_model import build_tiny_qwen3
+
+    ref = ReferenceCapture(build_tiny_qwen3(str(tmp_path_factory.mktemp("judge-plain"))), LAYERS)
+    yield ref
+    ref.close()
+
+
+def _greedy(path, reference, wrong: bool):
+    """A greedy request whose output is transformers' own top tokens (or, `wrong`, the last one its lowest)."""
+    import torch
+
+    from app.data import token_check
+
+    prompt = list(range(30, 70))
+    ids = list(prompt)
+    for _ in range(6):
+        _, final = reference.capture_with_final(ids)
+        with torch.inference_mode():
+            ids.append(int(reference.head(final[-1:]).float().argmax()))
+    output = ids[len(prompt):]
+    if wrong:
+        _, final = reference.capture_with_final(ids[:-1])
+        with torch.inference_mode():
+            output[-1] = int(reference.head(final[-1:]).float().argmin())
+    greedy = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+    states = reference.capture(prompt + output[:-1])
+    arrays = {}
+    for tag in ("inline", "staged"):
+        arrays[f"{tag}/greedy/ids"] = np.asarray(prompt + output[:-1], dtype=np.int64)
+        arrays[f"{tag}/greedy/states"] = states.copy()
+    arrays["meta"] = np.frombuffer(json.dumps({"mode": "cpu", "layers": LAYERS, "vocab": 400, "requests": [
+        {"id": "greedy", "prompt": prompt, "sampling": greedy, "output": output, "finish_reason": "length"}]}).encode(),
+        dtype=np.uint8)
+    np.savez(path, **arrays)
+    return judge(str(path), "dense", reference.capture, None,
+                 lambda p, o, s: token_check.check_request(reference, p, o, s))
+
+
+def test_greedy_tokens_are_held_to_transformers_top_tokens(tmp_path, plain_reference):
+    reference = plain_reference
+    right = _greedy(tmp_path / "g.npz", reference, wrong=False)
+    assert right.ok and right.line.startswith("PASS 1 requests, ids, rows, reference, duplicate, staged, tokens;")
+    wrong = _greedy(tmp_path / "w.npz", reference, wrong=True)
+    assert not wrong.ok
+    assert wrong.line.startswith("FAIL tokens: greedy: 1 of 6 greedy tokens are not transformers' top token; first: "
+                                 "output token 5 (input_ids[45])"), wrong.line

@@ -6,11 +6,13 @@ import base64
 import json
 import re
 
+import pytest
 from click.testing import CliRunner
 
 from app.cli import main
 from app.data.run_reader import RunReader
 from app.data.stats import collect, plots
+from app.records import prompt_id
 from tests.support.synthetic_run import Spec, build_run, ok_records, stub_count
 
 
@@ -94,3 +96,48 @@ def test_a_mixed_runs_source_and_flag_tables_are_split_by_mode():
     add_shard(single, ShardRead(None, [], [("a.jsonl", 10, 50, 5, 50, [], "stop", "thinking")], []))
     assert _source_rows(single, []) == [["a.jsonl", "1", "0.0%", "50"]]  # one mode: the tables as before
     assert _flag_rows(single, []) == [["finish stop", 1, "100.0%"]]
+
+
+def test_the_yield_splits_tokens_and_seconds_by_outcome_and_counts_what_export_keeps(tmp_path):
+    """A run with every outcome: 12 samples, index 3 worker-rejected, 7 and 11 stubs, 10 cut at max_tokens (its
+    thinking had closed, so the export keeps it), 6 never closed its thinking (left out), 5 stopped for looping,
+    1 and 8 closed by the thinking budget; the yield is what `regen export` really writes."""
+    marks = {1: {"budget_closed": True}, 8: {"budget_closed": True}, 6: {"flags": ["missing_think_end"]},
+             5: {"loop_stopped": True, "flags": ["repetition_loop"]}}
+    seconds = (0.5, 2.0, 0.25, 0.0, 1.0, 4.0, 8.0, 0.5, 2.0, 1.0, 16.0, 0.25)
+    for i, s in enumerate(seconds):
+        marks.setdefault(i, {})["seconds"] = s
+    built = build_run(tmp_path / "s", Spec(stub_fraction=0.25, worker_rejects={3}, marks=marks))
+    by_index = {int(r["sample_id"], 16): r for r in built.records}
+    expected = {"complete": [0, 2, 4, 9], "budget_closed": [1, 8], "cut": [6, 10], "looped": [5], "stub": [7, 11],
+                "rejected": [3]}
+    st = collect(RunReader(str(tmp_path / "s"), "synth"))
+    for name, indices in expected.items():
+        o = st.outcomes[name]
+        tokens = sum(by_index[i].get("num_output_tokens") or 0 for i in indices)
+        assert (o.samples, o.tokens) == (len(indices), tokens), name
+        assert o.seconds == pytest.approx(sum(by_index[i].get("seconds") or 0 for i in indices)), name
+    # what the export writes: every ok conversation but index 6's (unterminated thinking)
+    out = tmp_path / "export"
+    result = CliRunner().invoke(main, ["export", "synth", "--storage", str(tmp_path / "s"), "--format", "sharegpt",
+                                       "--out", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    kept = {row["id"] for path in out.rglob("*.jsonl") for row in map(json.loads, path.read_text().splitlines())}
+    kept_tokens = sum(r["num_output_tokens"] for r in ok_records(built) if prompt_id(r) in kept)
+    assert len(kept) == 10 and st.trainable_tokens == kept_tokens
+    assert st.outcomes["cut"].trainable_samples == 1 and st.outcomes["rejected"].trainable_tokens == 0
+    generated = sum(r["num_output_tokens"] for r in ok_records(built))
+    line = (f"yield: {100 * kept_tokens / generated:.1f}% of generated tokens end in a trainable sample "
+            f"({kept_tokens:,} of {generated:,}; what `regen export` keeps by default)")
+    report = tmp_path / "report.html"
+    shown = CliRunner().invoke(main, ["stats", "synth", "--storage", str(tmp_path / "s"), "--html", str(report)],
+                               catch_exceptions=False, terminal_width=250)
+    assert line in shown.output and "budget" in shown.output and "looped" in shown.output
+    page = report.read_text()
+    assert line in page
+    looped = st.outcomes["looped"]
+    assert (f"<tr><td>looped</td><td>1</td><td>{looped.tokens:,}</td><td>{100 * looped.tokens / generated:.1f}%</td>"
+            f"<td>4.0</td>") in page
+    data = json.loads(CliRunner().invoke(main, ["stats", "synth", "--storage", str(tmp_path / "s"), "--json"]).output)
+    assert data["yield"]["trainable_tokens"] == kept_tokens
+    assert data["yield"]["outcomes"]["budget_closed"]["samples"] == 2

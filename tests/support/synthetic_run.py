@@ -44,6 +44,7 @@ class Spec:
     seed: int = 0
     states_dtype: str = "bf16"  # a lossy codec (app/states_codec.py) stores and records states as that
     layers: tuple = tuple(LAYERS)  # vLLM ids the run says it captured (the states have one slot per id)
+    marks: dict = field(default_factory=dict)  # global index -> fields set on its ok record (`flags` are added)
 
 
 @dataclass
@@ -81,6 +82,8 @@ def _sample(i: int, spec: Spec, rng: np.random.Generator) -> tuple[dict, np.ndar
         "answer": answer, "finish_reason": finish, "stop_reason": None, "seconds": 0.1, "flags": flags,
         "hidden": None, "worker": "w0", "device": "cpu",
     }
+    for key, value in spec.marks.get(i, {}).items():
+        rec[key] = rec["flags"] + [f for f in value if f not in rec["flags"]] if key == "flags" else value
     if spec.capture == "off":
         return rec, None
     if i in spec.zero_samples:

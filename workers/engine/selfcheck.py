@@ -4,7 +4,7 @@ file.
 Why a process per mode: vLLM reads what a mode changes from the environment when it builds its config, and one
 process holds one engine well; `regen selfcheck` starts this per mode and model and judges what it wrote
 (app.data.selfcheck_judge). The engine is the worker's own, so the capture path under test is the fleet's; the
-requests cover chunking, shared prefixes, a duplicate, the run's sampling and preemption, then a staged pass.
+requests cover chunking, shared prefixes, a duplicate, the run's sampling and preemption, two greedy requests (whose tokens the judge holds to transformers'), then a staged pass.
 Every request and why: docs/capture.md#what-selfchecks-engine-side-runs.
 """
 
@@ -79,6 +79,9 @@ def requests(vocab: int, top_k: bool) -> list[dict]:
                     "max_tokens": MAX_TOKENS, "seed": 1000 + k}
         out.append({"id": rid, "prompt": prompt, "sampling": sampling})
     out.append({**out[3], "id": "len-300-duplicate"})  # same ids, same seed
+    greedy = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": MAX_TOKENS, "seed": 0}
+    out += [{"id": "greedy-64", "prompt": ids(64), "sampling": greedy},
+            {"id": "greedy-300", "prompt": ids(300), "sampling": greedy}]
     return out
 
 
