@@ -156,18 +156,24 @@ class StaleRows:
     its tokens: the old probe, which found one stale row of a 3,000-token sample with a chance of about
     (16/3000)^2); all-zero rows are skipped (`states_zero` covers them).
 
-    The table holds the newest ~`capacity` rows (16 bytes each: 32 MiB at the default, ~140 samples of 3,000
-    tokens x 5 layers) as sorted runs of keys merged as they grow, so looking up a sample's 15,000 rows is a few
-    binary searches, not 15,000 dictionary operations. Thread-safe: encoder threads share one per process.
+    The table is `capacity` slots (16 bytes each: 32 MiB at the default, ~140 samples of 3,000 tokens x 5
+    layers). A row's key may sit in either of two slots (the two halves of its hash) and goes into the one
+    written by the older sample, so the newest rows stay: a row is lost early only when both its slots were
+    taken by newer ones. A sample's lookup is two gathers per row, not a binary search per row in each of the
+    sorted runs this replaced (~1.5 ms of a worker's side CPU per tiny sample, docs/performance.md).
+    Thread-safe: encoder threads share one per process.
     """
 
     def __init__(self, capacity: int = 1 << 21, positions: int = 0):
         self.capacity, self.positions = capacity, positions
-        self._runs: list[tuple[np.ndarray, np.ndarray]] = []  # (sorted keys, their tokens), oldest first
+        # key 0: an empty slot; sample: which sample wrote the slot (1, 2, ...); one slot is one 16-byte record,
+        # so a lookup costs one cache line
+        self._table = np.zeros(capacity, dtype=SLOT)
+        self._written = 0
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return sum(len(keys) for keys, _ in self._runs)
+        return int(np.count_nonzero(self._table["sample"]))
 
     def check(self, token_ids: np.ndarray, states_u16: np.ndarray) -> str | None:
         """'states_stale' if a row of this sample was seen before as another token's state; records its rows."""
@@ -180,30 +186,39 @@ class StaleRows:
         else:
             picks = None
         keys, tokens = row_keys(states_u16[:n_tokens], picks, np.asarray(token_ids[:n_tokens], dtype=np.int64))
+        keys, tokens = keys[keys != 0], tokens[keys != 0].astype(np.int32)
         order = np.argsort(keys, kind="stable")
-        keys, tokens = keys[order], tokens[order]
-        same = keys[1:] == keys[:-1]
-        stale = bool((same & (tokens[1:] != tokens[:-1])).any())  # within this sample
+        same = keys[order][1:] == keys[order][:-1]
+        stale = bool((same & (tokens[order][1:] != tokens[order][:-1])).any())  # within this sample
+        first, second = keys % self.capacity, (keys >> np.uint64(32)) % self.capacity
         with self._lock:
-            for run_keys, run_tokens in self._runs:
-                at = np.minimum(np.searchsorted(run_keys, keys), len(run_keys) - 1)
-                hit = run_keys[at] == keys
-                if (hit & (run_tokens[at] != tokens)).any():
+            one, two = self._table[first], self._table[second]
+            for slot in (one, two):
+                if ((slot["key"] == keys) & (slot["token"] != tokens)).any():
                     stale = True
-            self._add(keys, tokens)
+            self._add(keys, tokens, (first, one), (second, two))
         return "states_stale" if stale else None
 
-    def _add(self, keys: np.ndarray, tokens: np.ndarray) -> None:
+    def _add(self, keys: np.ndarray, tokens: np.ndarray, first: tuple, second: tuple) -> None:
+        """Each key into the slot of its two that holds it already, else the one the older sample wrote; a key
+        that lost its slot to another key of this sample takes its other slot unless this sample wrote that."""
         if not len(keys):
             return
-        self._runs.append((keys, tokens))
-        while len(self._runs) > 1 and len(self._runs[-1][0]) >= len(self._runs[-2][0]):
-            (k1, t1), (k2, t2) = self._runs[-2], self._runs.pop()
-            k, t = np.concatenate([k1, k2]), np.concatenate([t1, t2])
-            order = np.argsort(k, kind="stable")
-            self._runs[-1] = (k[order], t[order])
-        while len(self._runs) > 1 and len(self) > self.capacity:
-            self._runs.pop(0)
+        (at1, one), (at2, two) = first, second
+        self._written += 1
+        new = np.empty(len(keys), dtype=SLOT)
+        new["key"], new["token"], new["sample"] = keys, tokens, self._written
+        target = np.where(one["key"] == keys, at1,
+                          np.where(two["key"] == keys, at2, np.where(one["sample"] <= two["sample"], at1, at2)))
+        self._table[target] = new
+        lost = self._table["key"][target] != keys
+        if lost.any():
+            other = np.where(target == at1, at2, at1)[lost]
+            free = self._table["sample"][other] != self._written
+            self._table[other[free]] = new[lost][free]
+
+
+SLOT = np.dtype([("key", "<u8"), ("token", "<i4"), ("sample", "<u4")])
 
 
 def row_keys(states_u16: np.ndarray, picks: np.ndarray | None, token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

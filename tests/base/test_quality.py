@@ -239,3 +239,22 @@ def test_the_same_token_repeating_its_row_is_not_stale():
     later[:100] = states[:100]
     seen = StaleRows()
     assert seen.check(ids, states) is None and seen.check(later_ids, later) is None
+
+
+def test_a_full_table_keeps_the_previous_samples_rows():
+    """The table is full of older samples' rows; one row of the sample just before, at another token, is found
+    wherever it lies (a row gives way only to newer ones)."""
+    from app.quality import StaleRows
+
+    seen = StaleRows(capacity=60_000)
+    for seed in range(8):  # 120,000 rows through 60,000 slots
+        assert seen.check(np.arange(seed * 5000, seed * 5000 + 3000), _sample_states(30 + seed)) is None
+    previous = _sample_states(37)
+    rng = np.random.default_rng(7)
+    for trial in range(20):
+        ids, states = np.arange(90_000, 93_000), _sample_states(300 + trial)
+        t, source, layer = (int(x) for x in (rng.integers(3000), rng.integers(3000), rng.integers(5)))
+        states[t, layer] = previous[source, layer]
+        table = StaleRows(capacity=60_000)
+        table._table[:], table._written = seen._table, seen._written
+        assert table.check(ids, states) == "states_stale", (t, source, layer)
