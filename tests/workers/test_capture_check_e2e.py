@@ -20,7 +20,7 @@ from app.ledger import attempt_errors, pause_state
 from app.storage import RunStore, Storage
 from tests.support.polling import wait_for
 from tests.support.runs import produce, prompts_file, run_records, wait_run_done
-from workers.engine.capture_faults_for_tests import FAULTS
+from workers.doubles.capture_faults_for_tests import FAULTS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

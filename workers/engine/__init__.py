@@ -12,7 +12,8 @@ capture_connector.py  vLLM's hidden-state connector, made to work on the CPU
 capture_file.py       reading and removing the connector's per-request files
 self_test.py          the start-up test: the run's sampling, prompts that break engines, the capture check
 recapture.py          a sample's stored ids captured again in a batch of their own and compared
-capture_faults_for_tests.py  TEST ONLY: corrupts listed runs' captures on purpose (REGEN_FAULT_INJECTION_FOR_TESTS)
+factory.py            the engine a worker builds from its options (the stand-in engine's one plug point)
+fault_hook.py         the capture path's hook for the test-only fault injector (its one plug point)
 engine_mode.py        the mode a built engine runs in (runner, scheduling, chunking, graphs, device)
 limits.py             settings an engine is known to crash on, refused before it runs
 scheduling.py         how the engine and the worker's side threads share a CPU's cores

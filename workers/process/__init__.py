@@ -10,5 +10,4 @@ message_guard.py      the transport guard: a message that cannot be decoded is s
 heap.py               the start-up heap frozen out of garbage collection
 engine_watch.py       the watchdog that stops a worker whose engine died while idle
 dead_holder_watch.py  the re-send of shards that dead processes held, one check a period for the fleet
-bench_task.py         the fleet bench's in-worker baseline task
 """

@@ -14,7 +14,7 @@ from app.documents import CaptureMarker
 from app.jsonl_zst import loads_jsonl_zst
 from app.manifest import compression_level
 from app.storage import RunStore
-from workers.engine.capture_faults_for_tests import process_injector
+from workers.engine.fault_hook import capture_faults
 from workers.engine.recapture import CheckOutcome, CheckPolicy, Pending
 from workers.engine.request import GenRequest
 from workers.shard import capture_check
@@ -50,7 +50,7 @@ def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_i
     policy = CheckPolicy.of(manifest["settings"])
     zero_ids = zero_embedding_ids(manifest["settings"])
     to_check: list[Pending] = []
-    faults = process_injector()  # None but in the tests
+    faults = capture_faults()  # None but in the tests
     # As in generate: each sample's states go into the attempt's file as soon as they are checked and encoded.
     with hidden_file_stream(store, shard_id, f"{attempt}c") as stream:
 

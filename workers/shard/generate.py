@@ -30,7 +30,7 @@ from app.quality import (
 )
 from app.records import conversation_id, loss_mask, rejected_record
 from app.states_compare import zero_rows_allowed
-from workers.engine.capture_faults_for_tests import process_injector
+from workers.engine.fault_hook import capture_faults
 from workers.engine.recapture import PREFILL_ONLY, CheckPolicy, Pending
 from workers.engine.request import GenRequest, GenResult
 from workers.shard import capture_check
@@ -94,7 +94,7 @@ class ShardGeneration:
         # The capture check (workers.shard.capture_check): the samples to re-capture once the shard is generated.
         self.check_policy = CheckPolicy.of(settings)
         self.to_check: list[Pending] = []
-        self.faults = process_injector() if self.capture_inline else None  # None but in the tests
+        self.faults = capture_faults() if self.capture_inline else None  # None but in the tests
 
     def base(self, sample: dict, index: int, messages: list[dict], **extra) -> dict:
         mode = {"thinking": record_thinking(sample, self.settings)}
