@@ -46,8 +46,9 @@ from app.states_codec import promised_bound
 from app.storage import RunStore, Storage
 from producer.accounting import Accounting, write_produce_state
 from workers.doubles.stand_in import thinking_output
-from workers.shard.generate import encode_into, shard_summary
+from workers.shard.generate import shard_summary
 from workers.shard.shard_output import hidden_file_stream, publish_shard
+from workers.shard.states import encode_into
 
 JOB_SAMPLES = 914_000
 SHARD_SIZE = 64

@@ -18,8 +18,8 @@ from workers.engine.fault_hook import capture_faults
 from workers.engine.recapture import CheckOutcome, CheckPolicy, Pending
 from workers.engine.request import GenRequest
 from workers.shard import capture_check
-from workers.shard.generate import encode_into, repair_states, states_dtype, zero_embedding_ids
 from workers.shard.shard_output import hidden_file_stream, publish_marker
+from workers.shard.states import encode_into, repair_states, states_dtype, zero_embedding_ids
 
 if TYPE_CHECKING:
     from workers.process.context import WorkerContext
@@ -91,7 +91,7 @@ def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_i
             if not outcome.ok:
                 problems.setdefault(outcome.sample_id, []).append(capture_check.FLAG)
     written = stream.written
-    # `repaired`: samples whose first capture had zero or non-finite rows, captured again (generate.repair_states)
+    # `repaired`: samples whose first capture had zero or non-finite rows, captured again (workers.shard.states.repair_states)
     body = CaptureMarker.new(shard_id, attempt, written.info(), index, problems, ctx.worker_name,
                              ctx.engine_mode_key, {**capture_check.summary(outcomes), "samples": checks}, repaired)
     won = publish_marker(store, store.captured_path(shard_id), body, [written.path], shard_id, stale_after)
