@@ -18,5 +18,6 @@ engine_mode.py        the mode a built engine runs in (runner, scheduling, chunk
 limits.py             settings an engine is known to crash on, refused before it runs
 scheduling.py         how the engine and the worker's side threads share a CPU's cores
 
-Nothing here imports the rest of workers/ (vLLM's environment is written by the base's app.process_env).
+Nothing here imports the rest of workers/ but the doubles at their plug points (factory.py, fault_hook.py;
+vLLM's environment is written by the base's app.process_env).
 """
