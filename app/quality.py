@@ -136,18 +136,24 @@ class StaleRows:
     its tokens: the old probe, which found one stale row of a 3,000-token sample with a chance of about
     (16/3000)^2); all-zero rows are skipped (`states_zero` covers them).
 
-    The table holds the newest ~`capacity` rows (16 bytes each: 32 MiB at the default, ~140 samples of 3,000
-    tokens x 5 layers) as sorted runs of keys merged as they grow, so looking up a sample's 15,000 rows is a few
-    binary searches, not 15,000 dictionary operations. Thread-safe: encoder threads share one per process.
+    The table is `capacity` slots (16 bytes each: 32 MiB at the default, ~140 samples of 3,000 tokens x 5
+    layers). A row's key may sit in either of two slots (the two halves of its hash) and goes into the one
+    written by the older sample, so the newest rows stay: a row is lost early only when both its slots were
+    taken by newer ones. A sample's lookup is two gathers per row, not a binary search per row in each of the
+    sorted runs this replaced (~1.5 ms of a worker's side CPU per tiny sample, docs/performance.md).
+    Thread-safe: encoder threads share one per process.
     """
 
     def __init__(self, capacity: int = 1 << 21, positions: int = 0):
         self.capacity, self.positions = capacity, positions
-        self._runs: list[tuple[np.ndarray, np.ndarray]] = []  # (sorted keys, their tokens), oldest first
+        # key 0: an empty slot; sample: which sample wrote the slot (1, 2, ...); one slot is one 16-byte record,
+        # so a lookup costs one cache line
+        self._table = np.zeros(capacity, dtype=SLOT)
+        self._written = 0
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return sum(len(keys) for keys, _ in self._runs)
+        return int(np.count_nonzero(self._table["sample"]))
 
     def check(self, token_ids: np.ndarray, states_u16: np.ndarray) -> str | None:
         """'states_stale' if a row of this sample was seen before as another token's state; records its rows."""
@@ -160,48 +166,89 @@ class StaleRows:
         else:
             picks = None
         keys, tokens = row_keys(states_u16[:n_tokens], picks, np.asarray(token_ids[:n_tokens], dtype=np.int64))
+        keys, tokens = keys[keys != 0], tokens[keys != 0].astype(np.int32)
         order = np.argsort(keys, kind="stable")
-        keys, tokens = keys[order], tokens[order]
-        same = keys[1:] == keys[:-1]
-        stale = bool((same & (tokens[1:] != tokens[:-1])).any())  # within this sample
+        same = keys[order][1:] == keys[order][:-1]
+        stale = bool((same & (tokens[order][1:] != tokens[order][:-1])).any())  # within this sample
+        first, second = keys % self.capacity, (keys >> np.uint64(32)) % self.capacity
         with self._lock:
-            for run_keys, run_tokens in self._runs:
-                at = np.minimum(np.searchsorted(run_keys, keys), len(run_keys) - 1)
-                hit = run_keys[at] == keys
-                if (hit & (run_tokens[at] != tokens)).any():
+            one, two = self._table[first], self._table[second]
+            for slot in (one, two):
+                if ((slot["key"] == keys) & (slot["token"] != tokens)).any():
                     stale = True
-            self._add(keys, tokens)
+            self._add(keys, tokens, (first, one), (second, two))
         return "states_stale" if stale else None
 
-    def _add(self, keys: np.ndarray, tokens: np.ndarray) -> None:
+    def _add(self, keys: np.ndarray, tokens: np.ndarray, first: tuple, second: tuple) -> None:
+        """Each key into the slot of its two that holds it already, else the one the older sample wrote; a key
+        that lost its slot to another key of this sample takes its other slot unless this sample wrote that."""
         if not len(keys):
             return
-        self._runs.append((keys, tokens))
-        while len(self._runs) > 1 and len(self._runs[-1][0]) >= len(self._runs[-2][0]):
-            (k1, t1), (k2, t2) = self._runs[-2], self._runs.pop()
-            k, t = np.concatenate([k1, k2]), np.concatenate([t1, t2])
-            order = np.argsort(k, kind="stable")
-            self._runs[-1] = (k[order], t[order])
-        while len(self._runs) > 1 and len(self) > self.capacity:
-            self._runs.pop(0)
+        (at1, one), (at2, two) = first, second
+        self._written += 1
+        new = np.empty(len(keys), dtype=SLOT)
+        new["key"], new["token"], new["sample"] = keys, tokens, self._written
+        target = np.where(one["key"] == keys, at1,
+                          np.where(two["key"] == keys, at2, np.where(one["sample"] <= two["sample"], at1, at2)))
+        self._table[target] = new
+        lost = self._table["key"][target] != keys
+        if lost.any():
+            other = np.where(target == at1, at2, at1)[lost]
+            free = self._table["sample"][other] != self._written
+            self._table[other[free]] = new[lost][free]
+
+
+SLOT = np.dtype([("key", "<u8"), ("token", "<i4"), ("sample", "<u4")])
 
 
 def row_keys(states_u16: np.ndarray, picks: np.ndarray | None, token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(xxh3 key, token) of every row at `picks` (None: every row) in every layer, all-(+)zero rows left out (the
-    layer is the hash's seed, so the same values in two layers are two keys). Hashes the rows where they lie:
-    no copy of the sample."""
+    """(64-bit key, token) of every row at `picks` (None: every row) in every layer, all-(+)zero rows left out (the
+    layer is the hash's seed, so the same values in two layers are two keys). Rows of up to `NARROW_ROW` bytes
+    (a small model's) are hashed together in numpy (`narrow_row_keys`); wider ones by one xxh3 call each, where
+    they lie: no copy of the sample."""
     n_tokens, n_layers = states_u16.shape[0], states_u16.shape[1]
     rows = states_u16.reshape(n_tokens, n_layers, -1)
     if picks is not None or not rows.flags.c_contiguous:
         rows = np.ascontiguousarray(rows[picks if picks is not None else slice(None)])
     width = rows.shape[2] * 2
+    tokens = np.repeat(token_ids if picks is None else token_ids[picks], n_layers)
+    if width <= NARROW_ROW and width % 8 == 0:
+        words = rows.view(np.uint64)
+        keep = words.any(axis=2).reshape(-1)
+        return narrow_row_keys(words)[keep], tokens[keep]
     flat = memoryview(rows.reshape(-1).view(np.uint8))
     keys = np.fromiter((xxhash.xxh3_64_intdigest(flat[i * width:(i + 1) * width], seed=i % n_layers)
                         for i in range(rows.shape[0] * n_layers)), dtype=np.uint64, count=rows.shape[0] * n_layers)
     zero = np.array([xxhash.xxh3_64_intdigest(bytes(width), seed=k) for k in range(n_layers)], dtype=np.uint64)
     keep = keys != np.tile(zero, rows.shape[0])
-    tokens = np.repeat(token_ids if picks is None else token_ids[picks], n_layers)
     return keys[keep], tokens[keep]
+
+
+# Row width (bytes) up to which `narrow_row_keys` hashes: one xxh3 call a row costs ~0.35 us of Python beside the
+# hash, numpy's ~4 ns a 64-bit word (0.1 against 0.3 ms for a tiny model's 870 rows of 256 bytes).
+NARROW_ROW = 1024
+_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+_SHIFTS = (np.uint64(30), np.uint64(27), np.uint64(31))
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, in place on uint64 (wrapping arithmetic)."""
+    x ^= x >> _SHIFTS[0]
+    x *= _MIX[1]
+    x ^= x >> _SHIFTS[1]
+    x *= _MIX[2]
+    x ^= x >> _SHIFTS[2]
+    return x
+
+
+def narrow_row_keys(words: np.ndarray) -> np.ndarray:
+    """A 64-bit key per row of `words` [tokens, layers, words] (uint64), token-major: each word mixed with its
+    position (splitmix64), the mixes summed, the sum mixed with the layer. Equal rows of one layer get equal
+    keys; two different rows the same key with a chance of about 2^-64."""
+    x = words + (np.arange(words.shape[2], dtype=np.uint64) + np.uint64(1)) * _MIX[0]
+    summed = _mix(x).sum(axis=2, dtype=np.uint64)
+    summed += (np.arange(words.shape[1], dtype=np.uint64) + np.uint64(1)) * _MIX[1]
+    return _mix(summed).reshape(-1)
 
 
 @functools.lru_cache(maxsize=1)

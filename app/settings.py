@@ -104,7 +104,7 @@ class Settings:
     worker_config: str | None = None  # REGEN_WORKER_CONFIG: a worker child's WorkerConfig as JSON (workers.process.context)
     bench_tasks: bool = False  # REGEN_BENCH_TASKS=1: the worker registers the fleet bench's task too
     # REGEN_FAULT_INJECTION_FOR_TESTS: tests only, a JSON file of {run id: fault} whose runs' captures a worker
-    # corrupts on purpose (workers.engine.capture_faults_for_tests); None everywhere else
+    # corrupts on purpose (workers.doubles.capture_faults_for_tests); None everywhere else
     fault_injection_for_tests: str | None = None
     storage_counts: str | None = None  # REGEN_STORAGE_COUNTS=DIR: count storage operations (app.storage_counts)
     # VLLM_USE_V2_MODEL_RUNNER=0 (vLLM's own variable): its engines run the V1 model runner, which the loop stop

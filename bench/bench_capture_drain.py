@@ -38,7 +38,7 @@ from app.quality import states_problem
 from app.states_codec import DEFAULT_LOSSY, LOSSY_CODECS
 from workers.engine.capture_file import read_capture_file
 from workers.process.context import scratch_root
-from workers.shard.generate import check_and_encode
+from workers.shard.states import check_and_encode
 
 
 def copying_read(path: str) -> tuple[np.ndarray, np.ndarray]:

@@ -27,7 +27,7 @@ is as large as the target's margin, and with one direct and one worker it decide
 `--directs` direct processes and `--fleets` workers (2 each by default), times one pass of every one per round,
 and takes the ratio of the fleet's mean rate to direct's mean rate; each process's own median against the
 round's direct mean is printed too, so the spread shows. `--in-worker` adds `LLM.generate` run by each worker
-on its own engine (in its engine's process, between shards: workers/process/bench_task.py), which takes that worker's
+on its own engine (in its engine's process, between shards: workers/doubles/bench_task.py), which takes that worker's
 own process difference out of its comparison.
 
 How the comparison is kept fair on a noisy machine (speeds here move by 20-30% within minutes):
@@ -307,7 +307,7 @@ class Fleet:
         return produced["counts"]["shards"]
 
     def direct_in_worker(self, round_name: str, sampling_of: str) -> tuple[int, float, list[float], dict]:
-        """`LLM.generate` over the round's prompts on the worker's own engine (workers/process/bench_task.py), with the
+        """`LLM.generate` over the round's prompts on the worker's own engine (workers/doubles/bench_task.py), with the
         sampling of run `bench-<sampling_of>`; extras as `timed`'s (CPU by part over the whole exchange)."""
         from app.celery_app import BENCH_DIRECT_TASK
 

@@ -11,7 +11,7 @@ One command:
     python bench/bench_fleet_scale.py --scale 0.1                       # 1,428 shards, local storage
     nice -n 10 python bench/bench_fleet_scale.py --scale 1 --s3-scale 0.02 --json out.json   # the docs' table
 
-What it does (every part is the product's, only the engine is the stand-in's, workers/engine/stand_in.py):
+What it does (every part is the product's, only the engine is the stand-in's, workers/doubles/stand_in.py):
 1. A prompts file of the job's shape (`--scale` of 914K samples, ~120-token prompts; unique, so none is a
    duplicate), the tokenizer and config of the tiny Qwen3 (`regen tiny-model`) as the model, a private
    `redis-server` (no persistence, `noeviction`).
@@ -227,7 +227,7 @@ class FleetCPU:
         self.threads: dict[tuple[int, int, int], int] = {}  # stand-in threads: (pid, tid, start) -> ticks
 
     def read(self, roots: list[int]) -> dict:
-        from workers.engine.stand_in import THREAD_NAME
+        from workers.doubles.stand_in import THREAD_NAME
 
         for root in roots:
             for p in process_tree(root):

@@ -45,9 +45,10 @@ from app.records import loss_mask
 from app.states_codec import promised_bound
 from app.storage import RunStore, Storage
 from producer.accounting import Accounting, write_produce_state
-from workers.engine.stand_in import thinking_output
-from workers.shard.generate import encode_into, shard_summary
+from workers.doubles.stand_in import thinking_output
+from workers.shard.generate import shard_summary
 from workers.shard.shard_output import hidden_file_stream, publish_shard
+from workers.shard.states import encode_into
 
 JOB_SAMPLES = 914_000
 SHARD_SIZE = 64
@@ -137,7 +138,7 @@ def _text(rng: np.random.Generator, n_tokens: int) -> str:
 
 def lengths(rng: np.random.Generator) -> tuple[int, int, str]:
     """(prompt tokens, output tokens, kind): kind is `stop`, `stub` or `cap` (cut at max_tokens). The output's
-    shape is the stand-in engine's (workers/engine/stand_in.thinking_output), so the fleet harness
+    shape is the stand-in engine's (workers/doubles/stand_in.thinking_output), so the fleet harness
     (bench/bench_fleet_scale.py) generates what this run lays down."""
     n_prompt = int(np.clip(rng.lognormal(np.log(120), 0.9), 12, 3000))
     n_out, kind = thinking_output(rng, MAX_TOKENS)

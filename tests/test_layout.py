@@ -157,6 +157,47 @@ def test_no_module_imports_another_modules_private_names():
     assert not private, "\n".join(private)
 
 
+# -- test doubles behind a fence ------------------------------------------------------------------------------
+# workers/doubles/ holds code that stands in for a part of the product (never used for data). The product imports
+# each double at its one plug point only, as dramatiq keeps its StubBroker apart from the brokers: the doubles
+# may import the product, and tests and benchmarks may import them.
+DOUBLES = "workers.doubles"
+PLUG_POINTS = {
+    "workers.doubles.stand_in": "workers.engine.factory",  # the engine the worker builds, by its options
+    "workers.doubles.capture_faults_for_tests": "workers.engine.fault_hook",  # the capture path's one hook
+    "workers.doubles.bench_task": "workers.celery_worker",  # registered with the worker's tasks, when asked
+}
+
+
+def is_double(module: str) -> bool:
+    return module == DOUBLES or module.startswith(DOUBLES + ".")
+
+
+def fence_breaches(graph: dict[str, set[str]], plug_points=PLUG_POINTS) -> list[str]:
+    """`importer imports double` for each product module that imports a double other than at its plug point."""
+    return [f"{m} imports {t} (its plug point is {plug_points.get(t, 'none')})" for m in sorted(graph)
+            if not is_double(m) for t in sorted(graph[m]) if is_double(t) and plug_points.get(t) != m]
+
+
+def test_the_product_reaches_each_double_only_at_its_plug_point():
+    graph = import_graph()
+    assert not fence_breaches(graph), "\n".join(fence_breaches(graph))
+    doubles = {m for m in graph if is_double(m) and m != DOUBLES}
+    assert doubles == set(PLUG_POINTS), doubles  # every double has its plug point, and each listed one exists
+    assert all(double in graph[plug] for double, plug in PLUG_POINTS.items())  # each plug point is used
+
+
+def test_the_fence_check_sees_a_double_imported_past_its_plug_point():
+    graph = {"workers.engine.factory": {"workers.doubles.stand_in"}, "workers.doubles.stand_in": {"app.errors"},
+             "workers.shard.generate": {"workers.engine.fault_hook"}, "app.errors": set()}
+    assert fence_breaches(graph) == []
+    graph["workers.shard.generate"].add("workers.doubles.stand_in")  # the product reaching past the plug point
+    graph["workers.process.plan"] = {"workers.doubles"}
+    assert fence_breaches(graph) == [
+        "workers.process.plan imports workers.doubles (its plug point is none)",
+        "workers.shard.generate imports workers.doubles.stand_in (its plug point is workers.engine.factory)"]
+
+
 @pytest.mark.parametrize("module,allowed", [("app.storage", False), ("producer.produce", False),
                                             ("app.cli.run", True)])
 def test_the_rules_tell_a_module_that_may_import_everything_from_one_that_may_not(module, allowed):

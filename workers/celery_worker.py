@@ -23,8 +23,8 @@ from celery.signals import worker_process_init, worker_process_shutdown, worker_
 from app.celery_app import create_app
 from app.liveness import clock_skew_warning
 from app.settings import Settings, install
+from workers.doubles.bench_task import register_bench
 from workers.process import dead_holder_watch
-from workers.process.bench_task import register_bench
 from workers.process.context import WorkerContext
 from workers.process.engine_watch import watch_engine
 from workers.process.heap import freeze_startup_heap
@@ -42,7 +42,7 @@ def build_worker_app(settings: Settings) -> Celery:
     celery = create_app(settings.broker)
     guard_messages(celery)
     register(celery)
-    if settings.bench_tasks:  # the fleet bench's in-worker baseline (workers.process.bench_task)
+    if settings.bench_tasks:  # the fleet bench's in-worker baseline (workers.doubles.bench_task)
         register_bench(celery)
     connect_worker_signals(celery)
     return celery

@@ -104,7 +104,7 @@ def engine_host_option(*, help: str):
 
 
 def stand_in_engine_option(*, help: str):
-    """`--stand-in-engine SPEC` [env REGEN_STAND_IN_ENGINE]; benchmarks and tests only (workers.engine.stand_in)."""
+    """`--stand-in-engine SPEC` [env REGEN_STAND_IN_ENGINE]; benchmarks and tests only (workers.doubles.stand_in)."""
     return click.option("--stand-in-engine", "stand_in", default=None, envvar="REGEN_STAND_IN_ENGINE", metavar="SPEC",
                         help=help)
 

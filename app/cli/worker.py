@@ -99,7 +99,7 @@ log = logging.getLogger("regen.worker")
 @stand_in_engine_option(
     help="Benchmarks and tests only, never data: instead of vLLM, an engine that stands in for a GPU "
          "(token ids at a set rate, thinking-mode lengths), e.g. rate=11500,scale=20,devices=8: that "
-         "many worker processes, each the real worker around one (workers.engine.stand_in) "
+         "many worker processes, each the real worker around one (workers.doubles.stand_in) "
          "[env REGEN_STAND_IN_ENGINE; default: none, vLLM].")
 def worker(cpu, gpus, queues, broker, storage, run_id, model, layers, name, max_attempts, max_crashes, max_num_seqs,
            max_model_len, gpu_memory_utilization, kv_cache_gib, tensor_parallel_size, task_slots, encode_threads,

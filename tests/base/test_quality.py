@@ -239,3 +239,26 @@ def test_the_same_token_repeating_its_row_is_not_stale():
     later[:100] = states[:100]
     seen = StaleRows()
     assert seen.check(ids, states) is None and seen.check(later_ids, later) is None
+
+
+def test_a_full_table_keeps_the_previous_samples_rows():
+    """The table is full of older samples' rows; one row of the sample just before, at another token, is found
+    nearly wherever it lies: a row gives way only to newer ones, and here a sample is a quarter of the table (at
+    the default size a tiny sample is 0.04% of it, a real one 0.7%), so a few of its rows lost each other's slots."""
+    from app.quality import StaleRows
+
+    seen = StaleRows(capacity=60_000)
+    for seed in range(8):  # 120,000 rows through 60,000 slots
+        assert seen.check(np.arange(seed * 5000, seed * 5000 + 3000), _sample_states(30 + seed)) is None
+    previous = _sample_states(37)
+    rng = np.random.default_rng(7)
+    found = 0
+    for trial in range(40):
+        ids, states = np.arange(90_000, 93_000), _sample_states(300 + trial)
+        t, source, layer = (int(x) for x in (rng.integers(3000), rng.integers(3000), rng.integers(5)))
+        states[t, layer] = previous[source, layer]
+        table = StaleRows(capacity=60_000)
+        table._table[:], table._written = seen._table, seen._written
+        found += table.check(ids, states) == "states_stale"
+    assert found >= 36, found
+    assert StaleRows(capacity=60_000).check(ids, states) is None  # an empty table finds nothing to repeat

@@ -188,9 +188,9 @@ def test_the_defaults_check_sees_a_second_spelling():
 
 
 # The run's settings are read typed, through app.manifest.RunSettings.view: no module reads a stored setting by
-# name. Delivery's modules are being rebuilt (issue 46, item 3) and join the rule when that lands.
+# name.
 _RAW_SETTING = re.compile(r"""settings["']?\]?\s*(?:\[\s*["']|\.get\(\s*["'])""")
-_RAW_ALLOWED = {"app/manifest.py", "workers/shard/tasks.py", "workers/shard/task_guards.py"}
+_RAW_ALLOWED = {"app/manifest.py"}
 
 
 def test_no_module_reads_a_stored_run_setting_by_name():

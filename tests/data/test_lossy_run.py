@@ -27,7 +27,7 @@ from tests.support.producer import QUEUE, sharegpt_row, write_jsonl
 from tests.support.redis_db import PRODUCER_REDIS
 from tests.support.synthetic_run import HIDDEN, LAYERS, Spec, build_run, ok_records
 from tests.support.verify_runs import kinds, run_verify
-from workers.shard.generate import check_and_encode
+from workers.shard.states import check_and_encode
 
 FP8 = "fp8-e4m3"
 

@@ -127,7 +127,7 @@ def e2e_storage(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def capture_faults_file(tmp_path_factory) -> Path:
-    """The `cpu_worker`'s fault-injection file (workers/engine/capture_faults_for_tests.py): a test writes
+    """The `cpu_worker`'s fault-injection file (workers/doubles/capture_faults_for_tests.py): a test writes
     `{run id: fault}` into it before producing that run; runs it does not list are captured as they are."""
     return tmp_path_factory.mktemp("capture-faults") / "faults.json"
 

@@ -20,7 +20,7 @@ from app.ledger import attempt_errors, pause_state
 from app.storage import RunStore, Storage
 from tests.support.polling import wait_for
 from tests.support.runs import produce, prompts_file, run_records, wait_run_done
-from workers.engine.capture_faults_for_tests import FAULTS
+from workers.doubles.capture_faults_for_tests import FAULTS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -75,7 +75,7 @@ def test_a_fault_in_the_capture_path_is_caught_and_pauses_the_run(fault, cpu_wor
     assert bad["problem"] and bad["layer"] in (1, 2, 3, 4) and bad["bound"] > 0
     print(f"[{fault}] {bad['problem']}")
     # transformers on the run's samples: corrupted states fail the reference, except zero rows,
-    # which the worker captured again before storing (generate.repair_states): those pass it
+    # which the worker captured again before storing (workers.shard.states.repair_states): those pass it
     reference = verify_reference(e2e_storage, run_id, len(records))
     assert reference["checked"] >= 1, reference
     if fault == "zero":

@@ -1,5 +1,5 @@
 """bench/bench_fleet_scale.py in small: the real producer, Redis, `regen worker` processes with engines standing in
-for GPUs (workers/engine/stand_in.py), and storage, with one host SIGKILLed at the run's tail.
+for GPUs (workers/doubles/stand_in.py), and storage, with one host SIGKILLed at the run's tail.
 
 What it holds the harness to: every sample the producer enqueued is in exactly one record of a published shard
 (nothing lost, nothing duplicated, the killed host's shards re-sent and finished by the other), and the storage

@@ -1,4 +1,4 @@
-"""The engine that stands in for a GPU (workers/engine/stand_in.py): what the fleet harness's figures rest on.
+"""The engine that stands in for a GPU (workers/doubles/stand_in.py): what the fleet harness's figures rest on.
 
 The harness (bench/bench_fleet_scale.py) counts the fleet's costs per shard and converts its times back to a real
 device's by the stand-in's rate; these check the stand-in does what its spec says: the thinking-mode length shape,
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from app.errors import ConfigError
+from workers.doubles.stand_in import StandInEngine, StandInSpec, thinking_output
 from workers.engine.options import EngineOptions
 from workers.engine.request import GenRequest
-from workers.engine.stand_in import StandInEngine, StandInSpec, thinking_output
 
 
 def test_the_spec_parses_round_trips_and_refuses_bad_keys_in_one_line():

@@ -16,7 +16,7 @@ import pytest
 
 from app.hidden_file import bf16_to_float32
 from tests.support.engines import vllm_or_fail
-from workers.engine.capture_faults_for_tests import FAULTS, apply_fault
+from workers.doubles.capture_faults_for_tests import FAULTS, apply_fault
 from workers.engine.recapture import Pending, recheck
 from workers.engine.request import GenRequest
 from workers.engine.self_test import SelfTestFailed, run_start_test

@@ -7,25 +7,24 @@ import pytest
 from celery.exceptions import Reject
 
 from app import ledger
-from app.errors import EngineDead, EngineLost, InvalidId, InvalidTask, PermanentError
+from app.errors import EngineDead, EngineLost, InvalidId, InvalidTask, PermanentError, classify
 from app.liveness import identity
 from app.manifest import QualitySettings, RunSettings, Sampling, open_or_create
 from app.storage import RunStore, Storage
 from tests.support.faults import dead_process
 from workers.process.inflight import InFlight
-from workers.shard.retry_policy import settle_failure
+from workers.shard.policy import Action, Delivery, Done, Verdict, Worker
+from workers.shard.retry_policy import RetryPolicy, settle_failure
 from workers.shard.shard_output import publish_shard
 from workers.shard.task_guards import (
-    Delivery,
-    Worker,
-    check_manifest,
-    count_attempt,
-    drop_when_paused,
-    pause_on_stubs,
-    require_run,
+    CheckManifest,
+    CountAttempt,
+    DropWhenPaused,
+    PauseOnStubs,
+    RequireRun,
+    SkipDead,
+    SkipDone,
     run_guards,
-    skip_dead,
-    skip_done,
 )
 
 SHARD = "shard-000000"
@@ -73,8 +72,8 @@ def deliver(tmp_path, monkeypatch):
 
 def _begun(d: Delivery) -> Delivery:
     """The delivery as the guards before the manifest check leave it: run read, attempt recorded."""
-    require_run(d)
-    assert count_attempt(d) is None
+    RequireRun().before(d)
+    assert CountAttempt().before(d) is None
     return d
 
 
@@ -119,13 +118,13 @@ def test_a_pause_is_read_set_and_cleared(tmp_path):
 # -- the guards, one by one -----------------------------------------------------------------------------------
 def test_skip_done_skips_a_shard_whose_stage_has_its_marker(tmp_path, deliver):
     store = _store(tmp_path, capture="staged")
-    assert skip_done(deliver(store)) is None
+    assert SkipDone().before(deliver(store)) is None
     _publish(store)
-    assert skip_done(deliver(store)) == "skipped"
+    assert SkipDone().before(deliver(store)) == "skipped"
     capture = deliver(store, stage=ledger.CAPTURE)
-    assert skip_done(capture) is None  # generated is not captured
+    assert SkipDone().before(capture) is None  # generated is not captured
     store.storage.create_exclusive(store.captured_path(SHARD), b'{"attempt": "c"}')
-    assert skip_done(capture) == "skipped"
+    assert SkipDone().before(capture) == "skipped"
 
 
 def test_a_redelivered_copy_of_a_finished_shard_sweeps_what_its_dead_duplicate_left(tmp_path, deliver):
@@ -142,36 +141,36 @@ def test_a_redelivered_copy_of_a_finished_shard_sweeps_what_its_dead_duplicate_l
     live_file = folder / f".{live_id}.hidden.rgh.tmp-ba9876543210"
     dead_file.write_bytes(b"gigabytes, at a real model's width")
     live_file.write_bytes(b"a duplicate still writing")
-    assert skip_done(deliver(store)) == "skipped"
+    assert SkipDone().before(deliver(store)) == "skipped"
     assert not dead_file.exists() and live_file.exists()
 
 
 def test_skip_dead_skips_a_dead_lettered_key_only(tmp_path, deliver):
     store = _store(tmp_path, capture="staged")
     ledger.dead_letter(store, ledger.stage_key(SHARD, ledger.CAPTURE), "capture keeps failing")
-    assert skip_dead(deliver(store)) is None  # its generation is not dead
-    assert skip_dead(deliver(store, stage=ledger.CAPTURE)) == "skipped"
+    assert SkipDead().before(deliver(store)) is None  # its generation is not dead
+    assert SkipDead().before(deliver(store, stage=ledger.CAPTURE)) == "skipped"
 
 
 def test_drop_when_paused_rejects_without_requeue(tmp_path, deliver):
     store = _store(tmp_path)
-    assert drop_when_paused(deliver(store)) is None
+    assert DropWhenPaused().before(deliver(store)) is None
     ledger.pause_run(store, "stubs")
     with pytest.raises(Reject) as rejected:
-        drop_when_paused(deliver(store))
+        DropWhenPaused().before(deliver(store))
     assert rejected.value.requeue is False  # acked: resume-run re-sends every shard without a marker
 
 
 def test_require_run_reads_the_manifest_once_and_refuses_a_run_not_on_storage(tmp_path, deliver):
     with pytest.raises(InvalidTask, match="run absent is not on storage"):
-        require_run(deliver(RunStore(Storage(str(tmp_path)), "absent")))
+        RequireRun().before(deliver(RunStore(Storage(str(tmp_path)), "absent")))
     store, manifests = _store(tmp_path), {}
     d = deliver(store, manifests=manifests)
-    require_run(d)
+    RequireRun().before(d)
     assert d.manifest["settings"]["model"]["fingerprint"] == WORKER.model_fingerprint
     store.storage.delete(store.manifest_path)  # the next delivery of the run reads the process's copy
     again = deliver(store, shard="shard-000001", manifests=manifests)
-    require_run(again)
+    RequireRun().before(again)
     assert again.manifest == d.manifest
 
 
@@ -190,8 +189,8 @@ def test_count_attempt_dead_letters_past_the_failure_limit(tmp_path, deliver):
         d = _begun(deliver(store))
         ledger.record_attempt_error(store, SHARD, d.attempt, "PermanentError: prompt the engine fails on")
     last = deliver(store)
-    require_run(last)
-    assert count_attempt(last) == "skipped"
+    RequireRun().before(last)
+    assert CountAttempt().before(last) == "skipped"
     letter = ledger.read_dead_letter(store, SHARD)
     assert letter["reason"] == "3 attempts failed (limit 3): 3 attempts without success"
     ended = next(r for r in letter["attempts"] if r["attempt"] == last.attempt)
@@ -205,8 +204,8 @@ def test_count_attempt_dead_letters_past_the_crash_limit(tmp_path, deliver):
                                  {"attempt": f"killed{k}", "worker": "w@h", "started": "2026-01-01T00:00:00+00:00",
                                   **dead_process()})
     d = deliver(store)
-    require_run(d)
-    assert count_attempt(d) == "skipped"
+    RequireRun().before(d)
+    assert CountAttempt().before(d) == "skipped"
     assert ledger.read_dead_letter(store, SHARD)["reason"].startswith("2 worker processes died holding it (limit 2)")
 
 
@@ -217,12 +216,12 @@ def test_count_attempt_never_dead_letters_a_shard_a_duplicate_finished(tmp_path,
         ledger.record_attempt_error(store, SHARD, d.attempt, "OSError: disk full")
     _publish(store)
     last = deliver(store)
-    require_run(last)
-    assert count_attempt(last) is None and not ledger.is_dead(store, SHARD)
+    RequireRun().before(last)
+    assert CountAttempt().before(last) is None and not ledger.is_dead(store, SHARD)
 
 
 def test_check_manifest_passes_the_runs_own_worker(tmp_path, deliver):
-    assert check_manifest(_begun(deliver(_store(tmp_path)))) is None
+    assert CheckManifest().before(_begun(deliver(_store(tmp_path)))) is None
 
 
 def test_check_manifest_refuses_another_model_and_records_why(tmp_path, deliver):
@@ -230,7 +229,7 @@ def test_check_manifest_refuses_another_model_and_records_why(tmp_path, deliver)
     other = Worker("gpu1@host", "other-fingerprint", "/models/other", [1, 2], max_attempts=3, max_crashes=2)
     d = _begun(deliver(store, worker=other))
     with pytest.raises(Reject) as rejected:
-        check_manifest(d)
+        CheckManifest().before(d)
     assert rejected.value.requeue is True  # another worker of the run's model takes it
     (record,) = ledger.attempt_errors(store, SHARD)
     assert "refuses shard" in record["error"] and "other-fingerprint" in record["error"]
@@ -243,7 +242,7 @@ def test_a_worker_without_run_requeues_such_a_shard_with_the_reason(tmp_path, de
                  device="cpu")
     d = _begun(deliver(store, worker=cpu))
     with pytest.raises(Reject) as rejected:
-        check_manifest(d)
+        CheckManifest().before(d)
     assert rejected.value.requeue is True  # a GPU worker of the fleet takes it
     (record,) = ledger.attempt_errors(store, "shard-000000")
     assert "top_k 20" in record["error"] and record.get("error_kind") == "error"
@@ -252,9 +251,9 @@ def test_a_worker_without_run_requeues_such_a_shard_with_the_reason(tmp_path, de
 def test_check_manifest_of_a_staged_run_needs_layers_only_to_capture(tmp_path, deliver):
     store = _store(tmp_path, capture="staged")
     blind = Worker("gpu2@host", WORKER.model_fingerprint, "/models/tiny", [], max_attempts=3, max_crashes=2)
-    assert check_manifest(_begun(deliver(store, worker=blind))) is None  # generation captures nothing
+    assert CheckManifest().before(_begun(deliver(store, worker=blind))) is None  # generation captures nothing
     with pytest.raises(Reject):
-        check_manifest(_begun(deliver(store, stage=ledger.CAPTURE, worker=blind)))
+        CheckManifest().before(_begun(deliver(store, stage=ledger.CAPTURE, worker=blind)))
 
 
 def test_the_guards_run_in_order_and_the_first_answer_ends_the_delivery(tmp_path, deliver):
@@ -272,9 +271,9 @@ def test_the_guards_run_in_order_and_the_first_answer_ends_the_delivery(tmp_path
 def test_pause_on_stubs_pauses_the_run_once_its_stub_rate_crosses_the_threshold(tmp_path, deliver):
     store = _store(tmp_path)
     d = _begun(deliver(store))
-    pause_on_stubs(d, [{"status": "ok", "flags": ["stub_answer"]}] * 3)
+    PauseOnStubs().after(d, Done("done", [{"status": "ok", "flags": ["stub_answer"]}] * 3))
     assert ledger.pause_state(store) is None  # 3 samples: under pause_min_samples
-    pause_on_stubs(d, [{"status": "ok", "flags": ["empty_answer"]}, {"status": "rejected"}])
+    PauseOnStubs().after(d, Done("done", [{"status": "ok", "flags": ["empty_answer"]}, {"status": "rejected"}]))
     pause = ledger.pause_state(store)
     assert pause["reason"] == ("stub-or-empty rate 100% over the last 4 samples on gpu0@host crossed the "
                                "threshold 20%")
@@ -300,12 +299,12 @@ def test_a_mixed_run_judges_and_pauses_each_mode_by_its_own_samples(tmp_path, de
     # unterminated thought with an empty answer, a stub; judged in its own mode it is a clean answer.
     assert _judged(answer, thinking=True)["flags"] == ["missing_think_end", "empty_answer"]
     assert _judged(answer, thinking=False)["flags"] == []
-    pause_on_stubs(d, [_judged(answer, thinking=False)] * 40)
+    PauseOnStubs().after(d, Done("done", [_judged(answer, thinking=False)] * 40))
     assert ledger.pause_state(store) is None
     # Thinking stubs pause the run on the thinking window alone, though they are 4 of 44 samples (9%, under 20%).
     stub = "<think>\n\n</think>\n\nOK."
     assert "empty_reasoning" in _judged(stub, thinking=True)["flags"]
-    pause_on_stubs(d, [_judged(stub, thinking=True)] * 4)
+    PauseOnStubs().after(d, Done("done", [_judged(stub, thinking=True)] * 4))
     pause = ledger.pause_state(store)
     assert pause["reason"] == ("stub-or-empty rate 100% over the last 4 thinking samples on gpu0@host crossed the "
                                "threshold 20%")
@@ -335,11 +334,41 @@ def test_count_attempt_never_dead_letters_a_capture_a_duplicate_finished(tmp_pat
         ledger.record_attempt_error(store, key, d.attempt, "OSError: disk full")
     store.storage.create_exclusive(store.captured_path(SHARD), b'{"attempt": "c"}')
     last = deliver(store, stage=ledger.CAPTURE)
-    require_run(last)
-    assert count_attempt(last) is None and not ledger.is_dead(store, key)  # ledger.is_finished, as skip_done
+    RequireRun().before(last)
+    assert CountAttempt().before(last) is None and not ledger.is_dead(store, key)  # ledger.is_finished, as skip_done
 
 
 def test_settle_failure_dead_letters_an_invalid_id_met_inside_an_attempt(tmp_path, deliver):
     store = _store(tmp_path)
     assert settle_failure(_begun(deliver(store)), InvalidId("refusing path component '..'")) == "dead"
     assert ledger.dead(store) == {SHARD}
+
+
+def test_the_retry_policy_judges_a_failure_before_the_work_by_its_class_and_the_tasks_retries(tmp_path, deliver,
+                                                                                               monkeypatch):
+    monkeypatch.setenv("REGEN_MISSING_RUN_RETRIES", "2")
+    store = _store(tmp_path)
+    policy = RetryPolicy()
+
+    def verdict(exc, retries=0):
+        d = deliver(store)
+        d.retries = retries
+        return policy.on_failure(d, exc, classify(exc))
+
+    missing = InvalidTask("run x is not on storage")
+    assert verdict(missing, 1) == Verdict(Action.RETRY, str(missing), chained=False)  # expected: no traceback
+    assert verdict(missing, 2) == Verdict(Action.SET_ASIDE, f"{missing} after 2 retries")
+    assert verdict(InvalidId("refusing '..'")).action is Action.SET_ASIDE
+    assert verdict(OSError("NFS gone")) == Verdict(Action.RETRY, "NFS gone")
+    assert verdict(ValueError("a bug")).action is Action.RAISE  # nothing would bound its retries
+    assert verdict(PermanentError("prompt too long")).action is Action.RAISE  # no attempt to dead-letter yet
+    assert ledger.attempt_errors(store, SHARD) == []  # nothing recorded before the work
+
+
+def test_the_retry_policy_settles_a_failure_of_the_work_on_its_attempt(tmp_path, deliver):
+    store = _store(tmp_path)
+    d = _begun(deliver(store))
+    d.working = True
+    exc = PermanentError("prompt too long")
+    assert RetryPolicy().on_failure(d, exc, classify(exc)) == Verdict(Action.DEAD, "prompt too long")
+    assert ledger.dead(store) == {SHARD} and ledger.attempt_errors(store, SHARD)[0]["error"] == "prompt too long"

@@ -240,7 +240,7 @@ def test_the_worker_process_freezes_its_start_up_heap_once_consuming(cpu_worker)
 
 def test_the_fleet_benchs_baseline_runs_generate_on_the_workers_own_engine(inline_run, cpu_worker, e2e_storage,
                                                                            tiny_qwen3, tmp_path):
-    # bench/bench_fleet.py times `LLM.generate` on the worker's own engine (workers/process/bench_task.py), sent here right after
+    # bench/bench_fleet.py times `LLM.generate` on the worker's own engine (workers/doubles/bench_task.py), sent here right after
     # a run's shards (usually still in flight): `Engine.call` waits until nothing is in the engine; the shards finish.
     from app.celery_app import BENCH_DIRECT_TASK, create_app
     from app.settings import BrokerSettings

@@ -144,7 +144,7 @@ class InProcessEngine(Engine):
         """Run `fn(llm, *args)` on the engine thread, between steps, once nothing is in the engine; return its result.
 
         Jobs that arrive meanwhile wait until it returns. What it is for: the fleet bench's in-process baseline
-        (`LLM.generate` on this very engine, workers.process.bench_task), which must not run beside the engine
+        (`LLM.generate` on this very engine, workers.doubles.bench_task), which must not run beside the engine
         thread: vLLM is not thread-safe, and a second thread running torch ops slows an OpenMP CPU engine.
         """
         return self._submit(ExclusiveCall(fn, args)).result

@@ -1,7 +1,7 @@
 """What every engine a worker holds offers: `Engine`, implemented in this process (workers.engine.in_process)
 and in a child process of its own (workers.engine.process).
 
-The worker's code (workers.process.context, engine_watch.py, bench_task.py; workers.shard.generate,
+The worker's code (workers.process.context, engine_watch.py, workers.doubles.bench_task; workers.shard.generate,
 capture_stage.py) holds "an engine" and uses only this, so where the engine runs (a GPU worker's, beside vLLM's
 own engine core; a CPU worker's, in a process that does nothing else) is decided once, when the worker builds it.
 """

@@ -18,8 +18,8 @@ import numpy as np
 from app.errors import EngineDead
 from app.manifest import THINKING_SAMPLING
 from app.states_compare import compare, row_problems
-from workers.engine.capture_faults_for_tests import process_injector
 from workers.engine.engine_mode import mode_key
+from workers.engine.fault_hook import capture_faults
 from workers.engine.limits import unsupported
 from workers.engine.recapture import Pending, recheck
 from workers.engine.request import GenRequest, GenResult
@@ -101,7 +101,7 @@ def run_start_test(engine: Engine, sampling: dict | None, mode: dict | None) -> 
 def _check_captures(engine: Engine, requests: list[GenRequest], got: dict[str, GenResult], fail) -> None:
     layers = list(engine.options.capture_layers)
     stored: dict[str, tuple[list[int], np.ndarray]] = {}
-    faults = process_injector()  # the test-only fault injector (capture_faults_for_tests.py): None but in tests
+    faults = capture_faults()  # the test-only fault injector (workers.engine.fault_hook): None but in tests
     for req in requests:
         res = got[req.request_id]
         ids = res.prompt_token_ids + res.output_token_ids[:-1]

@@ -27,17 +27,15 @@ from app.quality import StubWindow
 from app.settings import Settings
 from app.settings import current as current_settings
 from app.speculative import describe_engine_config
-from workers.engine.capture_faults_for_tests import process_injector
 from workers.engine.engine_mode import mode_key, read_mode
-from workers.engine.in_process import InProcessEngine
+from workers.engine.factory import build_engine
+from workers.engine.fault_hook import capture_faults
 from workers.engine.llm_arguments import held_speculative
 from workers.engine.options import EngineOptions
-from workers.engine.process import PROCESS_NAME, EngineProcess
 from workers.engine.recapture import EngineChecks
 from workers.engine.scheduling import ENV as SIDE_THREADS_ENV
 from workers.engine.scheduling import POLICY_NAMES, lower_priority, name_thread, side_threads_policy
 from workers.engine.self_test import run_start_test
-from workers.engine.stand_in import StandInEngine
 
 if TYPE_CHECKING:
     from workers.engine.interface import Engine
@@ -62,7 +60,7 @@ class WorkerConfig:
     # The sampling the engine self-test generates with (workers.engine.self_test): the run's, when the worker
     # was started with --run; None: the default thinking-mode sampling.
     self_test_sampling: dict | None = None
-    # Benchmarks and tests only: an engine standing in for a GPU (workers.engine.stand_in), its spec text.
+    # Benchmarks and tests only: an engine standing in for a GPU (workers.doubles.stand_in), its spec text.
     stand_in: str | None = None
 
     @classmethod
@@ -152,17 +150,7 @@ class WorkerContext:
                                 options.dtype)
         options.scratch_dir = os.path.join(scratch_root(need), f"regen-capture-{os.getpid()}")
         _remove_stale_scratch(os.path.dirname(options.scratch_dir))
-        self.engine: Engine
-        if config.stand_in:  # benchmarks and tests only: the real worker around an engine standing in for a GPU
-            self.engine = StandInEngine(options, config.stand_in)
-            log.warning("engine: %s, standing in for a GPU (benchmarks and tests only)", self.engine.spec.text())
-        elif options.host_process:
-            engine_process = EngineProcess(options)
-            log.info("engine runs in its own process, %s (pid %d); --no-engine-host keeps it in this one",
-                     PROCESS_NAME, engine_process.pid)
-            self.engine = engine_process
-        else:
-            self.engine = InProcessEngine(options)
+        self.engine: Engine = build_engine(options, config.stand_in)  # the stand-in: benchmarks and tests only
 
         atexit.register(self.close)
         self.tokenizer = self.engine.tokenizer
@@ -181,7 +169,7 @@ class WorkerContext:
         log.info("engine mode: %s (%s)", self.engine_mode_key, self.engine_mode)
         self.capture_checks = EngineChecks()  # the capture check's counts (workers.engine.recapture)
 
-        self.faults_for_tests = process_injector()  # None but in the tests; it says so in the log at once
+        self.faults_for_tests = capture_faults()  # None but in the tests; it says so in the log at once
         if config.self_test:
             seconds = run_start_test(self.engine, config.self_test_sampling, self.engine_mode)
             log.info("engine self-test passed in %.2fs with %s", seconds,

@@ -35,7 +35,7 @@ PRESETS: dict[str, dict] = {
     "sm_100": {"max_num_seqs": 512, "gpu_memory_utilization": 0.92, "enforce_eager": False, "in_process": False},
     "sm_120": {"max_num_seqs": 128, "gpu_memory_utilization": 0.90, "enforce_eager": False, "in_process": False},
     "sm_other": {"max_num_seqs": 128, "gpu_memory_utilization": 0.88, "enforce_eager": False, "in_process": False},
-    # benchmarks and tests only: the engine standing in for a GPU (workers.engine.stand_in), a B200's batch
+    # benchmarks and tests only: the engine standing in for a GPU (workers.doubles.stand_in), a B200's batch
     "stand-in": {"max_num_seqs": 512, "gpu_memory_utilization": 0.92, "enforce_eager": True, "in_process": True},
 }
 

@@ -14,8 +14,8 @@ from app.model_info import read_text_config
 from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
 from app.speculative import ignored_with_capture
 from app.storage import RunStore, Storage
+from workers.engine.factory import stand_in_devices
 from workers.engine.limits import unsupported
-from workers.engine.stand_in import StandInSpec
 from workers.process.context import WorkerConfig
 from workers.process.devices import (
     choose_tensor_parallel,
@@ -37,13 +37,12 @@ def worker_configs(*, cpu: bool, gpus: str | None, model: str | None, layers: li
     `tensor_parallel_size` None: the smallest size that fits the model's weights (devices.choose_tensor_parallel).
     `task_slots` None: from the engine's max_num_seqs and the shard size (devices.task_slots_for).
     `encode_threads` None: from the device and the host's cores per worker (devices.encode_threads_for).
-    `stand_in` (benchmarks and tests only): a stand-in engine's spec (workers.engine.stand_in); its
+    `stand_in` (benchmarks and tests only): a stand-in engine's spec (workers.doubles.stand_in); its
     `devices` worker processes each hold one engine standing in for a GPU, and no GPU is looked for.
     """
     host = socket.gethostname()
     if stand_in:
-        spec = StandInSpec.parse(stand_in)
-        devices, tp = [(str(k), None, "stand-in") for k in range(spec.devices)], 1
+        devices, tp = [(str(k), None, "stand-in") for k in range(stand_in_devices(stand_in))], 1
     elif cpu:
         devices, tp = [("cpu", None, "cpu")], 1
     else:

@@ -14,12 +14,12 @@ from app.documents import CaptureMarker
 from app.manifest import RunSettings, compression_level
 from app.records import read_records
 from app.storage import RunStore
-from workers.engine.capture_faults_for_tests import process_injector
+from workers.engine.fault_hook import capture_faults
 from workers.engine.recapture import CheckOutcome, CheckPolicy, Pending
 from workers.engine.request import GenRequest
 from workers.shard import capture_check
-from workers.shard.generate import encode_into, repair_states, states_dtype, zero_embedding_ids
 from workers.shard.shard_output import hidden_file_stream, publish_marker
+from workers.shard.states import encode_into, repair_states, states_dtype, zero_embedding_ids
 
 if TYPE_CHECKING:
     from workers.process.context import WorkerContext
@@ -50,7 +50,7 @@ def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_i
     policy = CheckPolicy.of(manifest["settings"])
     zero_ids = zero_embedding_ids(manifest["settings"])
     to_check: list[Pending] = []
-    faults = process_injector()  # None but in the tests
+    faults = capture_faults()  # None but in the tests
     # As in generate: each sample's states go into the attempt's file as soon as they are checked and encoded.
     with hidden_file_stream(store, shard_id, f"{attempt}c") as stream:
 
@@ -91,7 +91,7 @@ def capture_records(ctx: WorkerContext, store: RunStore, manifest: dict, shard_i
             if not outcome.ok:
                 problems.setdefault(outcome.sample_id, []).append(capture_check.FLAG)
     written = stream.written
-    # `repaired`: samples whose first capture had zero or non-finite rows, captured again (generate.repair_states)
+    # `repaired`: samples whose first capture had zero or non-finite rows, captured again (workers.shard.states.repair_states)
     body = CaptureMarker.new(shard_id, attempt, written.info(), index, problems, ctx.worker_name,
                              ctx.engine_mode_key, {**capture_check.summary(outcomes), "samples": checks}, repaired)
     won = publish_marker(store, store.captured_path(shard_id), body, [written.path], shard_id, stale_after)

@@ -1,27 +1,22 @@
-"""One delivery of a shard, around its work: the rules that make at-least-once delivery safe.
+"""One delivery of a shard: its work between an ordered list of policies, the rules that make at-least-once
+delivery safe (workers.shard.policy: each policy one class with the hooks before, after and on_failure).
 
-The tasks (workers.shard.tasks) hand their work to `run_delivery`, which runs these steps in order:
-0. Arguments that cannot be a shard (wrong names or types, ids that could escape the storage root) -> recorded
-   in the dead-message list (app.dead_messages) and acked; nothing else is touched.
-1. The engine already died (another slot saw it) -> the shard is re-published, the process exits for a restart.
-2. Another delivery of the same shard already runs in this process -> this one starts no attempt
-   (workers.process.inflight: a different message is acked, the running one covers the shard; the same
-   message, restored by the visibility timeout, is deferred with Celery's retry).
-3. The guards, in order (task_guards.run_guards, each step testable alone): skip done, skip dead, drop when
-   paused (ack, no requeue: `regen resume-run` re-sends), require the run (not on storage -> a few retries with
-   backoff, then recorded in the dead-message list and acked), count the attempt (dead-letter past
-   `max_attempts` failures of its own or `max_crashes` processes that died holding it), check the manifest
-   (another model or layers -> the error recorded on the attempt, rejected with requeue).
-4. The work: generate or capture, write outputs under attempt-specific names, create the completion marker
-   exclusively.
-5. A failure is settled by the retry policy (workers.shard.retry_policy: the failure's class, the backoff, the
-   limits, in one module): inside the attempt, `settle_failure` records it on storage, then an engine that died -> re-publish the shard and exit the
-   process *without* acking (the supervisor restarts the worker with a new engine; Redis' copy of the message
-   is a harmless duplicate); a PermanentError -> dead-lettered at once; anything else (storage errors, bugs) ->
-   retried with Celery's retry machinery (exponential backoff), the attempt count on storage, not Celery's
-   retry count, deciding the dead letter. Before an attempt exists: an InvalidId -> set aside; a run not on
-   storage -> a few retries, then set aside; a transient error (OSError, TimeoutError, RetryableError) ->
-   retried; anything else -> Celery records the task's failure (nothing would bound its retries).
+`run_delivery` walks `POLICIES`:
+    EngineAlive          the engine already died (another slot saw it) -> RESTART: the shard re-published, the
+                         process exits for a restart, no attempt made
+    ClaimShard           another delivery of the same shard runs in this process -> no attempt
+                         (workers.process.inflight: a different message is acked, "held"; the same message,
+                         restored by the visibility timeout, is deferred with Celery's retry)
+    the guards           workers.shard.task_guards.GUARDS: skip done, skip dead, drop when paused, require the run,
+                         count the attempt, check the manifest
+    (the work)           generate or capture: outputs under attempt-specific names, the marker created exclusively
+    the pauses           workers.shard.task_guards.PAUSES: the stub windows, the capture check
+    RetryPolicy          every other failure, classified once (workers.shard.retry_policy)
+The verdict on a failure is carried out here (`carry_out`): an engine that died -> re-publish the shard and exit
+the process *without* acking (the supervisor restarts the worker with a new engine; Redis' copy of the message is
+a harmless duplicate); dead -> acked; set aside -> the dead-message list (app.dead_messages), acked; retry ->
+Celery's retry machinery (exponential backoff); raise -> Celery records the task's failure. Arguments that cannot
+be a shard (wrong names or types, ids that could escape the storage root) never get here (`GuardedTask`).
 """
 
 from __future__ import annotations
@@ -32,24 +27,25 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import orjson
 from celery import Task
 
 from app import dead_messages
-from app.errors import Failure, classify
-from app.ledger import stage_key
+from app.errors import Failure, RegenError, classify
 from app.settings import DEFAULT_VISIBILITY_TIMEOUT
 from app.storage import RunStore, Storage
 from workers.process.context import WorkerContext
 from workers.process.inflight import InFlight
-from workers.shard.retry_policy import Action, backoff, before_attempt, settle_failure
-from workers.shard.task_guards import Delivery, Worker, run_guards
+from workers.shard.policy import Action, Delivery, Done, Policy, Verdict, Worker
+from workers.shard.retry_policy import RetryPolicy, backoff
+from workers.shard.task_guards import GUARDS, PAUSES
 
 log = logging.getLogger("regen.tasks")
 DEFER_SECONDS = 30  # a copy of a shard this process runs (same message) is looked at again this much later
 
-Work = Callable[[WorkerContext, Delivery], str]  # a stage's work on a delivery that passed its guards -> result
+Work = Callable[[WorkerContext, Delivery], Done]  # a stage's work on a delivery that passed its guards
 
 
 def visibility_timeout(app) -> float:
@@ -79,20 +75,28 @@ class Running:
             self.cond.wait_for(lambda: self.count == 0, timeout=timeout)
 
 
-_running = Running()
-_claims = InFlight()
-_dying = threading.Lock()
+@dataclass
+class ProcessShards:
+    """What this process's deliveries share: the tasks running, the shards claimed, and the one way out."""
+
+    running: Running = field(default_factory=Running)
+    claims: InFlight = field(default_factory=InFlight)
+    dying: threading.Lock = field(default_factory=threading.Lock)
+
+
+HERE = ProcessShards()  # one per worker process: its task slots are threads
+RESTART_EXIT = 75  # the exit status of a process leaving for a fresh engine (the supervisor restarts it)
 
 
 def holds_no_shard() -> bool:
     """Whether this process runs no shard now."""
-    return not _claims.held()
+    return not HERE.claims.held()
 
 
 def shards_held() -> int:
     """How many shards this process runs now (workers.process.dead_holder_watch checks while it has a free
     task slot)."""
-    return _claims.held()
+    return HERE.claims.held()
 
 
 def exit_for_restart(task: Task, kwargs: dict, reason: str) -> None:
@@ -106,12 +110,52 @@ def exit_for_restart(task: Task, kwargs: dict, reason: str) -> None:
         task.app.send_task(task.name, kwargs=kwargs, queue=queue)
     finally:
         log.error("%s; exiting so the supervisor restarts this worker", reason)
-        _running.release_one()
-        _running.wait_empty(10)
-        with _dying:
+        HERE.running.release_one()
+        HERE.running.wait_empty(10)
+        with HERE.dying:
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(75)
+            os._exit(RESTART_EXIT)
+
+
+class EngineAlive(Policy):
+    """No attempt on an engine another slot saw die: it would only fail and count against the shard (a free slot
+    takes the re-published shard at once)."""
+
+    def before(self, d: Delivery) -> None:
+        if d.engine_dead:
+            raise _EngineAlreadyDead(f"{d.engine_dead}; {d.shard} not started")
+
+    def on_failure(self, d: Delivery, exc: Exception, failure: Failure) -> Verdict | None:
+        return Verdict(Action.RESTART, str(exc)) if isinstance(exc, _EngineAlreadyDead) else None
+
+
+class _EngineAlreadyDead(RegenError):
+    pass
+
+
+class ClaimShard(Policy):
+    """One delivery of a shard at a time in this process (workers.process.inflight)."""
+
+    def before(self, d: Delivery) -> str | None:
+        d.claim, holder = d.claims.claim((d.store.storage.url, d.run_id, d.key), d.tag)
+        if d.claim is not None:
+            return None
+        if d.tag is not None and holder.tag == d.tag:  # this very message, restored while it runs: not acked
+            log.info("%s/%s: its message came back while it runs here; deferred %ds", d.run_id, d.key, DEFER_SECONDS)
+            raise _RunningHere()
+        log.info("%s/%s: another copy of it runs in this process; this copy is dropped", d.run_id, d.key)
+        return "held"
+
+    def on_failure(self, d: Delivery, exc: Exception, failure: Failure) -> Verdict | None:
+        return Verdict(Action.DEFER) if isinstance(exc, _RunningHere) else None
+
+
+class _RunningHere(RegenError):
+    pass
+
+
+POLICIES = (EngineAlive(), ClaimShard(), *GUARDS, *PAUSES, RetryPolicy())
 
 
 def set_aside(task: Task, reason: str, kwargs: dict) -> str:
@@ -128,56 +172,48 @@ def _delivery_tag(task: Task) -> str | None:
 
 
 def run_delivery(task: Task, stage: str, kwargs: dict, work: Work) -> str:
-    """The steps of the module docstring around `work(ctx, delivery) -> result`, for both stages."""
-    run_id, storage, shard_id = kwargs["run_id"], kwargs["storage"], kwargs["shard_id"]
-    key = stage_key(shard_id, stage)
-    _running.add()
-    claim = None
+    """`work(ctx, delivery) -> Done` between the policies' hooks, for both stages (the module docstring)."""
+    HERE.running.add()
+    d = None
     try:
         ctx = WorkerContext.get()
-        dead = ctx.engine.dead
-        if dead:  # another slot saw the engine die and this worker is on its way out: no attempt of this shard
-            # here, which would only fail and count against it (a free slot takes a re-published shard at once)
-            exit_for_restart(task, kwargs, f"{dead}; {shard_id} not started")
-        store = RunStore(Storage(ctx.config.storage or storage), run_id)
-        tag = _delivery_tag(task)
-        claim, holder = _claims.claim((store.storage.url, run_id, key), tag)
-        if claim is None:
-            if tag is not None and holder.tag == tag:  # this very message, restored while it runs: not acked
-                log.info("%s/%s: its message came back while it runs here; deferred %ds", run_id, key, DEFER_SECONDS)
-                raise task.retry(countdown=DEFER_SECONDS)
-            log.info("%s/%s: another copy of it runs in this process; this copy is dropped", run_id, key)
-            return "held"
-        delivery = Delivery(store, shard_id, stage, Worker.of(ctx), visibility_timeout(task.app), _claims, claim,
-                            ctx.manifests, ctx.windows)
-        stopped = run_guards(delivery)
-        if stopped is not None:
-            return str(stopped)
-        try:
-            return work(ctx, delivery)
-        except Exception as exc:
-            then = settle_failure(delivery, exc)
-            if then is Action.RESTART:
-                exit_for_restart(task, kwargs, str(exc))
-            if then is Action.DEAD:
-                return "dead"
-            raise task.retry(exc=exc, countdown=backoff(task.request.retries)) from exc
-    except Exception as exc:  # before the attempt began (the attempt's own failures were settled above)
-        then = before_attempt(exc, task.request.retries)
-        if then is Action.SET_ASIDE:
-            retried = task.request.retries
-            return set_aside(task, f"{exc} after {retried} retries" if classify(exc) is Failure.RETRY_A_FEW
-                             else str(exc), kwargs)
-        if then is Action.RETRY:
-            if classify(exc) is Failure.RETRY_A_FEW:
-                log.warning("%s; retrying in %ds", exc, backoff(task.request.retries))
-                raise task.retry(exc=exc, countdown=backoff(task.request.retries)) from None
-            raise task.retry(exc=exc, countdown=backoff(task.request.retries)) from exc  # storage trouble
-        raise  # Celery's own Retry and Reject, and what nothing would bound: Celery records the failure
+        d = Delivery(RunStore(Storage(ctx.config.storage or kwargs["storage"]), kwargs["run_id"]), kwargs["shard_id"],
+                     stage, Worker.of(ctx), visibility_timeout(task.app), HERE.claims, None, ctx.manifests,
+                     ctx.windows, retries=task.request.retries, engine_dead=ctx.engine.dead, tag=_delivery_tag(task))
+        for policy in POLICIES:
+            ended = policy.before(d)
+            if ended is not None:
+                return ended
+        d.working = True
+        done = work(ctx, d)
+        for policy in POLICIES:
+            policy.after(d, done)
+        return done.result
+    except Exception as exc:
+        if d is None:  # the worker's context or the run's storage could not be built: judged without them
+            d = Delivery(None, kwargs["shard_id"], stage, None, 0, HERE.claims, retries=task.request.retries)
+        failure = classify(exc)
+        verdict = next(v for policy in POLICIES if (v := policy.on_failure(d, exc, failure)) is not None)
+        return carry_out(task, kwargs, exc, verdict)
     finally:
-        if claim is not None:
-            _claims.release(claim)
-        _running.release_one()
+        if d is not None and d.claim is not None:
+            HERE.claims.release(d.claim)
+        HERE.running.release_one()
+
+
+def carry_out(task: Task, kwargs: dict, exc: Exception, verdict: Verdict) -> str:
+    """Do what the verdict on a failure says: return the task's result (acked), or raise Celery's retry, or exit."""
+    if verdict.action is Action.RESTART:
+        exit_for_restart(task, kwargs, verdict.reason)
+    if verdict.action is Action.DEAD:
+        return "dead"
+    if verdict.action is Action.SET_ASIDE:
+        return set_aside(task, verdict.reason, kwargs)
+    if verdict.action is Action.DEFER:
+        raise task.retry(countdown=DEFER_SECONDS)
+    if verdict.action is Action.RETRY:
+        raise task.retry(exc=exc, countdown=backoff(task.request.retries)) from (exc if verdict.chained else None)
+    raise exc  # Celery's own Retry and Reject, and what nothing would bound: Celery records the failure
 
 
 def _argument_problem(arguments: dict) -> str | None:

@@ -1,53 +1,44 @@
-"""What a failed delivery does next, in one place: the failure's class mapped to an action, the backoff
-between Celery retries, and the limits that dead-letter a shard.
+"""The retry policy, the last of a delivery's policies (workers.shard.policy): what a failure does next, from
+its one classification (`app.errors.classify`), with the backoff between Celery retries and the limits that
+dead-letter a shard, in one place as dramatiq's `Retries` middleware keeps its own.
 
-In the spirit of dramatiq's `Retries` middleware, which keeps its whole policy (which exceptions retry, the
-backoff, the retry limit) together: here the class of a failure decides (`app.errors.classify`, most specific
-class first), and this module turns that answer into what the delivery does and what storage records. Celery's
-own retry count bounds nothing but a run that is not on storage yet: the attempt records on storage (failures
-of the shard's own, processes that died holding it) decide the dead letter, so a shard redelivered to another
-host counts its earlier attempts there too.
+Celery's retry count bounds nothing but a run that is not on storage yet: the attempt records on storage (failures
+of the shard's own, processes that died holding it) decide the dead letter, so a shard redelivered to another host
+counts its earlier attempts there too.
 
-After the attempt began (`settle_failure`, which records the failure on the attempt):
+A failure of the work (`settle_failure`, which records it on the attempt):
     engine died (EngineDead)       -> RESTART: re-publish the shard, exit for a fresh engine (EngineLost, its
                                       process vanished under a signal, counts as a crash, not as a failure)
     PermanentError, InvalidId      -> DEAD: dead-lettered at once (it repeats on every attempt)
     anything else                  -> RETRY with `backoff`; `max_attempts` failures dead-letter it
-Before an attempt exists (`before_attempt`): an InvalidId -> SET_ASIDE (the dead-message list, acked); a run
-not on storage -> RETRY up to `missing_run_retries()` times, then SET_ASIDE; a transient error (OSError,
-TimeoutError, RetryableError) -> RETRY; anything else -> RAISE (Celery records the task's failure: nothing would
-bound its retries).
+A failure before the work (`before_work`): an InvalidId -> SET_ASIDE (the dead-message list, acked); a run not on
+storage -> RETRY up to `missing_run_retries()` times, then SET_ASIDE; a transient error (OSError, TimeoutError,
+RetryableError) -> RETRY; anything else -> RAISE (Celery records the task's failure: nothing would bound its
+retries).
 """
 
 from __future__ import annotations
 
-from enum import StrEnum
+import logging
 from typing import Protocol
 
 from app import ledger
 from app.errors import EngineLost, Failure, classify
 from app.settings import current
 from app.storage import RunStore
+from workers.shard.policy import Action, Delivery, Policy, Verdict
+
+log = logging.getLogger("regen.tasks")
 
 MAX_BACKOFF_S = 300
 
 
 class Attempt(Protocol):
-    """A delivery whose attempt began (task_guards.Delivery after its steps)."""
+    """A delivery whose attempt began (workers.shard.policy.Delivery after its guards)."""
 
     store: RunStore
     key: str
     attempt: str | None
-
-
-class Action(StrEnum):
-    """What the delivery does with a failure."""
-
-    RESTART = "restart"
-    DEAD = "dead"
-    RETRY = "retry"
-    SET_ASIDE = "set-aside"
-    RAISE = "raise"
 
 
 def backoff(retries: int) -> int:
@@ -71,9 +62,10 @@ def exhausted(counted: ledger.AttemptCount, max_attempts: int, max_crashes: int)
     return None
 
 
-def settle_failure(d: Attempt, exc: Exception) -> Action:
-    """Record why the delivery's attempt failed; return what the task does next (see the module docstring)."""
-    failure = classify(exc)
+def settle_failure(d: Attempt, exc: Exception, failure: Failure | None = None) -> Action:
+    """Record why the delivery's attempt failed; return what the task does next (see the module docstring).
+    `failure`: the failure's class where the caller has it (`classify(exc)`)."""
+    failure = failure or classify(exc)
     if failure is Failure.RESTART:
         kind = "crash" if isinstance(exc, EngineLost) else "error"
         ledger.record_attempt_error(d.store, d.key, d.attempt, str(exc), kind=kind)
@@ -86,9 +78,8 @@ def settle_failure(d: Attempt, exc: Exception) -> Action:
     return Action.RETRY
 
 
-def before_attempt(exc: Exception, retries: int) -> Action:
-    """What a failure before the delivery's attempt began does, after `retries` Celery retries of the task."""
-    failure = classify(exc)
+def before_work(failure: Failure, retries: int) -> Action:
+    """What a failure before the work began does, after `retries` Celery retries of the task."""
     if failure is Failure.SET_ASIDE:
         return Action.SET_ASIDE
     if failure is Failure.RETRY_A_FEW:
@@ -96,3 +87,18 @@ def before_attempt(exc: Exception, retries: int) -> Action:
     if failure is Failure.RETRY:
         return Action.RETRY
     return Action.RAISE
+
+
+class RetryPolicy(Policy):
+    """Answers every failure the policies before it left (see the module docstring)."""
+
+    def on_failure(self, d: Delivery, exc: Exception, failure: Failure) -> Verdict:
+        if d.working:  # the attempt's own failure: recorded on it
+            return Verdict(settle_failure(d, exc, failure), str(exc))
+        action = before_work(failure, d.retries)
+        if failure is not Failure.RETRY_A_FEW:
+            return Verdict(action, str(exc))
+        if action is Action.SET_ASIDE:
+            return Verdict(action, f"{exc} after {d.retries} retries")
+        log.warning("%s; retrying in %ds", exc, backoff(d.retries))
+        return Verdict(action, str(exc), chained=False)

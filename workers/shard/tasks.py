@@ -1,9 +1,9 @@
 """The Celery tasks a worker runs: `generate_shard` and `capture_shard`, module-level functions.
 
-Each is one delivery of one shard at one stage: `run_delivery` (workers.shard.delivery) claims it, runs the
-guards (workers.shard.task_guards) and settles a failure; the stage's work in between is `generate_and_publish`
-or `capture_and_publish` below. `register` binds the tasks to a worker's Celery app (workers.celery_worker
-calls it); only worker processes import this module.
+Each is one delivery of one shard at one stage: `run_delivery` (workers.shard.delivery) runs the stage's work,
+`generate_and_publish` or `capture_and_publish` below, between the delivery's policies (the claim, the guards, the
+pauses, the retry policy); the work returns what it produced (`Done`), which the pauses read. `register` binds
+the tasks to a worker's Celery app (workers.celery_worker calls it); only worker processes import this module.
 """
 
 from __future__ import annotations
@@ -17,14 +17,13 @@ from celery import Celery, Task
 
 from app.celery_app import CAPTURE_TASK, GENERATE_TASK
 from app.ledger import CAPTURE, GENERATE
-from app.manifest import compression_level
-from app.settings import DEFAULT_CAPTURE_QUEUE
+from app.manifest import RunSettings, compression_level
 from workers.process.context import WorkerContext
 from workers.shard.capture_stage import capture_records
 from workers.shard.delivery import GuardedTask, run_delivery
 from workers.shard.generate import generate_records
+from workers.shard.policy import Delivery, Done
 from workers.shard.shard_output import hidden_file_stream, publish_shard
-from workers.shard.task_guards import Delivery, pause_on_capture_check, pause_on_stubs
 
 log = logging.getLogger("regen.tasks")
 
@@ -44,13 +43,13 @@ def capture_shard(task: Task, run_id: str, storage: str, shard_id: str) -> str:
 
 
 def generate_and_publish(task: Task, ctx: WorkerContext, d: Delivery, *, storage: str, samples: list[dict],
-                         task_started: float) -> str:
+                         task_started: float) -> Done:
     """Generation's work on a delivery that passed its guards: records (and inline states) written under the
     attempt's names, the completion marker created; a staged run's capture task sent (on the `storage` the
-    message named); the stub window fed."""
+    message named); its records and capture checks handed to the pauses."""
     store, manifest, attempt = d.store, d.manifest, d.attempt
-    settings = manifest["settings"]
-    inline = settings["capture_mode"] == "inline"
+    settings = RunSettings.view(manifest["settings"])
+    inline = settings.capture_inline
     with hidden_file_stream(store, d.shard, attempt) if inline else contextlib.nullcontext() as stream:
         records, summary = generate_records(ctx, manifest, d.run_id, d.shard, samples, stream)
     summary["task_started"] = round(task_started, 4)
@@ -60,19 +59,17 @@ def generate_and_publish(task: Task, ctx: WorkerContext, d: Delivery, *, storage
     log.info("%s/%s timings: begin %.1f ms, engine-end->publish %.1f ms, publish %.1f ms", d.run_id, d.shard,
              (summary["engine_started"] - task_started) * 1000, (t_pub - summary["engine_finished"]) * 1000,
              (time.time() - t_pub) * 1000)
-    if settings["capture_mode"] == "staged" and won:
+    if settings.staged and won:
         task.app.send_task(CAPTURE_TASK, kwargs={"run_id": d.run_id, "storage": storage, "shard_id": d.shard},
-                           queue=settings.get("capture_queue", DEFAULT_CAPTURE_QUEUE))
-    pause_on_stubs(d, records)
-    pause_on_capture_check(d, [(r["sample_id"], r["capture_check"]) for r in records if r.get("capture_check")])
-    return "done" if won else "duplicate"
+                           queue=settings.capture_queue)
+    return Done("done" if won else "duplicate", records,
+                [(r["sample_id"], r["capture_check"]) for r in records if r.get("capture_check")])
 
 
-def capture_and_publish(ctx: WorkerContext, d: Delivery) -> str:
+def capture_and_publish(ctx: WorkerContext, d: Delivery) -> Done:
     """The capture stage's work: the states of the generated records, published with the stage's marker."""
     won, outcomes = capture_records(ctx, d.store, d.manifest, d.shard, d.attempt, stale_after=d.stale_after)
-    pause_on_capture_check(d, [(o.sample_id, o.as_record()) for o in outcomes])
-    return "done" if won else "duplicate"
+    return Done("done" if won else "duplicate", checks=[(o.sample_id, o.as_record()) for o in outcomes])
 
 
 def register(celery: Celery) -> None:
