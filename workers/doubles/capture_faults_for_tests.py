@@ -1,22 +1,9 @@
 """TEST ONLY: a fault injector in the capture path, so the tests can show that the capture check
 (workers.shard.capture_check) catches each way a capture is known to go wrong.
 
-Never on in production. It runs only where `REGEN_FAULT_INJECTION_FOR_TESTS` names a JSON file
-`{run id: fault}` (the tests' session worker sets it); a worker that has it logs an error line at start and on
-every sample it corrupts, the record of every corrupted sample carries `fault_injected_for_tests`, and nothing
-else changes. A run not in the file is left alone, so one worker (one engine, started once for the test
-session) serves every fault case and every right run beside them; the file is read again whenever it changes.
-
-The faults, each what a broken capture path has been seen or feared to do (docs/capture.md, "How a run proves
-its states"), applied to the states the worker is about to store (the record's own ids are untouched):
-    shift    every row holds the next token's state (one token late; the last row repeats)
-    swap     the first two captured layers exchanged
-    zero     a quarter of one layer's rows zero, in the middle of the sample
-    foreign  every row another request's (the previous sample this process captured, cut or repeated to length)
-    stale    a block of 16 rows left from the previous request at the same positions (an uncleared cache block)
-The re-capture the check makes goes around the injector (it is not the stored capture), which stands for a
-capture path that goes wrong in one batch and not in another: what a re-capture in another batch composition
-exists to catch. A fault the engine makes the same way for any batch is only caught by `verify --reference`.
+Never on in production: it runs only where `REGEN_FAULT_INJECTION_FOR_TESTS` names a JSON file `{run id: fault}`,
+logs every sample it corrupts, and marks its record `fault_injected_for_tests`. The faults (shift, swap, zero,
+foreign, stale) and why the re-capture goes around it: docs/capture.md#the-capture-fault-injector-test-only-workersdoublescapture_faults_for_testspy.
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
 """An engine that stands in for a GPU: for benchmarks and tests of the fleet around the engine, never for data.
 
-Why: the fleet's own costs (broker round trips, storage writes, listings and fsyncs, attempt records, heartbeats,
-the dead-holder watch) at the job's size (14,282 shards) cannot be measured with a CPU engine making ~100 tokens
-a second, and no GPU runs here. `StandInEngine` implements the worker's `Engine` (workers.engine.interface),
-so `regen worker --stand-in-engine SPEC` runs the real worker around it (Celery, delivery, guards, records,
-markers, heartbeats, the dead-holder watch): only the engine is replaced. It is not a model of vLLM's behaviour;
-it is a device that produces token ids at a configured rate.
-
-What it does with a batch:
-- Each request's output length is drawn from the thinking-mode shape of the scale harness (`thinking_output`:
-  outputs log-normal around 2,300 tokens up to the request's `max_tokens`, ~4.5% stopping at the cap unterminated
-  with the job's 8,192; 2% stub answers), seeded by the request's own seed, so a re-delivered shard gets the
-  same lengths.
-- Token ids are real ids of the model's tokenizer (ordinary ASCII tokens; `</think>` and the end-of-turn id where
-  a thinking answer has them), and `text` is their decoding, as vLLM returns it (special tokens skipped).
-- Time: a decoding GPU is memory-bound, a step costs about the same at any batch size, so each sequence in
-  flight advances at `rate / seqs` tokens a second (`rate` is the device's tokens/s at a full batch of `seqs`),
-  up to `seqs` sequences at once; the rest wait. A fleet that leaves the batch part-empty loses throughput, as
-  it would on the GPU. `scale` multiplies the rate so a run of the job's shard count fits a benchmark; the
-  harness multiplies the time-based settings (heartbeats, leases) by the same factor and converts back.
-- With `capture`, states of `width` (default the model's hidden size) at every capture layer, bf16 bit
-  patterns cut from a random pool (each pass over it with its own flip of low mantissa bits, so no row repeats).
-- It records its own busy and idle time (`busy_seconds`, `idle_seconds`): the GPU time the fleet would waste.
-
-The spec: `rate=11500,scale=1,seqs=0,width=0,devices=1,vocab=0` (any subset; `seqs=0`: the engine options'
-`max_num_seqs`; `devices`: how many worker processes `regen worker` starts, one stand-in device each).
+The fleet's own costs at the job's size cannot be measured with a CPU engine and no GPU runs here, so
+`StandInEngine` implements the worker's `Engine` and `regen worker --stand-in-engine SPEC` runs the real worker
+around it: only the engine is replaced. It produces real token ids of the model's tokenizer at a configured rate,
+with thinking-shaped output lengths. What it does with a batch, and the spec: docs/workers.md#the-stand-in-engine-workersdoublesstand_inpy.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """One delivery of a shard: its work between an ordered list of policies, the rules that make at-least-once
 delivery safe (workers.shard.policy: each policy one class with the hooks before, after and on_failure).
 
-`run_delivery` walks `POLICIES`:
-    EngineAlive          the engine already died (another slot saw it) -> RESTART: the shard re-published, the
-                         process exits for a restart, no attempt made
-    ClaimShard           another delivery of the same shard runs in this process -> no attempt
-                         (workers.process.inflight: a different message is acked, "held"; the same message,
-                         restored by the visibility timeout, is deferred with Celery's retry)
-    the guards           workers.shard.task_guards.GUARDS: skip done, skip dead, drop when paused, require the run,
-                         count the attempt, check the manifest
-    (the work)           generate or capture: outputs under attempt-specific names, the marker created exclusively
-    the pauses           workers.shard.task_guards.PAUSES: the stub windows, the capture check
-    RetryPolicy          every other failure, classified once (workers.shard.retry_policy)
-The verdict on a failure is carried out here (`carry_out`): an engine that died -> re-publish the shard and exit
-the process *without* acking (the supervisor restarts the worker with a new engine; Redis' copy of the message is
-a harmless duplicate); dead -> acked; set aside -> the dead-message list (app.dead_messages), acked; retry ->
-Celery's retry machinery (exponential backoff); raise -> Celery records the task's failure. Arguments that cannot
-be a shard (wrong names or types, ids that could escape the storage root) never get here (`GuardedTask`).
+`run_delivery` walks `POLICIES` (EngineAlive, ClaimShard, the guards, the work, the pauses, RetryPolicy) and
+carries out the verdict on a failure (`carry_out`): restart, dead-letter, set aside, retry or raise. Arguments
+that cannot be a shard never get here (`GuardedTask`). Each policy and each verdict: docs/workers.md#one-delivery-of-a-shard-policy-by-policy-workerssharddeliverypy.
 """
 
 from __future__ import annotations

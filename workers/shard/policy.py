@@ -1,17 +1,9 @@
 """One rule of a shard's delivery is one small class with the same three hooks, as dramatiq's middleware is.
 
-What flows through them is one `Delivery` (one delivery of one shard at one stage, filled in as the policies
-run), as one Document flows through datatrove's steps. `run_delivery` (workers.shard.delivery) walks the ordered
-list (`POLICIES` there):
-
-    before(d)                    in order, before the work: None goes on; a result string ends the delivery
-                                 there (acked, the task's result); raising ends it as a failure
-    after(d, done)               in order, after the work returned `done`
-    on_failure(d, exc, failure)  in order, until one answers: the `Verdict` on a failure anywhere above, given
-                                 its one classification (app.errors.classify)
-
-A policy that raises its own exception in `before` answers for it in `on_failure`; the retry policy
-(workers.shard.retry_policy) comes last and answers every other failure.
+What flows through them is one `Delivery`, as one Document flows through datatrove's steps: `before(d)` in order
+before the work (a result string ends the delivery), `after(d, done)` after it, `on_failure(d, exc, failure)`
+until one answers with a `Verdict`. The retry policy comes last and answers every other failure. The hooks in
+full: docs/workers.md#the-policy-interface-workersshardpolicypy.
 """
 
 from __future__ import annotations

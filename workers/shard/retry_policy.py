@@ -2,19 +2,8 @@
 its one classification (`app.errors.classify`), with the backoff between Celery retries and the limits that
 dead-letter a shard, in one place as dramatiq's `Retries` middleware keeps its own.
 
-Celery's retry count bounds nothing but a run that is not on storage yet: the attempt records on storage (failures
-of the shard's own, processes that died holding it) decide the dead letter, so a shard redelivered to another host
-counts its earlier attempts there too.
-
-A failure of the work (`settle_failure`, which records it on the attempt):
-    engine died (EngineDead)       -> RESTART: re-publish the shard, exit for a fresh engine (EngineLost, its
-                                      process vanished under a signal, counts as a crash, not as a failure)
-    PermanentError, InvalidId      -> DEAD: dead-lettered at once (it repeats on every attempt)
-    anything else                  -> RETRY with `backoff`; `max_attempts` failures dead-letter it
-A failure before the work (`before_work`): an InvalidId -> SET_ASIDE (the dead-message list, acked); a run not on
-storage -> RETRY up to `missing_run_retries()` times, then SET_ASIDE; a transient error (OSError, TimeoutError,
-RetryableError) -> RETRY; anything else -> RAISE (Celery records the task's failure: nothing would bound its
-retries).
+The attempt records on storage, not Celery's retry count, decide the dead letter, so a shard redelivered to
+another host counts its earlier attempts. Each failure and its verdict: docs/workers.md#the-retry-policy-workersshardretry_policypy.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """The guards and the pauses of a shard's delivery, each one policy (workers.shard.policy), in the order they run.
 
-Guards (`before`, before the work): the first with an answer ends the delivery there (`SKIPPED`, or Celery's
-`Reject`); the work runs only when every guard passed. Each reads and writes the shard ledger (app.ledger) and
-knows Celery only through `Reject`, so each runs on a plain `Delivery` in the tests.
-
-    SkipDone        its completion marker exists (a redelivery, a re-run, a duplicate publish) -> SKIPPED;
-                    what dead duplicates left on the finished shard is swept on the way
-    SkipDead        it was dead-lettered (`regen retry-dead` re-sends it) -> SKIPPED
-    DropWhenPaused  the run is paused -> Reject(requeue=False); `regen resume-run` re-sends every shard
-                    without a marker, so nothing is lost and paused shards do not bounce through Redis
-    RequireRun      sets `Delivery.manifest`, read once per process; a run not on storage -> InvalidTask
-    CountAttempt    sets `Delivery.attempt`: recorded; past the retry policy's limits
-                    (retry_policy.exhausted), dead-letter it -> SKIPPED
-    CheckManifest   another model, other layers, settings its engine cannot run -> the error recorded on the
-                    attempt, Reject(requeue=True)
-
-Pauses (`after`, on what the work produced): PauseOnStubs feeds the run's stub windows with a generated shard's
-records, PauseOnCaptureCheck reads the capture check's outcomes; either pauses the run. What a failure does next
-is the retry policy's (workers.shard.retry_policy.RetryPolicy).
+Guards (`before`): SkipDone, SkipDead, DropWhenPaused, RequireRun, CountAttempt, CheckManifest; the first with an
+answer ends the delivery. Pauses (`after`): PauseOnStubs and PauseOnCaptureCheck read what the work produced.
+Each knows Celery only through `Reject`, so each runs on a plain `Delivery` in the tests. What each does: docs/workers.md#the-guards-and-the-pauses-workersshardtask_guardspy.
 """
 
 from __future__ import annotations
