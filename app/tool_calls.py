@@ -13,8 +13,10 @@ import copy
 import json
 import sys
 
+from app.errors import RegenError
 
-class ToolCallError(ValueError):
+
+class ToolCallError(RegenError, ValueError):
     """A tool call vLLM's chat path refuses (an entry that is not an object, a call that is not a function)."""
 
 

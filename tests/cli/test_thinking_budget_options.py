@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from app.cli import main
-from app.manifest import setting
+from app.manifest import RunSettings
 from app.thinking import DEFAULT_THINKING_CLOSE
 from tests.support.producer import sharegpt_row, write_jsonl
 from tests.support.redis_db import PRODUCER_REDIS
@@ -61,7 +61,7 @@ def test_the_manifest_records_them_and_leaves_them_out_at_their_defaults(tmp_pat
     assert _produce(tmp_path, tiny_model, "--capture", "off", run="plain").exit_code == 0
     plain = json.loads((tmp_path / "s" / "plain" / "run.json").read_text())["settings"]
     assert not {"thinking_budget", "thinking_close", "stop_loops"} & set(plain)
-    assert setting(plain, "thinking_budget") is None and setting(plain, "stop_loops") is False
+    assert RunSettings.view(plain).thinking_budget is None and RunSettings.view(plain).stop_loops is False
     result = _produce(tmp_path, tiny_model, "--capture", "staged", "--thinking-budget", "8", "--stop-loops")
     assert result.exit_code == 0, result.output
     settings = json.loads((tmp_path / "s" / "budget" / "run.json").read_text())["settings"]

@@ -138,10 +138,11 @@ class CheckManifest(Policy):
             raise Reject(str(exc), requeue=True)
 
 
-def generation_features_missing(settings: RunSettings, worker: Worker) -> list[str]:
+def generation_features_missing(settings: RunSettings | dict, worker: Worker) -> list[str]:
     """What a run's thinking budget or loop stop needs of the engine that generates its shards and this one lacks:
     a reasoning config with the run's close text, the loop stop (engines get them from the run: `--run`)."""
     out = []
+    settings = RunSettings.view(settings)
     budget, close = settings.thinking_budget, settings.thinking_close
     if budget is not None and worker.thinking_close != close:
         out.append(f"the run closes thinking at {budget} tokens with {close!r}, and this engine "
