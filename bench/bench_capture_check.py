@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from app.ids import seed_for  # noqa: E402
+from app.base.ids import seed_for  # noqa: E402
 from workers.engine.options import EngineOptions  # noqa: E402
 from workers.engine.recapture import CheckPolicy, EngineChecks, Pending, recheck  # noqa: E402  # noqa: E402
 from workers.engine.request import GenRequest, GenResult  # noqa: E402
@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    from app.states_compare import compare
+    from app.base.states_compare import compare
     from workers.engine.process import EngineProcess
 
     work = tempfile.mkdtemp(prefix="bench-capture-check-")

@@ -34,8 +34,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from app.quality import states_problem
-from app.states_codec import DEFAULT_LOSSY, LOSSY_CODECS
+from app.base.quality import states_problem
+from app.base.states_codec import DEFAULT_LOSSY, LOSSY_CODECS
 from workers.engine.capture_file import read_capture_file
 from workers.process.context import scratch_root
 from workers.shard.states import check_and_encode

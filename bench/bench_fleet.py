@@ -270,8 +270,8 @@ class Fleet:
     def __init__(self, model: str, scratch: str, max_tokens: int, shard_size: int, tag: str = "", env: dict | None = None):
         import redis
 
-        from app.celery_app import create_app
-        from app.settings import BrokerSettings
+        from app.base.celery_app import create_app
+        from app.base.settings import BrokerSettings
 
         if not tag:  # the first fleet only: a second one must not wipe the first worker's remote-control bindings
             redis.Redis.from_url(BROKER).flushdb()
@@ -309,7 +309,7 @@ class Fleet:
     def direct_in_worker(self, round_name: str, sampling_of: str) -> tuple[int, float, list[float], dict]:
         """`LLM.generate` over the round's prompts on the worker's own engine (workers/doubles/bench_task.py), with the
         sampling of run `bench-<sampling_of>`; extras as `timed`'s (CPU by part over the whole exchange)."""
-        from app.celery_app import BENCH_DIRECT_TASK
+        from app.base.celery_app import BENCH_DIRECT_TASK
 
         manifest = json.loads(Path(self.storage, f"bench-{sampling_of}", "run.json").read_text())
         result = Path(self.scratch, f"worker-direct-{round_name}{self.tag}.json")

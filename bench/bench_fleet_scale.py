@@ -23,12 +23,12 @@ What it does (every part is the product's, only the engine is the stand-in's, wo
    fleet is divided by X with it (heartbeats, hence leases and the dead-holder watch's period), so per-shard
    counts are those of the real-time fleet; times measured on the fleet's clock are multiplied back by X.
    At 10%, 50% and 100% of the shards done it reads: Redis INFO, every process's storage counts
-   (REGEN_STORAGE_COUNTS, app/storage_counts.py), the fleet's CPU (every worker process and supervisor, less the
+   (REGEN_STORAGE_COUNTS, app/base/storage_counts.py), the fleet's CPU (every worker process and supervisor, less the
    stand-in engines' own threads), and times `regen status RUN --json` (a fresh process, less its `--help`
    start-up) and a `regen metrics` scrape.
 4. A host's death: once the producer is done and the queue is empty (every remaining shard held), one host
    (its supervisor and workers) is SIGKILLed; the time until an idle worker re-sent each shard it held
-   (app/dead_holders.py) and until they are done. The hosts share this machine, so the checkers see the
+   (app/base/dead_holders.py) and until they are done. The hosts share this machine, so the checkers see the
    processes dead at once (pid check); a host elsewhere is judged by its lease, up to one lease later.
 5. `--s3-scale`: the fleet part again on `s3://` (moto's server with its requests counted as it served them,
    bench/s3_counting_server.py) at that fraction of the job.
@@ -299,7 +299,7 @@ class StorageView:
     """The harness's own reads of the run (not counted: the harness's environment has no REGEN_STORAGE_COUNTS)."""
 
     def __init__(self, root: str):
-        from app.storage import RunStore, Storage
+        from app.base.storage import RunStore, Storage
 
         self.storage = Storage(root)
         self.store = RunStore(self.storage, RUN_ID)
@@ -322,7 +322,7 @@ class StorageView:
         return out
 
     def attempts(self, shard: str) -> list[dict]:
-        from app.ledger import attempt_errors
+        from app.base.ledger import attempt_errors
 
         if not self.storage.is_local:
             self.storage.fs.invalidate_cache()
@@ -543,7 +543,7 @@ def run_fleet(work: Path, files: list[Path], storage_root: str, model: Path, red
 
 
 def read_counts(folder: Path) -> Counter:
-    """Every process's storage counts under `folder` (app/storage_counts.py), summed."""
+    """Every process's storage counts under `folder` (app/base/storage_counts.py), summed."""
     return _storage_counts(folder)
 
 
@@ -556,7 +556,7 @@ def time_readers(cp: Checkpoint, storage_root: str, broker: str, env: dict, metr
 
 
 def _storage_counts(folder: Path) -> Counter:
-    from app.storage_counts import read_all
+    from app.base.storage_counts import read_all
 
     return read_all(str(folder))
 
@@ -634,7 +634,7 @@ def seen_on_storage(view: StorageView) -> dict:
     out: Counter = Counter()
     for path in root.rglob("*"):
         if path.is_file() and ".tmp-" not in path.name:
-            from app.storage_counts import area
+            from app.base.storage_counts import area
 
             where = area(str(path.relative_to(root.parent)))
             out[f"files:{where}"] += 1
@@ -974,7 +974,7 @@ def s3_pass(work: Path, model: Path, redis: RedisServer, args) -> FleetRun:
                 if time.monotonic() > deadline or server.poll() is not None:
                     raise SystemExit(f"moto did not start: see {work / 'moto.log'}") from None
                 time.sleep(0.3)
-        from app.storage import Storage
+        from app.base.storage import Storage
 
         Storage("s3://regen-bench").fs.mkdir("regen-bench")
         print(f"fleet on s3:// (moto) at {args.s3_scale:g} of the job ({math.ceil(samples / SHARD_SIZE):,} shards):")

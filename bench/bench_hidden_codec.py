@@ -5,7 +5,7 @@
 
 Why: the storage format is chosen for its ratio and speed on bf16 hidden states (docs/measured-facts.md: byte-split zstd
 ~1.45x vs plain zstd ~1.26x and SpecForge's torch.save + gzip ~1.25x), and a run's lossy `--states-dtype` for
-its ratio, speed and error (app/states_codec.py). Those figures must be re-measurable in one command, all in the
+its ratio, speed and error (app/base/states_codec.py). Those figures must be re-measurable in one command, all in the
 same run, on activations rather than random bits (random bits do not compress at all).
 
 Data, two sets, each run through every codec:
@@ -45,15 +45,15 @@ import zstandard
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from app.data.reference import ReferenceCapture
-from app.hidden_file import (
+from app.base.hidden_file import (
     HiddenFileReader,
     HiddenFileWriter,
     bf16_to_float32,
     encode_sample,
     float32_to_bf16,
 )
-from app.states_codec import bound, layer_errors, row_errors
+from app.base.states_codec import bound, layer_errors, row_errors
+from app.data.reference import ReferenceCapture
 from tests.support.activations import realistic_activations
 
 REPEATS = 3

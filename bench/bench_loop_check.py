@@ -4,7 +4,7 @@ the loop stop's per-step check costs the engine.
     python bench/bench_loop_check.py                 # a few seconds
     python bench/bench_loop_check.py --repeat 2000
 
-Why: `app.quality.repetition_loop` runs once per finished sample on the worker's delivery thread (sample_flags),
+Why: `app.base.quality.repetition_loop` runs once per finished sample on the worker's delivery thread (sample_flags),
 and the loop stop (workers.engine.loop_stop) runs it on the engine thread every CHECK_EVERY tokens of every
 request that asks. Outputs: a random one (no loop: most period candidates fail at the first compare) and a looping
 one (a period-37 span repeated to the end, the case that returns True). Each figure is a median per call, beside a
@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.loops import MAX_PERIOD  # noqa: E402
-from app.quality import repetition_loop  # noqa: E402
+from app.base.loops import MAX_PERIOD  # noqa: E402
+from app.base.quality import repetition_loop  # noqa: E402
 
 MIN_REPEATS = 6  # QualitySettings.repetition_min_repeats' default
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.loops import loop_stopped, stop_request  # noqa: E402
-from app.process_env import prepare_vllm_env  # noqa: E402
+from app.base.loops import loop_stopped, stop_request  # noqa: E402
+from app.base.process_env import prepare_vllm_env  # noqa: E402
 from workers.engine.llm_arguments import llm_kwargs, sampling_params  # noqa: E402
 from workers.engine.options import EngineOptions  # noqa: E402
 from workers.engine.request import GenRequest  # noqa: E402

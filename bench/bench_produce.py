@@ -154,8 +154,8 @@ def child_stage(path: str, stage: str) -> dict:
 
 
 def child_baseline(path: str, rows: int) -> dict:
-    from app.celery_app import GENERATE_TASK, create_app
-    from app.settings import BrokerSettings
+    from app.base.celery_app import GENERATE_TASK, create_app
+    from app.base.settings import BrokerSettings
 
     app = create_app(BrokerSettings.from_env(BROKER))
     start, cpu = time.perf_counter(), _cpu_s()

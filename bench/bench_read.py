@@ -1,6 +1,6 @@
 """Random-access read speed of hidden states: regen's shard files vs one safetensors file per sample.
 
-Why: the shard format (app/hidden_file.py) trades decode work (zstd of the high bytes) for ~1.45x less disk.
+Why: the shard format (app/base/hidden_file.py) trades decode work (zstd of the high bytes) for ~1.45x less disk.
 A trainer reads samples in random order, so what matters is samples/s through `RegenDataset` compared with
 the per-sample safetensors layout vLLM's extraction writes (and `regen export --format speculators` makes).
 
@@ -26,10 +26,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from app.base.hidden_file import encode_sample, float32_to_bf16
+from app.base.records import loss_mask
+from app.base.storage import RunStore, Storage
 from app.data.export_speculators import safetensors_bytes
-from app.hidden_file import encode_sample, float32_to_bf16
-from app.records import loss_mask
-from app.storage import RunStore, Storage
 from workers.shard.shard_output import publish_shard
 
 

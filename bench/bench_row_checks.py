@@ -10,7 +10,7 @@ a sample (stale rows); they now look at every row. Each figure is a median of `-
 each is printed beside baselines measured in the same run on the same sample:
 - `per-layer zero/NaN (old)`: the check `states_problem` was (column maxima per block: a layer zero throughout);
 - `stale rows, 16 positions (old)`: `StaleRows(positions=16)`, the old probe;
-- `encode (bf16, zstd 3)`: `app.hidden_file.encode_sample`, what the same encoder thread does next anyway.
+- `encode (bf16, zstd 3)`: `app.base.hidden_file.encode_sample`, what the same encoder thread does next anyway.
 The stale-row table is filled with 40 earlier samples first, so the lookups search a table of realistic size.
 Detection: one stale row planted at a random position of each of `--trials` samples, copied from a random row of
 an earlier sample in the table; the table finds it (full) or not (16 positions).
@@ -28,8 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.hidden_file import encode_sample, float32_to_bf16  # noqa: E402
-from app.quality import StaleRows, states_problem  # noqa: E402
+from app.base.hidden_file import encode_sample, float32_to_bf16  # noqa: E402
+from app.base.quality import StaleRows, states_problem  # noqa: E402
 
 _BLOCK = 1 << 16
 

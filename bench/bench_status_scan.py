@@ -13,7 +13,7 @@ shard; a few shards open: attempts without a marker, as a fleet in flight holds 
   least a pass pays that lists every attempt folder.
 
 It prints the warm scan's ratio to the walk and each column's growth exponent over the sizes (time ~ shards^b:
-b near 1 grows with the run, near 0 does not). Storage operations are counted by app/storage_counts.py.
+b near 1 grows with the run, near 0 does not). Storage operations are counted by app/base/storage_counts.py.
 
     python bench/bench_status_scan.py                       # 1,428 / 4,285 / 14,282 shards (10-100% of the job)
     python bench/bench_status_scan.py --shards 14282,142820 --keep /data/scan   # the job and 10x it, kept
@@ -34,11 +34,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from app.ids import shard_id  # noqa: E402
-from app.ledger import record_attempt  # noqa: E402
-from app.settings import scope as settings_scope  # noqa: E402
-from app.storage import RunStore, Storage  # noqa: E402
-from app.storage_counts import read_all  # noqa: E402
+from app.base.ids import shard_id  # noqa: E402
+from app.base.ledger import record_attempt  # noqa: E402
+from app.base.settings import scope as settings_scope  # noqa: E402
+from app.base.storage import RunStore, Storage  # noqa: E402
+from app.base.storage_counts import read_all  # noqa: E402
 from workers.shard.shard_output import publish_shard  # noqa: E402
 
 RUN_ID = "scan"

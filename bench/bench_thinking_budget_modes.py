@@ -1,6 +1,6 @@
 """Whether vLLM honours `thinking_token_budget` in each engine kind regen builds: a generation engine (capture
 off, and a staged run's generate stage), an inline-capture engine (vLLM's `extract_hidden_states` speculative
-config) and MTP generation (`--speculative mtp:2`). What `regen produce` refuses rests on it (app.thinking).
+config) and MTP generation (`--speculative mtp:2`). What `regen produce` refuses rests on it (app.base.thinking).
 
     python bench/bench_thinking_budget_modes.py            # ~3 min on 2 busy cores: one engine per mode
     python bench/bench_thinking_budget_modes.py --modes off,inline --budget 8
@@ -9,7 +9,7 @@ On the tiny random Qwen3.5 hybrid (its template opens the think block in the pro
 with an MTP head), each mode's engine is built by `llm_kwargs` as a worker builds it, with the reasoning config,
 and generates the same prompts and seeds twice: without a budget (the baseline, measured in the same run) and
 with `--budget`. Honoured means: every budgeted output has the close text's ids exactly where the budget runs out
-(app.thinking.forced_span), and its ids before that equal the baseline's (the budget changed nothing else).
+(app.base.thinking.forced_span), and its ids before that equal the baseline's (the budget changed nothing else).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app.process_env import prepare_vllm_env  # noqa: E402
-from app.thinking import DEFAULT_THINKING_CLOSE, REASONING_START, forced_span  # noqa: E402
+from app.base.process_env import prepare_vllm_env  # noqa: E402
+from app.base.thinking import DEFAULT_THINKING_CLOSE, REASONING_START, forced_span  # noqa: E402
 from workers.engine.llm_arguments import llm_kwargs, sampling_params  # noqa: E402
 from workers.engine.options import EngineOptions  # noqa: E402
 from workers.engine.request import GenRequest  # noqa: E402

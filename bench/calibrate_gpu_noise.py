@@ -1,7 +1,7 @@
 """The noise floor between a GPU's and a CPU's forward pass of one model, at the real target's width.
 
 Why: the capture checks (the worker's re-capture, `regen verify --reference`, `regen selfcheck`) judge a row by
-its error relative to its own norm against `app.states_compare.REL_BOUND`, and by the shift/layer tests. On these
+its error relative to its own norm against `app.base.states_compare.REL_BOUND`, and by the shift/layer tests. On these
 CPUs vLLM and transformers agree to ~3e-5 of the row, which says nothing about a GPU, whose kernels (flash
 attention, fused residual adds, split-K matmuls) round differently at every layer. This script measures that on
 a random Qwen3 at width 5120 (the 27B target's), with and without a massive-activation channel, over depth:
@@ -11,7 +11,7 @@ a random Qwen3 at width 5120 (the 27B target's), with and without a massive-acti
 - each against `gpu_fp32` (the same weights in float32 on the GPU): how much of that is each side's rounding;
 - `gpu_bf16` in one padded batch against each sequence alone: the noise floor of a re-capture with another
   batch composition (the worker's in-run check);
-- `app.states_compare.compare` on the real pair (must pass) and on the pair shifted by one token (must fail).
+- `app.base.states_compare.compare` on the real pair (must pass) and on the pair shifted by one token (must fail).
 
 Run on a machine with a GPU: `python bench/calibrate_gpu_noise.py --out DIR` (defaults: 64 layers, 5120 wide,
 FFN 8192 so that the CPU pass fits in minutes; `--small` runs a 256-wide form anywhere as a smoke test). Prints
@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: app.states_compare
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: app.base.states_compare
 
-from app.states_compare import REL_BOUND, compare  # noqa: E402
+from app.base.states_compare import REL_BOUND, compare  # noqa: E402
 
 
 def build(args, device: str, dtype: torch.dtype):

@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from app.ids import seed_for  # noqa: E402
+from app.base.ids import seed_for  # noqa: E402
 from workers.engine.options import EngineOptions  # noqa: E402
 from workers.engine.request import GenRequest, GenResult  # noqa: E402
 from workers.shard.generate import render_prompt  # noqa: E402

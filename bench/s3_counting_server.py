@@ -2,7 +2,7 @@
 
     python bench/s3_counting_server.py PORT
 
-The counts are what the store served, independent of the client-side counts (app/storage_counts.py):
+The counts are what the store served, independent of the client-side counts (app/base/storage_counts.py):
 `GET /_regen_counts` returns them as JSON (`PUT`, `GET`, `HEAD`, `LIST`, `DELETE`, `POST`, `COPY`, and the
 request and response body bytes), and is not itself counted. A request is a LIST when it reads a bucket (no key)
 with GET; a PUT with `x-amz-copy-source` is a COPY.

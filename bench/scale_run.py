@@ -3,8 +3,8 @@
 The job: 914K thinking-mode samples of a 64-layer, 5120-wide target, 64 samples a shard (14,282 shards). Every
 shard gets what a worker leaves: its attempt record (app/ledger.record_attempt), its records file and
 completion marker (workers/shard_output.publish_shard, with workers.generate.shard_summary's counts), and
-the records are built as workers/generate.py builds them (flags from app.quality.sample_flags, masks from
-app.records.loss_mask). run.json and produce.json come from the producer's own code.
+the records are built as workers/generate.py builds them (flags from app.base.quality.sample_flags, masks from
+app.base.records.loss_mask). run.json and produce.json come from the producer's own code.
 
 States at the target's width for every sample would be ~140 TB, so the run is a *staged* capture run
 (`capture_mode: staged`) whose capture stage has finished `states_shards` of its shards: those get a hidden
@@ -36,14 +36,14 @@ from types import SimpleNamespace
 import numpy as np
 import orjson
 
-from app.hidden_file import float32_to_bf16
-from app.ids import shard_id
-from app.ledger import record_attempt
-from app.manifest import QualitySettings, RunSettings, Sampling, StatesStorage, open_or_create
-from app.quality import sample_flags
-from app.records import loss_mask
-from app.states_codec import promised_bound
-from app.storage import RunStore, Storage
+from app.base.hidden_file import float32_to_bf16
+from app.base.ids import shard_id
+from app.base.ledger import record_attempt
+from app.base.manifest import QualitySettings, RunSettings, Sampling, StatesStorage, open_or_create
+from app.base.quality import sample_flags
+from app.base.records import loss_mask
+from app.base.states_codec import promised_bound
+from app.base.storage import RunStore, Storage
 from producer.accounting import Accounting, write_produce_state
 from workers.doubles.stand_in import thinking_output
 from workers.shard.generate import shard_summary
@@ -91,7 +91,7 @@ def write_model(folder: Path, hidden: int = HIDDEN) -> None:
 
 
 def settings(model_dir: Path, shape: Shape) -> RunSettings:
-    from app.model_info import read_model_info
+    from app.base.model_info import read_model_info
 
     info = read_model_info(str(model_dir))
     return RunSettings(

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from app.documents import ProduceSummary
-from app.storage import RunStore
+from app.base.documents import ProduceSummary
+from app.base.storage import RunStore
 from producer.normalise import REJECT_REASONS
 
 

@@ -15,10 +15,10 @@ import time
 import warnings
 from collections.abc import Callable
 
-from app.celery_app import GENERATE_TASK, create_app
-from app.errors import ConfigError, RetryableError
-from app.library_patches import ORJSON_SERIALIZER, register_fast_codecs
-from app.settings import BrokerSettings, mask_url
+from app.base.celery_app import GENERATE_TASK, create_app
+from app.base.errors import ConfigError, RetryableError
+from app.base.library_patches import ORJSON_SERIALIZER, register_fast_codecs
+from app.base.settings import BrokerSettings, mask_url
 from producer.sharding import Shard
 
 COMPRESS_ABOVE = 4096

@@ -11,9 +11,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from app.chat_render import load_tokenizer, render_ids
-from app.states_codec import promised_bound
-from app.tool_calls import prepare
+from app.base.chat_render import load_tokenizer, render_ids
+from app.base.states_codec import promised_bound
+from app.base.tool_calls import prepare
 
 COMPRESSION_RATIO = 1.45
 BYTES_PER_VALUE = 2  # bf16
@@ -79,7 +79,7 @@ def count_prompt_tokens(model_path: str, samples: list[dict], thinking: bool,
     for sample in samples:
         total = 0
         for messages in turn_prompts(sample["messages"]):
-            # Rendered and encoded exactly as the worker does (app.chat_render, app.tool_calls).
+            # Rendered and encoded exactly as the worker does (app.base.chat_render, app.base.tool_calls).
             total += len(render_ids(tokenizer, prepare(messages), sample.get("tools"), thinking, preserve_thinking))
         counts.append(total)
     return counts
@@ -100,7 +100,7 @@ class Estimate:
     layers: int
     hidden_size: int
     responses: int | None = None  # training samples (multi-turn: one per regenerated turn); None: one per sample
-    states_dtype: str = "bf16"  # resolved (app.states_codec.resolve)
+    states_dtype: str = "bf16"  # resolved (app.base.states_codec.resolve)
 
     @property
     def context_tokens(self) -> int:

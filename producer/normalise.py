@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import orjson
 
-from app.errors import PermanentError
-from app.ids import sample_id
-from app.samples import Sample
-from app.settings import DEFAULT_REGENERATE
+from app.base.errors import PermanentError
+from app.base.ids import sample_id
+from app.base.samples import Sample
+from app.base.settings import DEFAULT_REGENERATE
 
 REJECT_REASONS = (
     "malformed_json",
@@ -28,7 +28,7 @@ REJECT_REASONS = (
     "prompt_too_long",
     "bad_mode_field",
     "bad_tool_call",  # a tool call vLLM's chat path refuses (producer.template_check)
-    "tool_arguments_erased",  # arguments vLLM's chat path would replace by {} (app.tool_calls)
+    "tool_arguments_erased",  # arguments vLLM's chat path would replace by {} (app.base.tool_calls)
     "template_error",  # the target's chat template refuses the conversation (producer.template_check)
 )
 REGENERATE_MODES = ("last", "all")

@@ -15,13 +15,13 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from app import ledger
-from app.celery_app import CAPTURE_TASK
-from app.errors import ConfigError
-from app.ids import validate_id
-from app.manifest import RunSettings, grow_samples_per_prompt, load, open_or_create
-from app.states_codec import resolve as resolve_states_dtype
-from app.storage import RunStore, Storage
+from app.base import ledger
+from app.base.celery_app import CAPTURE_TASK
+from app.base.errors import ConfigError
+from app.base.ids import validate_id
+from app.base.manifest import RunSettings, grow_samples_per_prompt, load, open_or_create
+from app.base.states_codec import resolve as resolve_states_dtype
+from app.base.storage import RunStore, Storage
 from producer.accounting import (
     Accounting,
     RejectLog,
@@ -217,7 +217,7 @@ def produce(opts: ProduceOptions, progress: ProgressFn | None = None) -> Produce
         store = _open_store(opts, run_id)
         state = read_produce_state(store)
         manifest, _ = open_or_create(store, run_settings)
-        if "chat_template" not in manifest["settings"]:  # reopened as it was made: unchecked (app.manifest)
+        if "chat_template" not in manifest["settings"]:  # reopened as it was made: unchecked (app.base.manifest)
             settings.pop("chat_template", None)
         check_producer_settings(state and state.get("producer_settings"), producer_settings(opts), run_id)
         if state and state.get("complete"):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import zstandard
 
-from app.errors import InputError
+from app.base.errors import InputError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 ZST_SUFFIXES = (".jsonl.zst", ".ndjson.zst")

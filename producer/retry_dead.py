@@ -4,7 +4,7 @@ Why not delete `dead/*.json` by hand: the dead letter and the attempts are the r
 the attempts would still count against it (the first new delivery would dead-letter it again at once). So each
 chosen dead letter is archived with every attempt record of its key under `{run}/archive/{key}/{stamp}/`
 (`dead.json`, `attempts/*.json`), then the attempts and the letter are removed, letter last: a retry cut short
-leaves the shard dead, and running the command again finishes it (app.ledger.archive_dead). Then the shards are
+leaves the shard dead, and running the command again finishes it (app.base.ledger.archive_dead). Then the shards are
 re-sent: generation shards through `produce --resume` restricted to them (the inputs are re-read; shards are
 deterministic), a staged capture's key as a capture task for its done shard.
 """
@@ -15,13 +15,13 @@ import datetime as dt
 import os
 from dataclasses import dataclass, field, replace
 
-from app.celery_app import create_app
-from app.errors import ConfigError, InputError
-from app.ids import validate_id
-from app.ledger import CAPTURE, GENERATE, archive_dead, split_key
-from app.manifest import RunSettings, load
-from app.settings import BrokerSettings
-from app.storage import RunStore, Storage
+from app.base.celery_app import create_app
+from app.base.errors import ConfigError, InputError
+from app.base.ids import validate_id
+from app.base.ledger import CAPTURE, GENERATE, archive_dead, split_key
+from app.base.manifest import RunSettings, load
+from app.base.settings import BrokerSettings
+from app.base.storage import RunStore, Storage
 from producer.produce import produce, send_captures, storage_url_for_workers
 from producer.run_setup import ProduceOptions
 

@@ -1,6 +1,6 @@
 """From command-line options to the run manifest's settings, and back again for `--resume`.
 
-Why here: everything that decides what a sample's output is belongs in `RunSettings` (app.manifest), so
+Why here: everything that decides what a sample's output is belongs in `RunSettings` (app.base.manifest), so
 that reopening a run with a different value is refused naming the field. The producer-only knobs that decide
 *which rows become samples* but are not engine settings (`max_prompt_chars`) are stored in produce.json and
 checked the same way. `--resume` rebuilds everything from the stored manifest, and refuses if an input file's
@@ -13,10 +13,10 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 
-from app.chat_render import manifest_entry
-from app.errors import ConfigError, InputError, ManifestMismatch
-from app.layers import parse_layers
-from app.manifest import (
+from app.base.chat_render import manifest_entry
+from app.base.errors import ConfigError, InputError, ManifestMismatch
+from app.base.layers import parse_layers
+from app.base.manifest import (
     CAPTURE_MODES,
     MODES,
     CaptureCheckSettings,
@@ -25,12 +25,12 @@ from app.manifest import (
     Sampling,
     StatesStorage,
 )
-from app.model_info import read_model_info, read_text_config, zero_embedding_ids
-from app.settings import DEFAULT_QUEUE, DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
-from app.speculative import check_speculative, ignored_with_capture, parse_speculative
-from app.states_codec import STATES_DTYPES, promised_bound, resolve
-from app.thinking import DEFAULT_THINKING_CLOSE, engine_refusal
-from app.vllm_args import check_data_args, parse_vllm_args, split_item
+from app.base.model_info import read_model_info, read_text_config, zero_embedding_ids
+from app.base.settings import DEFAULT_QUEUE, DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
+from app.base.speculative import check_speculative, ignored_with_capture, parse_speculative
+from app.base.states_codec import STATES_DTYPES, promised_bound, resolve
+from app.base.thinking import DEFAULT_THINKING_CLOSE, engine_refusal
+from app.base.vllm_args import check_data_args, parse_vllm_args, split_item
 from producer.enqueue import COMPRESS_MODES
 from producer.modes import mode_prompt_tails
 from producer.normalise import REGENERATE_MODES
@@ -78,16 +78,16 @@ class ProduceOptions:
     vllm_args: list[str] = field(default_factory=list)  # KEY=VALUE, recorded in the manifest for every worker
     states_dtype: str = "bf16"
     speculative: str | None = None  # "mtp" / "mtp:K" as given; the manifest records it normalised ("mtp:2")
-    thinking_mix: float | None = None  # share of samples in thinking mode (app.modes); None: `thinking` for all
+    thinking_mix: float | None = None  # share of samples in thinking mode (app.base.modes); None: `thinking` for all
     samples_per_prompt: int | None = None  # None: 1 (with --resume: the run's)
     sample_temperatures: list[float] | None = None  # sample k of a prompt at [k % len]
     take: list[str] = field(default_factory=list)  # GLOB=N / GLOB=FRACTION (producer.take)
     capture_check_every: int = 100  # workers re-capture one sample in this many to check their capture (0: none)
-    preserve_thinking: bool = False  # the template keeps earlier turns' reasoning (app.chat_render)
+    preserve_thinking: bool = False  # the template keeps earlier turns' reasoning (app.base.chat_render)
     render_processes: int | None = None  # the render check's processes (producer.template_check); None: in-process
-    thinking_budget: int | None = None  # close each thinking sample's reasoning after N tokens (app.thinking)
-    thinking_close: str | None = None  # the text forced then [default: app.thinking.DEFAULT_THINKING_CLOSE]
-    stop_loops: bool = False  # end requests whose output loops (app.loops)
+    thinking_budget: int | None = None  # close each thinking sample's reasoning after N tokens (app.base.thinking)
+    thinking_close: str | None = None  # the text forced then [default: app.base.thinking.DEFAULT_THINKING_CLOSE]
+    stop_loops: bool = False  # end requests whose output loops (app.base.loops)
 
     @property
     def prompt_char_cap(self) -> int:
@@ -325,7 +325,7 @@ def verify_inputs(stored_inputs: list[dict]) -> list[str]:
 def model_settings(info, path: str) -> dict:
     """The manifest's `model`: the model's shape and fingerprint, and, where the checkpoint has token ids whose
     embedding row is zero (a padding row), those ids (`zero_embedding_ids`): their all-zero rows are states, not
-    capture faults (app.model_info.zero_embedding_ids). Left out when there are none, as older runs have it."""
+    capture faults (app.base.model_info.zero_embedding_ids). Left out when there are none, as older runs have it."""
     out = info.to_manifest()
     zero = zero_embedding_ids(path)
     if zero:

@@ -1,10 +1,10 @@
 """Exact-duplicate removal and fixed-size, deterministic shards.
 
 Why: the same prompt often appears in several datasets (or twice in one); generating it twice wastes GPU hours
-and biases the drafter. A sample id is a 64-bit hash of the normalised prompt (app.ids), so the record of seen
+and biases the drafter. A sample id is a 64-bit hash of the normalised prompt (app.base.ids), so the record of seen
 ids holds ~10 bytes per unique sample (see `Deduper`), not the samples themselves.
 
-Shard k is the k-th group of `shard_size` unique samples in input order and is named `app.ids.shard_id(k)`,
+Shard k is the k-th group of `shard_size` unique samples in input order and is named `app.base.ids.shard_id(k)`,
 so the same inputs and settings always give the same shards: a re-run or a `--resume` can tell which shards
 are done from their completion markers alone.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from app.ids import shard_id
+from app.base.ids import shard_id
 
 
 class Deduper:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from app.errors import ConfigError
+from app.base.errors import ConfigError
 from producer.readers import InputReader
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import multiprocessing
 
-from app.chat_render import load_tokenizer, render_text, template_sha256
-from app.errors import ConfigError
-from app.ids import prompt_sample_id
-from app.manifest import RunSettings
-from app.modes import sample_mode
-from app.tool_calls import ToolCallError, erased_arguments, prepare
+from app.base.chat_render import load_tokenizer, render_text, template_sha256
+from app.base.errors import ConfigError
+from app.base.ids import prompt_sample_id
+from app.base.manifest import RunSettings
+from app.base.modes import sample_mode
+from app.base.tool_calls import ToolCallError, erased_arguments, prepare
 from producer.estimate import turn_prompts
 
 BATCH = 512  # samples checked at once (one round trip to the pool)

@@ -55,10 +55,10 @@ def wait_http(url: str, timeout: float = 60) -> None:
 
 def make_backlog(work: Path, broker: str) -> dict[str, int]:
     """Three runs' shards waiting in Redis as the producer leaves them; {queue: messages}."""
-    from app.celery_app import create_app
-    from app.manifest import load
-    from app.settings import BrokerSettings
-    from app.storage import RunStore, Storage
+    from app.base.celery_app import create_app
+    from app.base.manifest import load
+    from app.base.settings import BrokerSettings
+    from app.base.storage import RunStore, Storage
     from producer.produce import produce, send_captures
     from producer.run_setup import ProduceOptions
 

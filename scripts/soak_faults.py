@@ -126,7 +126,7 @@ def main() -> int:
         cli("produce", str(prompts), "--run", run_id, "--storage", str(storage), "--model", model, "--broker", broker,
             "--max-tokens", str(args.max_tokens), "--top-k", "0", "--shard-size", str(args.shard_size),
             "--layers", "vllm:1,2,4", env=env)
-        from app.storage import RunStore, Storage
+        from app.base.storage import RunStore, Storage
 
         store = RunStore(Storage(str(storage)), run_id)
         broker_lost = False
@@ -178,10 +178,10 @@ def main() -> int:
 
 
 def report(store, storage: Path, run_id: str, args, faults: Counter, elapsed: float) -> int:
+    from app.base.jsonl_zst import loads_jsonl_zst
+    from app.base.ledger import attempt_errors
     from app.data.run_reader import RunReader
     from app.data.verify import verify_run
-    from app.jsonl_zst import loads_jsonl_zst
-    from app.ledger import attempt_errors
 
     ids: Counter = Counter()
     for shard in store.done_shards():

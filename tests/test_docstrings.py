@@ -23,7 +23,7 @@ NOT_YET: set[str] = set()
 
 # A docstring that is itself the reference, with the most lines it may take and why it is kept in code.
 REFERENCE = {
-    "app/storage.py": (24, "the storage layout, described once where RunStore owns it (issue 46, item 1)"),
+    "app/base/storage.py": (24, "the storage layout, described once where RunStore owns it (issue 46, item 1)"),
 }
 
 LINK = re.compile(r"docs/([A-Za-z0-9_.-]+\.md)(?:#([A-Za-z0-9_-]+))?")

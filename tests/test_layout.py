@@ -1,6 +1,6 @@
 """The project's layout rules, read from every import statement of its modules (lazy ones inside functions too):
 
-- the shared base (`app/*.py`) imports only the base;
+- the shared base (`app/base/*.py`) imports only the base;
 - `producer/`, `workers/`, `app/data/` and `app/ops/` import the base and themselves, never each other;
 - `app/pilot/` assembles the producer's reader, the workers' device facts and the run readers into the pilot;
 - `app/cli/` is the only place that imports them all;
@@ -50,10 +50,12 @@ def modules() -> dict[str, Path]:
 
 
 def floor(module: str) -> str:
-    for prefix, name in (("app.cli", "cli"), ("app.data", "data"), ("app.ops", "ops"), ("app.pilot", "pilot")):
-        if module == prefix or module.startswith(prefix + "."):
-            return name
-    return "base" if module.split(".")[0] == "app" else module.split(".")[0]
+    """A module's floor, read from its folder: `app.<floor>...` (app/base, app/data, app/ops, app/pilot, app/cli),
+    or its top-level package (producer, workers); the `app` package itself stands on the base."""
+    parts = module.split(".")
+    if parts[0] != "app":
+        return parts[0]
+    return parts[1] if len(parts) > 1 and (ROOT / "app" / parts[1]).is_dir() else "base"
 
 
 def imports(path: Path, known: dict[str, Path]) -> list[tuple[str, int]]:
@@ -188,8 +190,8 @@ def test_the_product_reaches_each_double_only_at_its_plug_point():
 
 
 def test_the_fence_check_sees_a_double_imported_past_its_plug_point():
-    graph = {"workers.engine.factory": {"workers.doubles.stand_in"}, "workers.doubles.stand_in": {"app.errors"},
-             "workers.shard.generate": {"workers.engine.fault_hook"}, "app.errors": set()}
+    graph = {"workers.engine.factory": {"workers.doubles.stand_in"}, "workers.doubles.stand_in": {"app.base.errors"},
+             "workers.shard.generate": {"workers.engine.fault_hook"}, "app.base.errors": set()}
     assert fence_breaches(graph) == []
     graph["workers.shard.generate"].add("workers.doubles.stand_in")  # the product reaching past the plug point
     graph["workers.process.plan"] = {"workers.doubles"}
@@ -198,7 +200,15 @@ def test_the_fence_check_sees_a_double_imported_past_its_plug_point():
         "workers.shard.generate imports workers.doubles.stand_in (its plug point is workers.engine.factory)"]
 
 
-@pytest.mark.parametrize("module,allowed", [("app.storage", False), ("producer.produce", False),
+def test_no_module_is_left_loose_beside_the_floors():
+    """app/ holds its floors as folders (base, data, ops, pilot, cli) and nothing else but its __init__."""
+    loose = sorted(p.name for p in (ROOT / "app").glob("*.py") if p.name != "__init__.py")
+    assert not loose, loose
+    assert {p.name for p in (ROOT / "app").iterdir() if p.is_dir() and (p / "__init__.py").exists()} == \
+        set(MAY_IMPORT) - {"producer", "workers"}
+
+
+@pytest.mark.parametrize("module,allowed", [("app.base.storage", False), ("producer.produce", False),
                                             ("app.cli.run", True)])
 def test_the_rules_tell_a_module_that_may_import_everything_from_one_that_may_not(module, allowed):
     assert ("workers" in MAY_IMPORT[floor(module)]) is allowed
@@ -223,10 +233,10 @@ LAZY = {
     "pyarrow": "0.28 s, optional (extra `data`): only `regen export --format parquet`",
     "prometheus_client": "0.06 s, optional (extra `monitor`): only `regen metrics` serves it",
     "flower": "flower.views takes 0.17 s and is optional (extra `monitor`): only the Flower process patches it, "
-              "and app.library_patches is imported by the producer too",
-    "redis": "0.24 s (0.12 s on top of app.cli): the CLI, the producer and `regen status` import app.celery_app "
-             "and app.embedded_broker; only a Redis broker needs the client",
-    "kombu.transport.redis": "imports redis (0.15 s on top of app.cli); app.library_patches is imported by the "
+              "and app.base.library_patches is imported by the producer too",
+    "redis": "0.24 s (0.12 s on top of app.cli): the CLI, the producer and `regen status` import app.base.celery_app "
+             "and app.base.embedded_broker; only a Redis broker needs the client",
+    "kombu.transport.redis": "imports redis (0.15 s on top of app.cli); app.base.library_patches is imported by the "
                              "producer, which needs it only when publishing to Redis",
     # optional or platform-specific
     "psutil": "not a dependency (the `dev` extra): only the pilot's memory samples (app.pilot.peak_memory) and its "
@@ -317,7 +327,7 @@ import json
 def f():
     import torch
     from kombu.transport import redis
-    from app.storage import Storage
+    from app.base.storage import Storage
     return json, torch, redis, Storage
 
 class C:
@@ -327,8 +337,8 @@ class C:
             return np
         return inner
 """
-    assert unlisted_lazy_imports(source) == [("app.storage.Storage", 7), ("numpy", 13)]
-    assert unlisted_lazy_imports(source, {**LAZY, "app.storage": "a test's reason", "numpy": "a test's reason"}) == []
+    assert unlisted_lazy_imports(source) == [("app.base.storage.Storage", 7), ("numpy", 13)]
+    assert unlisted_lazy_imports(source, {**LAZY, "app.base.storage": "a test's reason", "numpy": "a test's reason"}) == []
     assert unlisted_lazy_imports("import numpy\n") == []  # at the top: nothing to list
 
 
@@ -375,7 +385,7 @@ def prose(path: Path) -> str:
 
 
 def test_prose_names_modules_and_symbols_that_exist_not_file_paths():
-    """Docstrings and comments name code by its dotted name (`app.ledger.stage_key`), never by file path, and
+    """Docstrings and comments name code by its dotted name (`app.base.ledger.stage_key`), never by file path, and
     every dotted name resolves: a move that leaves prose behind fails here instead of misleading a reader."""
     known = modules()
     wrong = []

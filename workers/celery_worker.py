@@ -20,9 +20,9 @@ import threading
 from celery import Celery
 from celery.signals import worker_process_init, worker_process_shutdown, worker_ready, worker_shutdown
 
-from app.celery_app import create_app
-from app.liveness import clock_skew_warning
-from app.settings import Settings, install
+from app.base.celery_app import create_app
+from app.base.liveness import clock_skew_warning
+from app.base.settings import Settings, install
 from workers.doubles.bench_task import register_bench
 from workers.process import dead_holder_watch
 from workers.process.context import WorkerContext
@@ -85,7 +85,7 @@ def _start_watchers(celery: Celery, **_):
     """The engine watchdog (workers.process.engine_watch), the sweep of this host's dead attempts' temporaries
     (workers.process.inflight; in a thread: storage may be slow to answer), the re-send of shards held by
     dead processes while this worker has a free task slot (workers.process.dead_holder_watch), and a warning
-    when this host's clock is off the fleet's shared one by more than a lease (app.liveness)."""
+    when this host's clock is off the fleet's shared one by more than a lease (app.base.liveness)."""
     skew = clock_skew_warning()
     if skew:
         log.warning("%s", skew)

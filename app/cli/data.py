@@ -16,6 +16,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from app.base.errors import ConfigError
+from app.base.packages import require
 from app.cli.options import StorageRoot, storage_option
 from app.data import export_formats
 from app.data.engine_modes import modes_table
@@ -33,8 +35,6 @@ from app.data.stats import (
 )
 from app.data.verify import verify_run
 from app.data.verify_reference import reference_line, tokens_line
-from app.errors import ConfigError
-from app.packages import require
 
 _storage = storage_option(required=True)
 

@@ -15,12 +15,12 @@ import rich_click as click
 from rich.console import Console
 from rich.live import Live
 
+from app.base.settings import DEFAULT_VISIBILITY_TIMEOUT, current, mask_url
+from app.base.storage import RunStore, Storage
 from app.cli.options import broker_option, storage_option
 from app.ops.run_report import collect
 from app.ops.status_view import render
 from app.pilot.forecast import compare_with_pilots
-from app.settings import DEFAULT_VISIBILITY_TIMEOUT, current, mask_url
-from app.storage import RunStore, Storage
 
 
 @click.command("status")

@@ -13,16 +13,16 @@ import rich_click as click
 from rich.console import Console
 from rich.table import Table
 
+from app.base.layers import parse_layers
+from app.base.model_info import read_model_info
+from app.base.settings import DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
 from app.cli.options import broker_option, max_model_len_option, renamed, storage_option, vllm_arg_option
 from app.cli.produce import LAYERS_HELP, sampling_options, thinking_budget_options
 from app.data.format_fit import layer_lines
-from app.layers import parse_layers
-from app.model_info import read_model_info
 from app.pilot.forecast import capture_failure, commands, forecast, load_pilot_file, rates
 from app.pilot.host import measure_host
 from app.pilot.lengths import DEFAULT_COMPLETE_SHARE, pooled_lengths, recommend
 from app.pilot.measure import CODEC_DTYPES
-from app.settings import DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
 from producer.estimate import human_bytes
 from producer.normalise import REGENERATE_MODES
 

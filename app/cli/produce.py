@@ -22,14 +22,14 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from app.base.errors import ConfigError
+from app.base.manifest import CAPTURE_MODES
+from app.base.settings import DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
+from app.base.states_codec import STATES_DTYPES
+from app.base.storage import RunStore, Storage
 from app.cli.options import broker_option, model_option, queue_option, storage_option
 from app.data.format_fit import layer_lines
-from app.errors import ConfigError
-from app.manifest import CAPTURE_MODES
 from app.pilot.forecast import link_pilots, load_pilot_file
-from app.settings import DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
-from app.states_codec import STATES_DTYPES
-from app.storage import RunStore, Storage
 from producer.enqueue import COMPRESS_MODES
 from producer.normalise import REGENERATE_MODES
 from producer.produce import ProduceResult, produce

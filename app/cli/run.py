@@ -1,6 +1,6 @@
 """`regen run`: the whole job on one machine -- produce, start local workers, watch storage, summarise.
 
-It uses the broker it is given, else the local Redis, else an embedded one (app.embedded_broker), so the
+It uses the broker it is given, else the local Redis, else an embedded one (app.base.embedded_broker), so the
 README's first command works on a fresh machine. Progress comes from storage markers (storage is the
 record of what is done); the job ends when every shard is done or dead-lettered, or the run is paused.
 """
@@ -18,6 +18,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from app.base.embedded_broker import broker_for_run
+from app.base.errors import ConfigError
+from app.base.ledger import pause_state
+from app.base.loops import gpu_runner_refusal
+from app.base.manifest import RunSettings
+from app.base.run_totals import RunTotals
+from app.base.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, current, mask_url
+from app.base.storage import RunStore, Storage
+from app.base.vllm_args import data_changing, parse_vllm_args, split_item, worker_vllm_args
 from app.cli.options import (
     broker_option,
     encode_threads_option,
@@ -28,17 +37,8 @@ from app.cli.options import (
     vllm_arg_option,
 )
 from app.cli.produce import RUN_SETTING_FLAGS, mix_options, produce_command
-from app.embedded_broker import broker_for_run
-from app.errors import ConfigError
-from app.ledger import pause_state
-from app.loops import gpu_runner_refusal
-from app.manifest import RunSettings
 from app.ops.run_watch import LostShardWatch, dead_shard_ids, progress_counts
 from app.pilot.forecast import link_pilots, load_pilot_file
-from app.run_totals import RunTotals
-from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, current, mask_url
-from app.storage import RunStore, Storage
-from app.vllm_args import data_changing, parse_vllm_args, split_item, worker_vllm_args
 from producer.produce import produce
 from producer.run_setup import ProduceOptions, check_lengths
 from workers.engine.limits import unsupported
@@ -58,7 +58,7 @@ from workers.process.supervisor import Supervisor
 
 
 def print_run_totals(store: RunStore, console: Console, seconds: float) -> dict:
-    """`regen run`'s closing table: the run's totals (app.run_totals.RunTotals) and its dead shards."""
+    """`regen run`'s closing table: the run's totals (app.base.run_totals.RunTotals) and its dead shards."""
     t = RunTotals.of(filter(None, (store.done_marker(shard) for shard in sorted(store.done_shards()))))
     # samples: the producer's (conversations); records: training samples (a multi-turn run has one per turn)
     totals = {"shards": t.shards, "samples": t.samples, "records": t.records, "ok": t.ok, "rejected": t.rejected,

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import rich_click as click
 
+from app.base.packages import require
+from app.base.process_env import child_env
 from app.data.selfcheck_judge import Verdict, judge
-from app.packages import require
-from app.process_env import child_env
 from workers.engine.selfcheck import MODES, mode
 from workers.tiny_model import build_tiny_qwen3, build_tiny_qwen3_5
 

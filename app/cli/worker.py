@@ -8,6 +8,13 @@ import os
 
 import rich_click as click
 
+from app.base.errors import ConfigError
+from app.base.layers import parse_layers
+from app.base.ledger import clear_pause
+from app.base.model_info import read_model_info
+from app.base.settings import DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, current
+from app.base.storage import RunStore, Storage
+from app.base.vllm_args import worker_vllm_args
 from app.cli.options import (
     broker_option,
     consume_queue_option,
@@ -22,13 +29,6 @@ from app.cli.options import (
     vllm_arg_option,
 )
 from app.cli.produce import reconcile_command
-from app.errors import ConfigError
-from app.layers import parse_layers
-from app.ledger import clear_pause
-from app.model_info import read_model_info
-from app.settings import DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, current
-from app.storage import RunStore, Storage
-from app.vllm_args import worker_vllm_args
 from workers.process.plan import (
     check_max_model_len,
     manifest_engine_args,

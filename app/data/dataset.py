@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from app.base.storage import Storage
 from app.data.run_reader import RunReader, SampleIndex
-from app.storage import Storage
 
 
 class RegenDataset(Dataset):

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 
 import orjson
 
-from app.clock import shared_now
-from app.ledger import timestamp
-from app.liveness import attempt_state, heartbeat_seconds, identity, lease_seconds
-from app.storage import Storage
+from app.base.clock import shared_now
+from app.base.ledger import timestamp
+from app.base.liveness import attempt_state, heartbeat_seconds, identity, lease_seconds
+from app.base.storage import Storage
 
 
 class Claim:

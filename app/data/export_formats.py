@@ -8,7 +8,7 @@ and the README's tables to it.
 
 This module imports nothing heavy (the CLI reads it for `--help`): a writer class is named as
 `module:Class` and imported by `writer_class()` when an export starts; a format's optional dependencies are
-imported by `require()` (app.packages) before any work, so a missing one is one line with the pip command, not a traceback
+imported by `require()` (app.base.packages) before any work, so a missing one is one line with the pip command, not a traceback
 half-way through an export.
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from app.errors import ConfigError
-from app.packages import require
+from app.base.errors import ConfigError
+from app.base.packages import require
 
 TEXT, STATES, TOKENS = "text", "hidden states", "token-only"
 
@@ -34,7 +34,7 @@ class ExportFormat:
     final_norm: bool = False  # applies the target's final norm: reads the checkpoint (`--model`)
     keeps_unterminated: bool = True  # `--include-unterminated` is allowed (TEXT)
     file: str | None = None  # the one file holding every row, where the format writes one
-    requires: tuple[str, ...] = ()  # optional modules imported before any work (app.packages)
+    requires: tuple[str, ...] = ()  # optional modules imported before any work (app.base.packages)
     final_layer: bool = False  # STATES: writes the final layer (vLLM id N), so the run must have captured it
     aux_layers: int | None = None  # STATES: exactly this many auxiliary layers besides the final one (None: any)
 

@@ -13,10 +13,10 @@ import shutil
 
 import orjson
 
+from app.base.errors import RegenError
 from app.data.export_speculators import Speculators
 from app.data.export_states import Sample
 from app.data.export_trainers import StateExport
-from app.errors import RegenError
 
 PROMPTS_FILE = "prompts.jsonl"  # app.data.export_formats names it as the format's one file
 

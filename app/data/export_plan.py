@@ -12,7 +12,7 @@ import hashlib
 
 import orjson
 
-from app.storage import Storage
+from app.base.storage import Storage
 
 BATCHES = "batches"
 ASSEMBLED = "assembled.json"  # the set of exported shards the cross-shard files were last made from

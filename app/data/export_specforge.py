@@ -12,10 +12,10 @@ import dataclasses
 
 import numpy as np
 
+from app.base.errors import RegenError
+from app.base.model_info import read_model_info
 from app.data.export_trainers import StateExport
 from app.data.final_norm import FinalNorm
-from app.errors import RegenError
-from app.model_info import read_model_info
 
 GROUP = 2000
 

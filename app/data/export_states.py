@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from app.errors import ConfigError, RegenError
-from app.layers import eagle3_preset, parse_layers
+from app.base.errors import ConfigError, RegenError
+from app.base.layers import eagle3_preset, parse_layers
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def choose_layers(fmt: str, run_id: str, captured: list[int] | None, num_layers:
 
 
 def eagle3_aux(num_layers: int) -> list[int]:
-    """The eagle3 preset's auxiliary layers (app.layers), without the final layer."""
+    """The eagle3 preset's auxiliary layers (app.base.layers), without the final layer."""
     return [v for v in eagle3_preset(num_layers) if v != num_layers]
 
 
@@ -109,7 +109,7 @@ class Sample:
     # What the format writes, built from the states by `StateExport.prepare` in the read-ahead thread (SpecForge:
     # the torch.save dict); None where the format builds nothing ahead
     tensors: dict | None = None
-    # the prompt it answers and its mode (app.modes), for the export's `samples.jsonl`
+    # the prompt it answers and its mode (app.base.modes), for the export's `samples.jsonl`
     prompt_id: str | None = None
     thinking: bool | None = None
 

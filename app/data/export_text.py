@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterable, Iterator
 
 import orjson
 
-from app.manifest import RunSettings
-from app.modes import record_thinking
-from app.records import conversation_id, prompt_id
+from app.base.manifest import RunSettings
+from app.base.modes import record_thinking
+from app.base.records import conversation_id, prompt_id
 
 UNTERMINATED = "unterminated_thinking"
 SPECFORGE_FILE = "regenerated.jsonl"  # app.data.export_formats names it as the format's one file

@@ -14,6 +14,10 @@ from collections import Counter
 
 import orjson
 
+from app.base.errors import RegenError
+from app.base.modes import record_thinking
+from app.base.records import prompt_id
+from app.base.storage import Storage
 from app.data import export_formats
 from app.data.export_states import (
     ExportLayers,
@@ -25,10 +29,6 @@ from app.data.export_states import (
 )
 from app.data.read_ahead import read_ahead
 from app.data.run_reader import RunReader, ShardInfo
-from app.errors import RegenError
-from app.modes import record_thinking
-from app.records import prompt_id
-from app.storage import Storage
 
 
 class StateExport:

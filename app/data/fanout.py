@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+from app.base.errors import ConfigError
 from app.data.run_reader import RunReader
-from app.errors import ConfigError
 
 
 @dataclass(frozen=True)

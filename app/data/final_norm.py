@@ -19,8 +19,8 @@ import os
 
 from safetensors import safe_open
 
-from app.architecture import text_config
-from app.errors import RegenError
+from app.base.architecture import text_config
+from app.base.errors import RegenError
 
 NORM_KEYS = ("model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight")
 ZERO_CENTRED = {"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from app.base.layers import eagle3_preset
 from app.data import export_formats
 from app.data.export_formats import STATES
-from app.layers import eagle3_preset
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from app.base.quality import is_stub
 from app.data.export import ExportOptions, filter_reason
 from app.data.export_text import conversations
-from app.quality import is_stub
 
 OUTCOMES = ("complete", "budget_closed", "cut", "looped", "stub", "rejected")
 CUT_FLAGS = frozenset({"truncated", "missing_think_end"})

@@ -2,8 +2,8 @@
 
 Why: some hosts cannot run vLLM, the fleet's output must be checked against something independent of vLLM's
 capture path, and vLLM has shipped capture bugs; a straight transformers forward pass is the ground truth.
-Layers are vLLM's ids (app.layers), read with forward hooks on the decoder layers (never the normed last
-`hidden_states`); no lm_head. States come back as uint16 bf16 bit patterns `[T, L, H]`, as app.hidden_file
+Layers are vLLM's ids (app.base.layers), read with forward hooks on the decoder layers (never the normed last
+`hidden_states`); no lm_head. States come back as uint16 bf16 bit patterns `[T, L, H]`, as app.base.hidden_file
 stores them. Why each choice: docs/checking.md#the-transformers-reference.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from app.hidden_file import bf16_to_float32
+from app.base.hidden_file import bf16_to_float32
 
 
 class _StopForward(Exception):

@@ -1,6 +1,6 @@
 """One reading API over a run on storage, shared by verify, stats, export and the PyTorch Dataset.
 
-Why one module: the rules for what a run's data *is* live in app.storage (a shard's output is exactly the
+Why one module: the rules for what a run's data *is* live in app.base.storage (a shard's output is exactly the
 files its completion marker names; staged runs take hidden states from the `captured/` marker instead), and
 every reader must apply them the same way. Nothing here lists `shards/` directly: files no marker names
 are leftovers of losing attempts and are never data.
@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from app import ledger
-from app.documents import CaptureMarker, DeadLetter, DoneMarker, ProduceSummary, run_counts
-from app.hidden_file import HiddenFileReader
-from app.ids import shard_id
-from app.manifest import RunSettings
-from app.manifest import load as load_manifest
-from app.records import Record, iter_records
-from app.storage import RunStore, Storage
+from app.base import ledger
+from app.base.documents import CaptureMarker, DeadLetter, DoneMarker, ProduceSummary, run_counts
+from app.base.hidden_file import HiddenFileReader
+from app.base.ids import shard_id
+from app.base.manifest import RunSettings
+from app.base.manifest import load as load_manifest
+from app.base.records import Record, iter_records
+from app.base.storage import RunStore, Storage
 
 _LISTING_ONCE = threading.Lock()  # module-level: a reader stays picklable (DataLoader workers under spawn)
 
@@ -54,7 +54,7 @@ class RunReader:
         self.run_id = run_id
         self.manifest = load_manifest(self.store)
         self.settings = self.manifest.get("settings", {})
-        self.run_settings = RunSettings.view(self.settings)  # the settings, typed (app.manifest)
+        self.run_settings = RunSettings.view(self.settings)  # the settings, typed (app.base.manifest)
         self.capture_mode = self.run_settings.capture_mode
         self.layers = self.run_settings.vllm_layer_ids
         self.max_open = max_open
@@ -70,7 +70,7 @@ class RunReader:
             return None
 
     def expected_shards(self) -> list[str]:
-        """Every shard the producer made (app.documents.run_counts) plus any with markers."""
+        """Every shard the producer made (app.base.documents.run_counts) plus any with markers."""
         counts = run_counts(self.produce_state(), self.manifest)
         names = {shard_id(k) for k in range(int(counts.get("shards") or 0))}
         return sorted(names | self.store.done_shards() | self.dead_generate_shards())

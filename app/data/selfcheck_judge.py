@@ -1,7 +1,7 @@
 """The judging side of `regen selfcheck`: one mode's captures (workers.engine.selfcheck's file) held to five
 checks.
 
-`ids`, `rows`, `reference` (against transformers, app.states_compare), `duplicate`, `staged`, and `tokens`
+`ids`, `rows`, `reference` (against transformers, app.base.states_compare), `duplicate`, `staged`, and `tokens`
 (greedy requests' tokens held to transformers' top tokens within app.data.token_check's tolerance). A verdict is
 one line per mode and model: PASS with the worst error against transformers, or FAIL naming the first failed
 check, the request and the comparison's line. Each check: docs/capture.md#how-selfcheck-judges.
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from app.states_compare import REL_BOUND, compare, row_problems
+from app.base.states_compare import REL_BOUND, compare, row_problems
 
 CHECKS = ("ids", "rows", "reference", "duplicate", "staged")
 GREEDY_EPS = 1e-5  # vLLM's: a temperature below it is greedy

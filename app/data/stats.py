@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 
 from rich.table import Table
 
+from app.base.modes import record_mode, run_modes
+from app.base.quality import is_stub
+from app.base.states_bound import LayerErrors, promise
 from app.data.engine_modes import ModeCounts, modes_table, shard_mode
 from app.data.fanout import WHOLE, Part, open_reader, ordered_map, worker_reader
 from app.data.outcomes import OUTCOMES, outcome, trainable
 from app.data.run_reader import RunReader
-from app.modes import record_mode, run_modes
-from app.quality import is_stub
-from app.states_bound import LayerErrors, promise
 
 
 @dataclass
@@ -63,7 +63,7 @@ class RunStats:
     sources: dict[str, Group] = field(default_factory=lambda: defaultdict(Group))
     modes: dict[str, Group] = field(default_factory=lambda: defaultdict(Group))  # thinking / non_thinking
     source_modes: dict[tuple[str, str], Group] = field(default_factory=lambda: defaultdict(Group))  # (source, mode)
-    run_modes: tuple[str, ...] = ("thinking",)  # the modes the run's samples can be in (app.modes.run_modes)
+    run_modes: tuple[str, ...] = ("thinking",)  # the modes the run's samples can be in (app.base.modes.run_modes)
     mode_of: list[str] = field(default_factory=list)  # each sample's mode, beside prompt / reasoning / answer
     prompt: list[int] = field(default_factory=list)
     reasoning: list[int] = field(default_factory=list)
@@ -72,7 +72,7 @@ class RunStats:
     speed: list[tuple[str, str, float]] = field(default_factory=list)  # (worker, finished ISO time, tokens/s)
     states_dtype: str = "bf16"
     states_bound: float = 0.0
-    states_errors: LayerErrors | None = None  # lossy runs: the recorded error per layer (app.states_bound)
+    states_errors: LayerErrors | None = None  # lossy runs: the recorded error per layer (app.base.states_bound)
     part: str | None = None  # `I/N` when only that part's shards were read
     engine_modes: ModeCounts = field(default_factory=ModeCounts)  # samples and capture checks per engine mode
     outcomes: dict[str, Outcome] = field(default_factory=lambda: {o: Outcome() for o in OUTCOMES})

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.manifest import RunSettings
+from app.base.manifest import RunSettings
 
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy
 TOL_SIGMA = 0.25  # the tolerance in standard deviations of the position's logits over the vocabulary

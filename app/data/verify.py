@@ -20,6 +20,11 @@ from dataclasses import asdict, dataclass
 import orjson
 import zstandard
 
+from app.base.documents import MalformedDocument
+from app.base.hidden_file import CorruptHiddenFile, HiddenFileReader
+from app.base.ids import shard_id as shard_name
+from app.base.layers import ascending_problem
+from app.base.records import iter_records, turn_sample_id
 from app.data.engine_modes import ModeCounts, check_failure, shard_mode
 from app.data.fanout import WHOLE, Part, open_reader, ordered_map, worker_reader
 from app.data.run_reader import RunReader, ShardInfo
@@ -27,11 +32,6 @@ from app.data.verify_checks import Problem, ShardResult, check_mode, check_state
 from app.data.verify_prompts import prompt_check
 from app.data.verify_reference import reference_check
 from app.data.verify_sampled import check_index_entry, decode_sample
-from app.documents import MalformedDocument
-from app.hidden_file import CorruptHiddenFile, HiddenFileReader
-from app.ids import shard_id as shard_name
-from app.layers import ascending_problem
-from app.records import iter_records, turn_sample_id
 
 
 @dataclass
@@ -314,7 +314,7 @@ def _check_records(res: ShardResult, reader: RunReader, info: ShardInfo, raw: by
     except (zstandard.ZstdError, orjson.JSONDecodeError, OSError) as exc:
         res.add("records_unreadable", f"{type(exc).__name__}: {exc}")
         return
-    except MalformedDocument as exc:  # a record outside the schema (app.records.RECORD_FIELDS)
+    except MalformedDocument as exc:  # a record outside the schema (app.base.records.RECORD_FIELDS)
         res.add("record_malformed", str(exc))
         return
     res.conversations = len(turns)

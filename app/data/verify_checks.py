@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from app.base.hidden_file import CorruptHiddenFile, HiddenFileReader
+from app.base.manifest import RunSettings
+from app.base.modes import prompt_ends_in_mode, record_mode, record_thinking
+from app.base.quality import STATE_PROBLEMS, StaleRows, implausible_states, layer_detail, states_problem
+from app.base.states_bound import promise, sample_problem
+from app.base.states_compare import zero_rows_allowed
 from app.data.run_reader import RunReader
-from app.hidden_file import CorruptHiddenFile, HiddenFileReader
-from app.manifest import RunSettings
-from app.modes import prompt_ends_in_mode, record_mode, record_thinking
-from app.quality import STATE_PROBLEMS, StaleRows, implausible_states, layer_detail, states_problem
-from app.states_bound import promise, sample_problem
-from app.states_compare import zero_rows_allowed
 
 
 @dataclass
@@ -36,7 +36,7 @@ class ShardResult:
     rejected: int = 0
     problems: list[Problem] = field(default_factory=list)
     good_samples: list[str] = field(default_factory=list)  # ok samples whose states passed: reference pool
-    stale_rows: object = field(default=None, repr=False)  # app.quality.StaleRows across the shard's samples
+    stale_rows: object = field(default=None, repr=False)  # app.base.quality.StaleRows across the shard's samples
     worker: str | None = None  # the worker that published it (sampled verify spreads its reads over workers)
 
     def add(self, kind: str, detail: str, sample: str | None = None, severity: str = "error") -> None:
@@ -45,7 +45,7 @@ class ShardResult:
 
 def check_mode(res: ShardResult, rec: dict, settings: dict) -> bool:
     """A mixed run's record against its mode: its prompt ids must end as the target's template ends that mode's
-    generation prompt (the tails the producer measured, app.modes; Qwen3: a non-thinking prompt ends in the
+    generation prompt (the tails the producer measured, app.base.modes; Qwen3: a non-thinking prompt ends in the
     empty think block), and its reasoning must be what the mode allows (none without thinking). True: clean."""
     tails = RunSettings.view(settings).mode_prompt_tails
     if not tails:

@@ -3,8 +3,8 @@
 Why: a record's prompt is what the drafter learns to continue; ids that are not the template's rendering of
 the record's messages (another template, other keyword arguments, a worker that rendered differently) would
 train it on prompts the target never sees. The manifest records the template's sha256 and the keyword
-arguments the run renders with (app.chat_render); each record is rendered again with them, in its own mode
-(`enable_thinking`), its messages prepared as vLLM's chat path prepares them (app.tool_calls), and its
+arguments the run renders with (app.base.chat_render); each record is rendered again with them, in its own mode
+(`enable_thinking`), its messages prepared as vLLM's chat path prepares them (app.base.tool_calls), and its
 `input_ids[:num_prompt_tokens]` must equal the result.
 
 A run made before the manifest recorded a template has no check (its prompts read as they were). Where the
@@ -18,11 +18,11 @@ import os
 import threading
 from functools import lru_cache
 
-from app.chat_render import has_tokenizer, load_tokenizer, render_ids, template_sha256
+from app.base.chat_render import has_tokenizer, load_tokenizer, render_ids, template_sha256
+from app.base.manifest import RunSettings
+from app.base.modes import record_thinking
+from app.base.tool_calls import prepare
 from app.data.verify_checks import Problem, ShardResult
-from app.manifest import RunSettings
-from app.modes import record_thinking
-from app.tool_calls import prepare
 
 
 class PromptCheck:

@@ -1,6 +1,6 @@
 """`regen verify --reference N`: N stored samples recomputed with plain transformers and judged row by row.
 
-The judgement is app.states_compare's, the same the worker-side re-capture uses (a relative error per row
+The judgement is app.base.states_compare's, the same the worker-side re-capture uses (a relative error per row
 under a measured bound, each row nearer its own counterpart, each slot nearer its own layer). A lossy run's
 rows may differ by its promised `max_rel_error` on top (`reference_bound`). The same pass, run on to the LM head,
 holds every generated token to the record's own sampling (app.data.token_check: `token_outside_sampling`).
@@ -14,11 +14,11 @@ import math
 import os
 import random
 
+from app.base.states_bound import promise
+from app.base.states_compare import REL_BOUND, compare
 from app.data.engine_modes import shard_mode
 from app.data.run_reader import RunReader
 from app.data.verify_checks import Problem
-from app.states_bound import promise
-from app.states_compare import REL_BOUND, compare
 
 
 def reference_bound(max_rel_error: float = 0.0) -> float:

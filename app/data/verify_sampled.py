@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import random
 
+from app.base.hidden_file import HiddenFileReader
 from app.data.verify_checks import check_states
-from app.hidden_file import HiddenFileReader
 
 
 def check_index_entry(res, rec: dict, entry: dict, reader, hidden_size: int | None) -> bool:

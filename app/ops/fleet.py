@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import re
 
-from app.celery_app import create_app, redis_client
+from app.base.celery_app import create_app, redis_client
+from app.base.settings import BrokerSettings, mask_text, mask_url
 from app.ops.status import blank_worker, iso
-from app.settings import BrokerSettings, mask_text, mask_url
 
 PRIORITY_SEP = "\x06\x16"
 PRIORITY_STEPS = (3, 6, 9)  # kombu's default steps besides 0, which uses the bare queue name

@@ -17,9 +17,9 @@ from kombu import Queue
 from kombu.transport.redis import Channel
 from kombu.utils.url import parse_url
 
-from app.celery_app import create_app, redis_client
-from app.library_patches import FLOWER_QUEUES, check_versions, extend_flower_queue_listing
-from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, Settings, install, mask_text
+from app.base.celery_app import create_app, redis_client
+from app.base.library_patches import FLOWER_QUEUES, check_versions, extend_flower_queue_listing
+from app.base.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, Settings, install, mask_text
 
 log = logging.getLogger("regen.flower")
 

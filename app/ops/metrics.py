@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import threading
 
-from app import dead_messages
-from app.clock import shared_now
-from app.errors import ConfigError
-from app.ids import validate_id
-from app.manifest import load
+from app.base import dead_messages
+from app.base.clock import shared_now
+from app.base.errors import ConfigError
+from app.base.ids import validate_id
+from app.base.manifest import load
+from app.base.storage import RunStore, Storage
 from app.ops.fleet import queue_lengths
 from app.ops.status import RunScanner, list_runs, summarise
-from app.storage import RunStore, Storage
 
 try:
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

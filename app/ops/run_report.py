@@ -6,13 +6,13 @@ line per run under the root. The pilot's forecast beside a run produced with one
 
 from __future__ import annotations
 
-from app import dead_messages
-from app.clock import shared_now
-from app.manifest import load
+from app.base import dead_messages
+from app.base.clock import shared_now
+from app.base.manifest import load
+from app.base.settings import mask_url
+from app.base.storage import RunStore, Storage
 from app.ops import fleet
 from app.ops.status import RunScanner, list_runs, summarise
-from app.settings import mask_url
-from app.storage import RunStore, Storage
 
 
 def collect(storage_root: str, run_id: str | None, broker_url: str, inspect_timeout: float,
@@ -21,7 +21,7 @@ def collect(storage_root: str, run_id: str | None, broker_url: str, inspect_time
     scanners = {} if scanners is None else scanners
     storage = Storage(storage_root)
     runs = [run_id] if run_id else list_runs(storage)
-    now = shared_now(broker_url)  # the clock leases are written on (app.clock)
+    now = shared_now(broker_url)  # the clock leases are written on (app.base.clock)
     statuses = []
     for rid in runs:
         if rid not in scanners:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 
-from app.clock import shared_now
-from app.dead_holders import DeadHolderCheck
-from app.ledger import split_key
+from app.base.clock import shared_now
+from app.base.dead_holders import DeadHolderCheck
+from app.base.ledger import split_key
+from app.base.settings import BrokerSettings
+from app.base.storage import RunStore
 from app.ops import fleet
 from app.ops.status import RunScanner, summarise
-from app.settings import BrokerSettings
-from app.storage import RunStore
 
 
 def dead_shard_ids(store: RunStore) -> set[str]:
@@ -42,7 +42,7 @@ class LostShardWatch:
     between the pop and the record for microseconds), through `regen reconcile`'s own path.
 
     Each check also moves back the messages of shards whose every attempt died holding them (a local worker
-    SIGKILLed: its unacked messages would wait for the visibility timeout; app.dead_holders), listed in
+    SIGKILLed: its unacked messages would wait for the visibility timeout; app.base.dead_holders), listed in
     `resent_dead`."""
 
     def __init__(self, store: RunStore, broker_url: str, resend):

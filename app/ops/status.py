@@ -1,7 +1,7 @@
 """What a run has done, read from its storage markers alone; `regen status` and `regen metrics` share it.
 
 Why storage and not Redis: Redis forgets a message once it is acked, so only the markers know what is done.
-Each shard's stage key (app.ledger) is in exactly one state: done, dead, running, failed, stale or waiting,
+Each shard's stage key (app.base.ledger) is in exactly one state: done, dead, running, failed, stale or waiting,
 decided in that order. `RunScanner` caches what never changes (done markers, dead letters) between scans.
 Each state's rule: docs/operating.md#a-shards-state-from-storage.
 """
@@ -13,16 +13,24 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from app.dead_holders import died_holding
-from app.documents import AttemptRecord, DeadLetter, Document, DoneMarker, Pause, ProduceSummary, run_counts
-from app.errors import InvalidId
-from app.ids import validate_id
-from app.ledger import CAPTURE, GENERATE, pause_state, split_key, stage_key, stage_of
-from app.liveness import attempt_state
-from app.manifest import RunSettings
-from app.run_totals import RunTotals, parse_time
-from app.settings import DEFAULT_VISIBILITY_TIMEOUT, mask_text
-from app.storage import RunStore, Storage
+from app.base.dead_holders import died_holding
+from app.base.documents import (
+    AttemptRecord,
+    DeadLetter,
+    Document,
+    DoneMarker,
+    Pause,
+    ProduceSummary,
+    run_counts,
+)
+from app.base.errors import InvalidId
+from app.base.ids import validate_id
+from app.base.ledger import CAPTURE, GENERATE, pause_state, split_key, stage_key, stage_of
+from app.base.liveness import attempt_state
+from app.base.manifest import RunSettings
+from app.base.run_totals import RunTotals, parse_time
+from app.base.settings import DEFAULT_VISIBILITY_TIMEOUT, mask_text
+from app.base.storage import RunStore, Storage
 
 
 def iso(ts: float | None) -> str | None:
@@ -129,7 +137,7 @@ def shard_states(scan: RunScan, now: float, stale_after: float, capture: bool = 
         elif not attempts:
             states[key] = "waiting"
         elif any(attempt_state(a, now, stale_after) == "alive" for a in attempts):
-            # an attempt renewed its lease within it (app.liveness; on the fleet's shared clock, `now`)
+            # an attempt renewed its lease within it (app.base.liveness; on the fleet's shared clock, `now`)
             states[key] = "running"
         elif any("error" in a for a in attempts):
             states[key] = "failed"
@@ -171,7 +179,7 @@ def blank_worker(name: str, source: str) -> dict:
 def _workers(scan: RunScan, now: float, stale_after: float) -> dict[str, dict]:
     """Per worker, from markers and attempt files (the broker's view is laid over this by app.ops.fleet).
 
-    Each attempt is judged by its own liveness (app.liveness), never by its shard's state: a worker's current
+    Each attempt is judged by its own liveness (app.base.liveness), never by its shard's state: a worker's current
     shard is its newest attempt that is alive on a key without marker or dead letter, so a dead host holds none
     although a live one may run the same shard. `state`: `running` (an attempt of it is alive), `dead` (its newest attempt's process died holding the
     shard: neither its output nor an error of its own), else `idle` (finished or failed its last shard: alive
@@ -221,7 +229,7 @@ def _workers(scan: RunScan, now: float, stale_after: float) -> dict[str, dict]:
 
 def held_by_dead(scan: RunScan, states: dict[str, str], now: float, stale_after: float) -> list[dict]:
     """The keys (shards, or staged capture keys) whose newest attempt's process died holding them, none alive,
-    no marker, no dead letter (app.dead_holders.died_holding, the rule the fleet re-sends them by). Each names
+    no marker, no dead letter (app.base.dead_holders.died_holding, the rule the fleet re-sends them by). Each names
     the worker and host of that attempt and its last heartbeat."""
     out = []
     for key, state in sorted(states.items()):

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 
 import orjson
 
-from app.errors import ConfigError
-from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_REGENERATE
-from app.speculative import has_mtp_head
+from app.base.errors import ConfigError
+from app.base.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_REGENERATE
+from app.base.speculative import has_mtp_head
 
 PILOT_VERSION = 1
 PILOTS_DIR = "pilots"  # `<storage>/pilots/<name>.json`
@@ -53,7 +53,7 @@ class Candidate:
 
 def mtp_available(model_path: str) -> bool:
     """Whether speculative MTP generation can be tried: the checkpoint has an MTP head
-    (`app.speculative.has_mtp_head`, the same check `--speculative` makes)."""
+    (`app.base.speculative.has_mtp_head`, the same check `--speculative` makes)."""
     return has_mtp_head(model_path)
 
 

@@ -17,18 +17,18 @@ import sys
 import time
 from collections.abc import Callable
 
+from app.base.errors import ConfigError
+from app.base.ids import validate_id
+from app.base.ledger import pause_state
+from app.base.model_info import read_model_info
+from app.base.storage import RunStore, Storage
+from app.base.thinking import engine_refusal
 from app.data.run_reader import RunReader
 from app.data.verify import verify_run
-from app.errors import ConfigError
-from app.ids import validate_id
-from app.ledger import pause_state
-from app.model_info import read_model_info
 from app.pilot.forecast import PILOT_VERSION, PILOTS_DIR, candidates, capture_failure, mtp_available
 from app.pilot.measure import measure_run
 from app.pilot.peak_memory import PeakMemory, memory_kind
 from app.pilot.sample import sample_inputs
-from app.storage import RunStore, Storage
-from app.thinking import engine_refusal
 from producer.estimate import human_bytes
 from producer.readers import expand_inputs
 from producer.run_setup import ProduceOptions, check_lengths
@@ -108,7 +108,7 @@ def _tail(path: str, lines: int = 6) -> str:
 
 
 def _honoured(chosen: list, sampling: dict, say: Callable[[str], None]) -> list:
-    """The candidates whose engines honour the run's thinking budget (app.thinking.engine_refusal); the others
+    """The candidates whose engines honour the run's thinking budget (app.base.thinking.engine_refusal); the others
     are left out, saying why (their `regen run` would refuse them)."""
     budget, close = sampling.get("thinking_budget"), sampling.get("thinking_close")
     kept = []

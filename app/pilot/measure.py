@@ -14,15 +14,15 @@ import statistics
 
 import numpy as np
 
-from app import ledger
+from app.base import ledger
+from app.base.hidden_file import encode_sample
+from app.base.modes import record_mode, run_modes
+from app.base.quality import is_stub
+from app.base.run_totals import RunTotals
+from app.base.storage import Storage
 from app.data.engine_modes import ModeCounts, check_failure, shard_mode
 from app.data.outcomes import CUT_FLAGS, OUTCOMES, outcome, trainable
 from app.data.run_reader import RunReader
-from app.hidden_file import encode_sample
-from app.modes import record_mode, run_modes
-from app.quality import is_stub
-from app.run_totals import RunTotals
-from app.storage import Storage
 
 CODEC_DTYPES = ("bf16", "fp8-e4m3")  # the lossless default and the lossy opt-in
 BF16_BYTES = 2

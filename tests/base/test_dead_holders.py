@@ -1,4 +1,4 @@
-"""app/dead_holders.py with the real Redis and kombu: a process fetches shard messages and is SIGKILLed (its
+"""app/base/dead_holders.py with the real Redis and kombu: a process fetches shard messages and is SIGKILLed (its
 messages stay in kombu's unacked hash, as a dead host's do); the check moves back exactly the one whose every
 attempt is dead, once however many checkers run. The worker-level test is tests/workers/test_dead_host.py."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import datetime as dt
 import time
 
-from app.dead_holders import UNSTARTED_LEASES, DeadHolderCheck, decode_held
-from app.ledger import record_attempt
-from app.storage import RunStore, Storage
+from app.base.dead_holders import UNSTARTED_LEASES, DeadHolderCheck, decode_held
+from app.base.ledger import record_attempt
+from app.base.storage import RunStore, Storage
 from tests.support.held_messages import fetch_and_die, send_shards
 from tests.support.polling import wait_for
 from tests.support.redis_db import OPS_BROKER
@@ -92,8 +92,8 @@ def test_a_finished_shard_is_left_to_the_broker(tmp_path, redis7):
 def test_a_shard_whose_newest_attempt_failed_is_left_to_celerys_retry():
     """A killed attempt, then one that recorded an error: Celery's retry (a new message, perhaps held with its
     countdown by a live worker) brings it back, so nothing is re-sent beside it."""
-    from app.clock import shared_now
-    from app.dead_holders import died_holding
+    from app.base.clock import shared_now
+    from app.base.dead_holders import died_holding
 
     killed = {"attempt": "a" * 12, "host": "hostA", "started": _ago(900), "heartbeat": _ago(900), "lease_s": 120}
     failed = {"attempt": "b" * 12, "host": "hostB", "started": _ago(300), "heartbeat": _ago(300), "lease_s": 120,
@@ -114,7 +114,7 @@ def test_a_broker_without_an_unacked_hash_is_not_asked(caplog):
 def test_one_check_a_period_for_the_fleet_and_its_holder_keeps_the_turn(redis7):
     """The dead-holder watch's turn (workers/process/dead_holder_watch.py): one taker a period in the whole fleet;
     the worker that holds it keeps it (its cache of decoded messages stays warm), another takes it once it lapses."""
-    from app.dead_holders import TURN_KEY, take_turn
+    from app.base.dead_holders import TURN_KEY, take_turn
 
     assert take_turn(OPS_BROKER, 0.6, holder="gpu0@hostA")
     assert not take_turn(OPS_BROKER, 0.6, holder="gpu1@hostB")  # hostA's period runs

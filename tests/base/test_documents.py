@@ -1,4 +1,4 @@
-"""The run's typed documents (app/documents.py): the same bytes as the dicts they replaced, older and newer runs
+"""The run's typed documents (app/base/documents.py): the same bytes as the dicts they replaced, older and newer runs
 read, and a malformed document refused in one line naming its path."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from app import ledger
-from app.documents import CaptureMarker, DeadLetter, DoneMarker, MalformedDocument, Pause
-from app.storage import RunStore, Storage
+from app.base import ledger
+from app.base.documents import CaptureMarker, DeadLetter, DoneMarker, MalformedDocument, Pause
+from app.base.storage import RunStore, Storage
 
 
 def _store(tmp_path) -> RunStore:
@@ -100,7 +100,7 @@ def test_a_malformed_pause_names_its_path(tmp_path):
 def test_no_module_but_the_types_builds_a_run_document():
     """A dict literal with a marker's or a letter's keys (`shard_id` beside `attempt` or `reason`), an attempt
     record's (`attempt` beside `worker`), the producer's summary's (`run_id` beside `complete`) or the manifest's
-    (`run_id` beside `settings`), anywhere in the code but app/documents.py is a second
+    (`run_id` beside `settings`), anywhere in the code but app/base/documents.py is a second
     definition of the document."""
     import ast
     from pathlib import Path
@@ -109,7 +109,7 @@ def test_no_module_but_the_types_builds_a_run_document():
     found = []
     for package in ("app", "producer", "workers"):
         for path in sorted((root / package).rglob("*.py")):
-            if path.name == "documents.py" and path.parent.name == "app":
+            if path.name == "documents.py" and path.parent.name == "base":
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Dict):
@@ -121,7 +121,7 @@ def test_no_module_but_the_types_builds_a_run_document():
 
 
 def test_an_attempt_record_is_written_as_before_and_read_typed(tmp_path):
-    from app.documents import AttemptRecord
+    from app.base.documents import AttemptRecord
 
     store = _store(tmp_path)
     ledger.record_attempt(store, "shard-000005", "a1", "gpu0@host", stage="generate")
@@ -137,7 +137,7 @@ def test_an_attempt_record_is_written_as_before_and_read_typed(tmp_path):
 
 
 def test_the_counts_have_one_home_and_an_older_runs_manifest_copy_still_reads():
-    from app.documents import Manifest, ProduceSummary, run_counts
+    from app.base.documents import Manifest, ProduceSummary, run_counts
 
     new = Manifest.new("regen-run/1", "r", "2026-12-05T00:00:00+00:00", {"model": "m"}, {})
     assert "counts" not in new  # write-once: the producer's summary holds the counts

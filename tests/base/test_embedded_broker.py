@@ -6,7 +6,7 @@ from pathlib import Path
 
 import redis
 
-import app.embedded_broker as eb
+import app.base.embedded_broker as eb
 from tests.support.ports import free_port
 
 
@@ -35,8 +35,8 @@ def test_without_redis_server_the_filesystem_transport_is_used(tmp_path, monkeyp
     monkeypatch.setattr(eb.shutil, "which", lambda name: None)
     with eb.broker_for_run(None, str(tmp_path)) as (url, how):
         assert url.startswith("filesystem://") and "at-most-once" in how
-        from app.celery_app import create_app
-        from app.settings import BrokerSettings
+        from app.base.celery_app import create_app
+        from app.base.settings import BrokerSettings
 
         app = create_app(BrokerSettings(url=url))
         app.send_task("regen.generate_shard", kwargs={"run_id": "r"}, queue="regen")

@@ -1,4 +1,4 @@
-"""The exception tree (app/errors.py): every error regen raises on purpose is a RegenError, and its class alone
+"""The exception tree (app/base/errors.py): every error regen raises on purpose is a RegenError, and its class alone
 decides what a worker does with it (`classify`), a storage hiccup and a bug included."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app.errors import (
+from app.base.errors import (
     ConfigError,
     EngineDead,
     EngineLost,
@@ -22,9 +22,9 @@ from app.errors import (
     RetryableError,
     classify,
 )
-from app.hidden_file import CorruptHiddenFile
-from app.states_codec import NonFiniteStates
-from app.storage import Storage
+from app.base.hidden_file import CorruptHiddenFile
+from app.base.states_codec import NonFiniteStates
+from app.base.storage import Storage
 from producer.normalise import Rejected
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +49,7 @@ def _exception_classes() -> dict[str, type]:
 
 def test_every_error_regen_defines_is_a_regen_error():
     classes = _exception_classes()
-    assert {"app.hidden_file.CorruptHiddenFile", "producer.normalise.Rejected"} <= set(classes)  # the walk works
+    assert {"app.base.hidden_file.CorruptHiddenFile", "producer.normalise.Rejected"} <= set(classes)  # the walk works
     outside = sorted(name for name, cls in classes.items()
                      if not issubclass(cls, RegenError) and name not in NOT_REGEN_ERRORS)
     assert outside == []

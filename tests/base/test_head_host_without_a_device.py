@@ -1,5 +1,5 @@
 """A head host with vLLM's CUDA build and no GPU: `--vllm-arg` is checked by vLLM's own parser there too, and a
-bad one is one line (app.vllm_args builds the parser without a device). The host is reproduced on this CPU
+bad one is one line (app.base.vllm_args builds the parser without a device). The host is reproduced on this CPU
 machine by tests/support/no_device_stand_in.py, in a process of its own; the script first shows that vLLM's
 parser itself fails there, so the stand-in is the host the users have."""
 

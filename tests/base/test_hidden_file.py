@@ -1,4 +1,4 @@
-"""The shard hidden-state codec (app/hidden_file.py): exact round trips, corruption found, bf16 helpers.
+"""The shard hidden-state codec (app/base/hidden_file.py): exact round trips, corruption found, bf16 helpers.
 
 The file is the fleet's product: a trainer reads it months later, so every bit must come back and any damage
 must raise `CorruptHiddenFile` rather than return wrong states.
@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from app.hidden_file import (
+from app.base.hidden_file import (
     CorruptHiddenFile,
     HiddenFileReader,
     HiddenFileWriter,

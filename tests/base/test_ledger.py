@@ -1,4 +1,4 @@
-"""The shard ledger's own rules (app/ledger.py): attempt records amended one writer at a time, and the marker
+"""The shard ledger's own rules (app/base/ledger.py): attempt records amended one writer at a time, and the marker
 folders swept at a worker's start, not at every publish."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 import threading
 import time
 
-from app import ledger
-from app.storage import RunStore, Storage
+from app.base import ledger
+from app.base.storage import RunStore, Storage
 from tests.support.faults import dead_process
 from workers.process.inflight import sweep_dead_attempts
 from workers.shard.shard_output import publish_shard

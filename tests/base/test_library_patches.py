@@ -1,4 +1,4 @@
-"""The patches of other libraries (app.library_patches) against the libraries installed: each library is at a
+"""The patches of other libraries (app.base.library_patches) against the libraries installed: each library is at a
 version its patch was written for, each patched name is where the patch expects it, and each patch does what it
 says. A kombu or Flower upgrade fails here first, naming the patch to re-read."""
 
@@ -9,8 +9,8 @@ import importlib.metadata
 import pytest
 from kombu.transport import redis as kombu_redis
 
-from app import library_patches
-from app.library_patches import PATCHES, Patch, check_versions
+from app.base import library_patches
+from app.base.library_patches import PATCHES, Patch, check_versions
 
 
 def test_every_patched_library_is_installed_at_a_version_its_patch_was_written_for():

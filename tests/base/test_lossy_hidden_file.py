@@ -1,4 +1,4 @@
-"""Lossy samples in the `.rgh` file (app/hidden_file.py): versioned, self-checking, read back as bf16.
+"""Lossy samples in the `.rgh` file (app/base/hidden_file.py): versioned, self-checking, read back as bf16.
 
 Files of bf16 samples must stay exactly what they were (a file written before lossy storage existed reads, and a
 bf16 file written now is byte-identical to it); a file with lossy samples must say so in a way an older reader
@@ -16,8 +16,8 @@ import pytest
 import torch
 import zstandard
 
-from app import states_codec
-from app.hidden_file import (
+from app.base import states_codec
+from app.base.hidden_file import (
     FOOTER,
     FOOTER_MAGIC,
     CorruptHiddenFile,

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.hidden_file import bf16_to_float32, float32_to_bf16
-from app.manifest import QualitySettings
-from app.quality import (
+from app.base.hidden_file import bf16_to_float32, float32_to_bf16
+from app.base.manifest import QualitySettings
+from app.base.quality import (
     StubWindow,
     answer_token_count,
     is_stub,
@@ -114,7 +114,7 @@ def test_one_zero_row_inside_a_layer_is_flagged():
     quarter = good.copy()
     quarter[:750, 2] = 0
     assert states_problem(quarter) == "states_zero"
-    from app.quality import layer_detail
+    from app.base.quality import layer_detail
 
     assert layer_detail(quarter, [1, 16, 31, 46, 61]) == "vllm layer 31: all-zero 750 of 3000 rows, first at token 0"
 
@@ -187,7 +187,7 @@ def _sample_states(seed: int, n_tokens: int = 3000, n_layers: int = 5, hidden: i
 
 
 def test_one_stale_row_in_a_3000_token_sample_is_found_wherever_it_lies():
-    from app.quality import StaleRows
+    from app.base.quality import StaleRows
 
     earlier_ids, earlier = np.arange(3000), _sample_states(1)
     rng = np.random.default_rng(5)
@@ -204,7 +204,7 @@ def test_one_stale_row_in_a_3000_token_sample_is_found_wherever_it_lies():
 
 def test_the_old_16_position_probe_misses_most_single_stale_rows():
     """What the full hash replaced: 16 probed positions a sample see a stale row only where both ends were probed."""
-    from app.quality import StaleRows
+    from app.base.quality import StaleRows
 
     earlier_ids, earlier = np.arange(3000), _sample_states(1)
     found = 0
@@ -218,7 +218,7 @@ def test_the_old_16_position_probe_misses_most_single_stale_rows():
 
 
 def test_a_stale_row_within_one_sample_and_the_table_bound():
-    from app.quality import StaleRows
+    from app.base.quality import StaleRows
 
     ids, states = np.arange(3000), _sample_states(3)
     states[2000, 1] = states[10, 1]  # another token's row of this very request
@@ -230,7 +230,7 @@ def test_a_stale_row_within_one_sample_and_the_table_bound():
 
 
 def test_the_same_token_repeating_its_row_is_not_stale():
-    from app.quality import StaleRows
+    from app.base.quality import StaleRows
 
     ids, states = np.arange(3000), _sample_states(4)
     later_ids = np.arange(5000, 8000)
@@ -245,7 +245,7 @@ def test_a_full_table_keeps_the_previous_samples_rows():
     """The table is full of older samples' rows; one row of the sample just before, at another token, is found
     nearly wherever it lies: a row gives way only to newer ones, and here a sample is a quarter of the table (at
     the default size a tiny sample is 0.04% of it, a real one 0.7%), so a few of its rows lost each other's slots."""
-    from app.quality import StaleRows
+    from app.base.quality import StaleRows
 
     seen = StaleRows(capacity=60_000)
     for seed in range(8):  # 120,000 rows through 60,000 slots

@@ -1,4 +1,4 @@
-"""The record schema in code (app.records): records are written only with fields it knows, in their types, and
+"""The record schema in code (app.base.records): records are written only with fields it knows, in their types, and
 read with the defaults older records imply; a malformed one is named by path and line."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import io
 
 import pytest
 
-from app.documents import MalformedDocument
-from app.jsonl_zst import dumps_jsonl_zst
-from app.records import RECORD_FIELDS, Record, encode_records, iter_records, read_records
+from app.base.documents import MalformedDocument
+from app.base.jsonl_zst import dumps_jsonl_zst
+from app.base.records import RECORD_FIELDS, Record, encode_records, iter_records, read_records
 
 
 def _ok(**extra) -> dict:
@@ -33,7 +33,7 @@ def test_an_older_record_reads_with_the_defaults_it_implies():
 
 
 def test_the_writer_refuses_a_field_outside_the_schema_or_of_the_wrong_type():
-    with pytest.raises(ValueError, match="fields outside app.records.RECORD_FIELDS: tag"):
+    with pytest.raises(ValueError, match="fields outside app.base.records.RECORD_FIELDS: tag"):
         encode_records([_ok(tag="x")])
     with pytest.raises(ValueError, match="'input_ids' is str"):
         encode_records([_ok(input_ids="1 2 3")])

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from app.base.hidden_file import HiddenFileReader
+from app.base.jsonl_zst import loads_jsonl_zst
+from app.base.storage import RunStore, Storage
 from app.cli import main
-from app.hidden_file import HiddenFileReader
-from app.jsonl_zst import loads_jsonl_zst
-from app.storage import RunStore, Storage
 from tests.support.models import build_tiny_model
 from tests.support.polling import wait_for
 from tests.support.ports import free_port

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from app.base.settings import mask_url
 from app.cli import main
-from app.settings import mask_url
 from tests.support.polling import wait_for
 from tests.support.private_redis import PrivateRedis, tls_redis
 from tests.support.producer import sharegpt_row, write_jsonl
@@ -112,8 +112,8 @@ def test_produce_and_status_work_with_redis_auth_and_never_print_the_password(tm
 def test_the_broker_settings_a_celery_app_carries_print_no_password():
     """`conf.regen_settings` rides on every worker's configuration, which `celery inspect conf` and Flower's
     worker pages print (tests/ops/test_flower.py checks those end to end)."""
-    from app.celery_app import create_app
-    from app.settings import BrokerSettings, Settings
+    from app.base.celery_app import create_app
+    from app.base.settings import BrokerSettings, Settings
 
     url = f"rediss://user:{PASSWORD}@head:6379/0?ssl_cert_reqs=required"
     app = create_app(BrokerSettings(url=url))
@@ -182,8 +182,8 @@ def test_produce_refuses_a_bad_run_id(tmp_path, config_model):
 
 
 def test_storage_refuses_shard_ids_and_paths_that_escape(tmp_path):
-    from app.errors import InvalidId, RegenError
-    from app.storage import RunStore, Storage
+    from app.base.errors import InvalidId, RegenError
+    from app.base.storage import RunStore, Storage
 
     store = RunStore(Storage(str(tmp_path)), "r1")
     for bad in ("../x", "/x", "a/b", "x\x00", ".."):

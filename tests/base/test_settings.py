@@ -1,5 +1,5 @@
 """Settings are read once, in one place: every variable's default and parsing, the process's installed settings,
-and the code's rule that no other module reads the environment (app/settings.py)."""
+and the code's rule that no other module reads the environment (app/base/settings.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from app.errors import ConfigError
-from app.settings import (
+from app.base.errors import ConfigError
+from app.base.settings import (
     DEFAULT_BROKER_URL,
     DEFAULT_VISIBILITY_TIMEOUT,
     BrokerSettings,
@@ -104,7 +104,7 @@ def test_a_scope_reads_the_environment_once_and_ends_with_its_block(monkeypatch)
 
 
 def test_installed_settings_are_the_processs_and_broker_settings_follow_them(monkeypatch):
-    import app.settings as settings_module
+    import app.base.settings as settings_module
 
     monkeypatch.setattr(settings_module, "_scopes", [])  # this test's process-wide state, restored after it
     monkeypatch.setenv("REGEN_VISIBILITY_TIMEOUT", "99")
@@ -126,7 +126,7 @@ def _environ_uses(path: Path) -> list[tuple[int, str]]:
 
 
 def test_only_the_settings_module_reads_the_environment_and_only_process_env_writes_it():
-    allowed = {ROOT / "app" / "settings.py", ROOT / "app" / "process_env.py"}
+    allowed = {ROOT / "app" / "base" / "settings.py", ROOT / "app" / "base" / "process_env.py"}
     found = [f"{p.relative_to(ROOT)}:{line} {what}" for p in CODE if p not in allowed for line, what in _environ_uses(p)]
     assert not found, "\n".join(found)
 
@@ -142,13 +142,13 @@ def test_every_variable_the_code_names_is_documented():
     assert len(names) > 15 and names <= documented, sorted(names - documented)
 
 
-# Settings whose default belongs to one definition (app.settings' DEFAULT_*, app.manifest's COMPRESSION_LEVEL
+# Settings whose default belongs to one definition (app.base.settings' DEFAULT_*, app.base.manifest's COMPRESSION_LEVEL
 # and RunSettings): a parameter or class field of the same name elsewhere takes it from there or has none.
-DEFINITIONS = ("app/settings.py", "app/manifest.py")
+DEFINITIONS = ("app/base/settings.py", "app/base/manifest.py")
 ONE_DEFAULT = ("level", "compression_level", "regenerate", "samples_per_prompt", "shard_size", "queue",
                "capture_queue", "thinking_mix")
 # The queue names, spelled only where they are defined.
-DEFINED_STRINGS = {"regen.capture": "app/settings.py"}
+DEFINED_STRINGS = {"regen.capture": "app/base/settings.py"}
 
 
 def spelled_defaults(path: str, source: str) -> list[str]:
@@ -183,20 +183,20 @@ def test_the_defaults_check_sees_a_second_spelling():
                "CAPTURE = 'regen.capture'\n")
     assert [f.split(" ", 1)[1] for f in spelled_defaults("workers/x.py", snippet)] == [
         "level=3", "regenerate='last'", "'regen.capture'"]
-    assert spelled_defaults("app/settings.py", "DEFAULT_CAPTURE_QUEUE = 'regen.capture'\n") == []
-    assert spelled_defaults("app/manifest.py", "class RunSettings:\n    samples_per_prompt: int = 1\n") == []
+    assert spelled_defaults("app/base/settings.py", "DEFAULT_CAPTURE_QUEUE = 'regen.capture'\n") == []
+    assert spelled_defaults("app/base/manifest.py", "class RunSettings:\n    samples_per_prompt: int = 1\n") == []
 
 
-# The run's settings are read typed, through app.manifest.RunSettings.view: no module reads a stored setting by
+# The run's settings are read typed, through app.base.manifest.RunSettings.view: no module reads a stored setting by
 # name.
 _RAW_SETTING = re.compile(r"""settings["']?\]?\s*(?:\[\s*["']|\.get\(\s*["'])""")
-_RAW_ALLOWED = {"app/manifest.py"}
+_RAW_ALLOWED = {"app/base/manifest.py"}
 
 
 def test_no_module_reads_a_stored_run_setting_by_name():
     raw = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in CODE if str(p.relative_to(ROOT)) not in _RAW_ALLOWED
            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if _RAW_SETTING.search(line)]
-    assert not raw, "read run settings typed (app.manifest.RunSettings.view):\n" + "\n".join(raw)
+    assert not raw, "read run settings typed (app.base.manifest.RunSettings.view):\n" + "\n".join(raw)
 
 
 @pytest.mark.parametrize("line", ['x = settings["capture_mode"]', "q = reader.settings.get('quality')",

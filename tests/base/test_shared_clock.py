@@ -1,4 +1,4 @@
-"""Leases on one clock (app/clock.py): a host whose clock is minutes off judges other hosts' attempts right.
+"""Leases on one clock (app/base/clock.py): a host whose clock is minutes off judges other hosts' attempts right.
 
 The judging code runs in a real process whose clock libfaketime (Debian's `faketime`; .ci/run installs it)
 shifts by ten minutes, against the real Redis whose `TIME` is the shared clock. The same process on its own
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from app.ledger import record_attempt
-from app.storage import RunStore, Storage
+from app.base.ledger import record_attempt
+from app.base.storage import RunStore, Storage
 from tests.support.paths import REPO
 from tests.support.redis_db import OPS_BROKER, redis_or_fail
 
@@ -26,9 +26,9 @@ SHARD = "shard-000000"
 
 JUDGE = """
 import json, sys
-from app.ledger import record_attempt, sweep_temporaries
-from app.liveness import clock_skew_warning
-from app.storage import RunStore, Storage
+from app.base.ledger import record_attempt, sweep_temporaries
+from app.base.liveness import clock_skew_warning
+from app.base.storage import RunStore, Storage
 store = RunStore(Storage(sys.argv[1]), "r1")
 count = record_attempt(store, sys.argv[2], "b" * 12, "judge@hostC")
 removed = sweep_temporaries(store, sys.argv[2], stale_after=None)
@@ -73,8 +73,8 @@ def test_a_host_whose_clock_runs_behind_still_sees_a_dead_host_die(tmp_path, mon
     monkeypatch.setenv("REGEN_BROKER_URL", OPS_BROKER)
     import datetime as dt
 
-    from app.clock import shared_now
-    from app.ledger import timestamp
+    from app.base.clock import shared_now
+    from app.base.ledger import timestamp
 
     last = dt.datetime.fromtimestamp(shared_now() - 300, dt.UTC).isoformat()  # its last renewal, 5 min ago
     tmp = _live_attempt_on_another_host(tmp_path, SHARD, started=last, heartbeat=last)

@@ -1,4 +1,4 @@
-"""The lossy states codecs (app/states_codec.py): bit-exact against torch's FP8, and within their bounds.
+"""The lossy states codecs (app/base/states_codec.py): bit-exact against torch's FP8, and within their bounds.
 
 A lossy run's promise is a number in its manifest that a trainer relies on months later; these tests hold the
 codecs to it on the inputs that break lossy codecs: outlier channels, an attention-sink token 100x the others,
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.hidden_file import bf16_to_float32, float32_to_bf16
-from app.states_codec import (
+from app.base.hidden_file import bf16_to_float32, float32_to_bf16
+from app.base.states_codec import (
     _E4M3_VALUES,
     LOSSY_CODECS,
     NonFiniteStates,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.hidden_file import bf16_to_float32, float32_to_bf16
-from app.states_compare import REL_BOUND, UNIT_ROUNDOFF_BF16, Comparison, compare, row_problems
+from app.base.hidden_file import bf16_to_float32, float32_to_bf16
+from app.base.states_compare import REL_BOUND, UNIT_ROUNDOFF_BF16, Comparison, compare, row_problems
 from tests.support.activations import realistic_activations
 
 LAYERS = [1, 16, 31, 46, 61]
@@ -256,7 +256,7 @@ def test_a_rounding_flip_in_the_massive_channel_is_not_a_shift():
 def test_a_zero_row_is_a_state_only_at_a_token_whose_embedding_is_zero():
     """A padding row of the embedding is zero, and on a hybrid its rows stay zero through the linear-attention
     layers: those rows are the token's states; a zero row anywhere else is a capture fault."""
-    from app.states_compare import zero_rows_allowed
+    from app.base.states_compare import zero_rows_allowed
 
     rng = np.random.default_rng(12)
     states = bits(residual_stream(rng, n_tokens=6, hidden=64))

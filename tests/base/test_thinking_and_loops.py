@@ -1,12 +1,12 @@
-"""The record-side rules of the thinking budget (app.thinking) and the loop stop (app.loops, and the engine's
+"""The record-side rules of the thinking budget (app.base.thinking) and the loop stop (app.base.loops, and the engine's
 logits processor, workers.engine.loop_stop, driven through vLLM's own batch-update objects)."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.loops import CHECK_EVERY, LOOP_STOP_ARG, loop_stopped, stop_request
-from app.thinking import budget_mask, forced_span
+from app.base.loops import CHECK_EVERY, LOOP_STOP_ARG, loop_stopped, stop_request
+from app.base.thinking import budget_mask, forced_span
 
 START, END, NL, EOS = 7, 8, 9, 2
 CLOSE = [NL, END, NL, NL]
@@ -80,8 +80,8 @@ def test_the_engines_processor_forces_the_end_only_on_requests_that_ask_and_loop
 
 
 def test_a_gpu_engine_refuses_the_loop_stop_unless_it_runs_vllms_v1_runner():
-    from app.loops import gpu_runner_refusal
-    from app.settings import Settings
+    from app.base.loops import gpu_runner_refusal
+    from app.base.settings import Settings
 
     assert gpu_runner_refusal("cpu", False) is None
     assert "VLLM_USE_V2_MODEL_RUNNER=0" in gpu_runner_refusal("cuda", Settings.from_env({}).vllm_v1_runner)

@@ -5,8 +5,8 @@ next. A kombu upgrade that changes any of it fails here, not in a fleet."""
 
 from __future__ import annotations
 
-from app.celery_app import create_app
-from app.settings import BrokerSettings
+from app.base.celery_app import create_app
+from app.base.settings import BrokerSettings
 from tests.support.redis_db import OPS_BROKER
 
 QUEUE = "regen-restore-test"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from app.process_env import own_vllm_cache, worker_child_env
+from app.base.process_env import own_vllm_cache, worker_child_env
 
 
 def test_each_worker_on_a_host_gets_its_own_stable_vllm_cache(monkeypatch, tmp_path):

@@ -8,9 +8,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from app.base.errors import ConfigError
+from app.base.speculative import ignored_with_capture
 from app.cli import main
-from app.errors import ConfigError
-from app.speculative import ignored_with_capture
 from tests.support.producer import sharegpt_row, write_jsonl
 from tests.support.redis_db import PRODUCER_REDIS
 from tests.support.synthetic_run import Spec, build_run

@@ -9,12 +9,12 @@ import re
 import pytest
 from click.testing import CliRunner
 
+from app.base.errors import RegenError
+from app.base.layers import parse_layers
 from app.cli import main
 from app.data import export_formats
 from app.data.export_states import choose_layers
 from app.data.format_fit import fits, layer_lines
-from app.errors import RegenError
-from app.layers import parse_layers
 from app.pilot.host import sample_size_for
 from tests.support.redis_db import PRODUCER_REDIS
 from tests.support.runs import produce, prompts_file

@@ -1,5 +1,5 @@
 """A command that needs an optional package (pyproject.toml's extras) checks for it when it starts: a missing one
-is one line with the pip command, before anything is read or written (app/packages.py). The package is made
+is one line with the pip command, before anything is read or written (app/base/packages.py). The package is made
 missing the way Python sees an uninstalled one: `sys.modules[name] = None` makes its import fail."""
 
 from __future__ import annotations

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from app.base.hidden_file import HiddenFileReader
+from app.base.jsonl_zst import loads_jsonl_zst
+from app.base.storage import RunStore, Storage
 from app.cli import main
-from app.hidden_file import HiddenFileReader
-from app.jsonl_zst import loads_jsonl_zst
 from app.pilot.forecast import commands, forecast, samples_per_s
 from app.pilot.sample import sample_inputs
-from app.storage import RunStore, Storage
 from producer.estimate import human_bytes
 from tests.support.engines import vllm_or_fail
 from tests.support.redis_db import PILOT_BROKER, redis_or_fail

@@ -1,12 +1,12 @@
 """`regen run` re-sends the shards the broker lost (a worker killed between kombu's pop of a message and its
 unacked record), once two checks in a row found them lost, and never while Redis holds a message; and it moves
-back at once the messages a killed local worker held (app/dead_holders.py)."""
+back at once the messages a killed local worker held (app/base/dead_holders.py)."""
 
 from __future__ import annotations
 
-from app import ledger
+from app.base import ledger
+from app.base.storage import RunStore, Storage
 from app.ops.run_watch import LostShardWatch
-from app.storage import RunStore, Storage
 from tests.support.redis_db import OPS_BROKER
 from tests.support.status_run import STATUS_QUEUE, build_status_run
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from rich.console import Console
 
+from app.base.ledger import CAPTURE, GENERATE, dead_letter, stage_key
+from app.base.storage import RunStore, Storage
 from app.cli.run import print_run_totals
-from app.ledger import CAPTURE, GENERATE, dead_letter, stage_key
-from app.storage import RunStore, Storage
 
 
 def test_a_staged_shard_dead_in_both_stages_counts_once(tmp_path):

@@ -9,9 +9,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from app.base.errors import ConfigError
+from app.base.speculative import has_mtp_head, parse_speculative, speculative_config
 from app.cli import main
-from app.errors import ConfigError
-from app.speculative import has_mtp_head, parse_speculative, speculative_config
 from tests.support.producer import sharegpt_row, write_jsonl
 from tests.support.redis_db import PRODUCER_REDIS
 

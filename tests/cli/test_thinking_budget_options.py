@@ -10,9 +10,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from app.base.manifest import RunSettings
+from app.base.thinking import DEFAULT_THINKING_CLOSE
 from app.cli import main
-from app.manifest import RunSettings
-from app.thinking import DEFAULT_THINKING_CLOSE
 from tests.support.producer import sharegpt_row, write_jsonl
 from tests.support.redis_db import PRODUCER_REDIS
 from workers.shard.task_guards import Worker, generation_features_missing

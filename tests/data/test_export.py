@@ -122,7 +122,7 @@ def test_a_format_without_the_layers_it_needs_is_refused_in_one_line(tmp_path):
 
 
 def test_the_eagle3_preset_captures_three_auxiliary_layers_and_the_final_one():
-    from app.layers import parse_layers
+    from app.base.layers import parse_layers
 
     assert parse_layers("eagle3", 64).vllm == (2, 32, 61, 64)  # vLLM's / speculators' default plus N
     assert parse_layers("eagle3", 36).vllm == (2, 18, 33, 36)

@@ -16,10 +16,10 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
+from app.base.manifest import RunSettings, Sampling, open_or_create
+from app.base.records import loss_mask, rejected_record, turn_sample_id
+from app.base.storage import RunStore, Storage
 from app.cli import main
-from app.manifest import RunSettings, Sampling, open_or_create
-from app.records import loss_mask, rejected_record, turn_sample_id
-from app.storage import RunStore, Storage
 from producer.accounting import Accounting, write_produce_state
 from producer.normalise import normalise
 from tests.support.paths import FIXTURES_DIR

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from app.base.storage import Storage
 from app.cli import main
 from app.data import export_plan
-from app.storage import Storage
 from tests.support.faults import temporaries
 from tests.support.synthetic_run import Spec, build_run
 from tests.support.verify_runs import run_verify

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.errors import ConfigError
-from app.layers import ascending_problem, parse_layers
+from app.base.errors import ConfigError
+from app.base.layers import ascending_problem, parse_layers
 from tests.support.synthetic_run import Spec, build_run
 from tests.support.verify_runs import kinds, run_verify
 

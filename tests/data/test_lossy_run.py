@@ -14,12 +14,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from app.base.errors import ConfigError
+from app.base.hidden_file import bf16_to_float32, float32_to_bf16
+from app.base.states_codec import bound, promised_bound
 from app.cli import main
 from app.data.dataset import RegenDataset
 from app.data.run_reader import RunReader
-from app.errors import ConfigError
-from app.hidden_file import bf16_to_float32, float32_to_bf16
-from app.states_codec import bound, promised_bound
 from producer.estimate import build_estimate
 from producer.produce import produce
 from producer.run_setup import ProduceOptions

@@ -3,10 +3,10 @@ round trips on the job's 14,282 shards (docs/performance.md, the scale harness).
 
 from __future__ import annotations
 
-from app import ledger
+from app.base import ledger
+from app.base.storage import Storage
 from app.data.run_reader import RunReader
 from app.data.verify import verify_run
-from app.storage import Storage
 from tests.support.synthetic_run import Spec, build_run
 
 

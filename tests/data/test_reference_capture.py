@@ -1,6 +1,6 @@
 """The transformers reference capture: its layer numbering, and agreement with vLLM's own capture.
 
-Layer ids are vLLM's (app/layers.py): id L = transformers `hidden_states[L]` = output of decoder layer L-1, and
+Layer ids are vLLM's (app/base/layers.py): id L = transformers `hidden_states[L]` = output of decoder layer L-1, and
 id N is the last decoder layer's output before the final norm (transformers' `hidden_states[N]` is after it).
 The vLLM test starts a real in-process engine on the tiny model with the CPU capture connector and checks
 that what the fleet would store matches the reference at every requested layer, the last one included.

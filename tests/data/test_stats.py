@@ -9,10 +9,10 @@ import re
 import pytest
 from click.testing import CliRunner
 
+from app.base.records import prompt_id
 from app.cli import main
 from app.data.run_reader import RunReader
 from app.data.stats import collect, plots
-from app.records import prompt_id
 from tests.support.synthetic_run import Spec, build_run, ok_records, stub_count
 
 

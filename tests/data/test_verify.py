@@ -9,11 +9,11 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
+from app.base.clock import shared_now
+from app.base.jsonl_zst import dumps_jsonl_zst, loads_jsonl_zst
 from app.cli import main
-from app.clock import shared_now
 from app.data.run_reader import RunReader
 from app.data.verify import verify_run
-from app.jsonl_zst import dumps_jsonl_zst, loads_jsonl_zst
 from tests.support.synthetic_run import Spec, build_run
 from tests.support.verify_runs import kinds, run_verify
 
@@ -156,7 +156,7 @@ def test_verify_names_temporaries_left_on_a_finished_shard(tmp_path):
 
 def test_hidden_files_are_read_once(tmp_path, monkeypatch):
     """verify checks each hidden file's sha256 in the same pass that decodes its samples (not a second read)."""
-    from app.storage import Storage
+    from app.base.storage import Storage
 
     built = build_run(tmp_path)
     read: dict[str, int] = {}

@@ -1,4 +1,4 @@
-"""`regen verify --reference` judged row by row (app/states_compare.py) on a run whose stored states are the tiny
+"""`regen verify --reference` judged row by row (app/base/states_compare.py) on a run whose stored states are the tiny
 model's own, with a massive-activation channel (400 in every token): right states pass, also moved by a few bf16
 roundings per value (another device's kernels); shifted, swapped, foreign and zeroed rows fail. Every corruption is
 written through the project's writer with valid CRCs and sha256 (tests/support/corrupt_states.py). No vLLM here:
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from app.base.hidden_file import bf16_to_float32, float32_to_bf16
+from app.base.states_compare import REL_BOUND, UNIT_ROUNDOFF_BF16
 from app.cli import main
-from app.hidden_file import bf16_to_float32, float32_to_bf16
-from app.states_compare import REL_BOUND, UNIT_ROUNDOFF_BF16
 from tests.support.corrupt_states import rewrite_states
 from tests.support.synthetic_run import LAYERS, Spec, build_run
 from tests.support.verify_runs import kinds

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from app.base.jsonl_zst import dumps_jsonl_zst, loads_jsonl_zst
 from app.data.run_reader import RunReader
 from app.data.verify import verify_run
-from app.jsonl_zst import dumps_jsonl_zst, loads_jsonl_zst
 from tests.support.synthetic_run import Spec, build_run
 from tests.support.verify_runs import kinds, run_verify
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.celery_app import create_app
-from app.manifest import load
-from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, BrokerSettings
-from app.storage import RunStore, Storage
+from app.base.celery_app import create_app
+from app.base.manifest import load
+from app.base.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, BrokerSettings
+from app.base.storage import RunStore, Storage
 from producer.produce import produce, send_captures
 from producer.run_setup import ProduceOptions
 from tests.support.celery_app import CeleryTestWorker

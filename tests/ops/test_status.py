@@ -69,7 +69,7 @@ def test_status_json_matches_what_storage_and_redis_hold(tmp_path, redis7):
 
 
 def test_an_old_attempt_without_marker_or_error_counts_as_stale(tmp_path, redis7):
-    from app.ledger import record_attempt
+    from app.base.ledger import record_attempt
 
     built = build_status_run(str(tmp_path))
     # written by this (live) process, so it names another host: a record of this host's would be judged by its pid
@@ -134,7 +134,7 @@ def test_a_live_worker_reports_the_shard_it_runs(tmp_path, redis7):
 
 
 def test_status_names_the_shards_the_broker_lost_and_the_command_that_re_sends_them(tmp_path, redis7):
-    from app import ledger
+    from app.base import ledger
 
     built = build_status_run(str(tmp_path))
     args = ("r1", "--storage", str(tmp_path), "--inspect-timeout", "0")
@@ -157,7 +157,7 @@ def test_a_dead_host_holds_no_shard_shows_dead_and_its_shards_are_named(tmp_path
     attempt is judged by its own liveness: B runs it, A is dead with its last heartbeat's age and no shard."""
     import datetime as dt
 
-    from app.ledger import record_attempt
+    from app.base.ledger import record_attempt
 
     built = build_status_run(str(tmp_path))
     ago = (dt.datetime.now(dt.UTC) - dt.timedelta(seconds=63)).isoformat()
@@ -181,8 +181,8 @@ def test_a_dead_host_holds_no_shard_shows_dead_and_its_shards_are_named(tmp_path
 def test_a_warm_rescan_lists_only_the_open_keys_attempts_and_sees_what_changed(tmp_path, monkeypatch):
     """A --watch or a scrape must not list every attempt folder of the run on each pass (O(run) listings a scrape,
     ~1.4M at a thousand GPUs): after the first scan, settled keys' attempts come from the scanner's memory."""
+    from app.base.storage_counts import read_all
     from app.ops.status import RunScanner, summarise
-    from app.storage_counts import read_all
     from tests.support.status_run import publish_synthetic
 
     built = build_status_run(str(tmp_path))

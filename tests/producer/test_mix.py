@@ -11,10 +11,10 @@ from collections import Counter
 import pytest
 from click.testing import CliRunner
 
+from app.base.errors import ConfigError, ManifestMismatch
+from app.base.modes import draw_thinking
+from app.base.storage import RunStore, Storage
 from app.cli import main
-from app.errors import ConfigError, ManifestMismatch
-from app.modes import draw_thinking
-from app.storage import RunStore, Storage
 from producer.produce import produce
 from producer.run_setup import ProduceOptions
 from tests.support.producer import QUEUE, decode_queue, sharegpt_row, write_jsonl

@@ -7,7 +7,7 @@ import json
 import orjson
 import pytest
 
-from app.ids import sample_id
+from app.base.ids import sample_id
 from producer.normalise import Rejected, normalise, parse_line
 from tests.support.paths import FORMATS_DIR
 

@@ -8,10 +8,10 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from app.celery_app import GENERATE_TASK
+from app.base.celery_app import GENERATE_TASK
+from app.base.errors import ManifestMismatch
+from app.base.storage import RunStore, Storage
 from app.cli import main
-from app.errors import ManifestMismatch
-from app.storage import RunStore, Storage
 from producer.enqueue import ShardSender
 from producer.produce import produce
 from producer.run_setup import ProduceOptions
@@ -314,7 +314,7 @@ def test_max_pending_asks_redis_only_when_the_cap_could_be_reached(producer_redi
 
 
 def test_a_publish_error_in_the_sending_thread_fails_produce_and_sends_nothing(producer_redis):
-    from app.errors import RetryableError
+    from app.base.errors import RetryableError
 
     good = Shard(0, "shard-000000", [{"id": "a"}], 0)
     bad = Shard(1, "shard-000001", [{"id": object()}], 0)  # not JSON: the publish raises in the thread
@@ -336,8 +336,8 @@ def test_a_real_celery_worker_receives_the_shard_as_sent(producer_redis, options
 
     from celery.contrib.testing.worker import start_worker
 
-    from app.celery_app import create_app
-    from app.settings import BrokerSettings
+    from app.base.celery_app import create_app
+    from app.base.settings import BrokerSettings
 
     received: list[dict] = []
     got_all = threading.Event()

@@ -7,7 +7,7 @@ import json
 import pytest
 import zstandard
 
-from app.errors import InputError
+from app.base.errors import InputError
 from producer.readers import InputReader, ReadFailure, describe_input, expand_inputs, file_sha256
 
 

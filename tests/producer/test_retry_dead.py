@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.errors import ConfigError
+from app.base.errors import ConfigError
 from producer.retry_dead import retry_dead
 from producer.run_setup import ProduceOptions
 from tests.support.status_run import DEAD, build_status_run

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from app.manifest import settings_diff
+from app.base.manifest import settings_diff
 from producer.produce import produce
 from producer.run_setup import ProduceOptions
 from tests.support.models import build_tiny_model

@@ -1,4 +1,4 @@
-"""The producer's preparation of tool calls (app.tool_calls.prepare) is vLLM's own (`_postprocess_messages`,
+"""The producer's preparation of tool calls (app.base.tool_calls.prepare) is vLLM's own (`_postprocess_messages`,
 what `LLM.chat` and the OpenAI server run before the template): the same messages out, the same refusals, and
 `erased_arguments` names a turn exactly where vLLM warns that it replaced the arguments by `{}`."""
 
@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from app.tool_calls import ToolCallError, erased_arguments, parse_arguments, prepare, vllm_prepare
+from app.base.tool_calls import ToolCallError, erased_arguments, parse_arguments, prepare, vllm_prepare
 
 
 def call(arguments, name="get_weather", **extra):

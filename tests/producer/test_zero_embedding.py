@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from safetensors.numpy import save_file
 
-from app.model_info import read_model_info, zero_embedding_ids
+from app.base.model_info import read_model_info, zero_embedding_ids
 from producer.run_setup import model_settings
 
 

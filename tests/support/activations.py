@@ -4,7 +4,7 @@ Random-init models (the tiny test model, the codec bench's) have near-Gaussian s
 and what breaks a lossy codec is exactly what they add: heavy tails, a few channels 20-60x the rest with a fixed
 sign, norms growing with depth, and "massive activations" on the first token (the attention sink, whose states
 are ~100x every other token's). All-negative rows are added too (a sign bit set everywhere must survive). Values
-are float32; round them to bf16 with `app.hidden_file.float32_to_bf16`.
+are float32; round them to bf16 with `app.base.hidden_file.float32_to_bf16`.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import os
 import time
 from pathlib import Path
 
-from app.celery_app import create_app
-from app.settings import BrokerSettings
+from app.base.celery_app import create_app
+from app.base.settings import BrokerSettings
 from tests.support.paths import REPO
 from tests.support.redis_db import OPS_BROKER
 

@@ -1,5 +1,5 @@
 """Corrupt one stored sample's states the way a faulty capture would have written them: through the project's own
-writer (app/hidden_file.py), so every part CRC is valid, and with the shard's marker naming the new file's size and
+writer (app/base/hidden_file.py), so every part CRC is valid, and with the shard's marker naming the new file's size and
 sha256. Only the checks that look at the values themselves can then find it, which is what the tests using this
 want to show (`regen verify`'s row checks, `--reference`)."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from app.hidden_file import HiddenFileReader, HiddenFileWriter, encode_sample
-from app.storage import RunStore, Storage
+from app.base.hidden_file import HiddenFileReader, HiddenFileWriter, encode_sample
+from app.base.storage import RunStore, Storage
 
 
 def rewrite_states(root: Path, run_id: str, shard: str, change: Callable[[str, np.ndarray, np.ndarray], np.ndarray | None],

@@ -7,8 +7,8 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from app.ledger import attempt_errors, attempt_names
-from app.storage import RunStore
+from app.base.ledger import attempt_errors, attempt_names
+from app.base.storage import RunStore
 from tests.support.runs import prompts_file, run_records
 
 
@@ -72,7 +72,7 @@ def dead_process() -> dict:
     """The identity of a process of this machine that has exited (its pid is free now)."""
     import subprocess
 
-    from app.liveness import identity
+    from app.base.liveness import identity
 
     child = subprocess.Popen(["true"])
     child.wait()

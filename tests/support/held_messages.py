@@ -1,6 +1,6 @@
 """Shard messages held by a dead process, as a dead host leaves them: sent with the app's own Celery
 configuration, fetched by a real kombu consumer in a subprocess that is then SIGKILLed (no ack, no restore), so
-they stay in kombu's unacked hash until the visibility timeout. For app/dead_holders.py's tests."""
+they stay in kombu's unacked hash until the visibility timeout. For app/base/dead_holders.py's tests."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ with Connection(sys.argv[1]) as conn:
 
 def send_shards(broker: str, queue: str, run_id: str, storage: str, shards: list[str]) -> None:
     """One generate-task message per shard, as the producer's (the samples travel with it)."""
-    from app.celery_app import GENERATE_TASK, create_app
-    from app.settings import BrokerSettings
+    from app.base.celery_app import GENERATE_TASK, create_app
+    from app.base.settings import BrokerSettings
 
     app = create_app(BrokerSettings(url=broker))
     for shard in shards:

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 from click.testing import CliRunner
 
+from app.base.hidden_file import HiddenFileReader
+from app.base.jsonl_zst import loads_jsonl_zst
+from app.base.storage import RunStore, Storage
 from app.cli import main
-from app.hidden_file import HiddenFileReader
-from app.jsonl_zst import loads_jsonl_zst
-from app.storage import RunStore, Storage
 from tests.support.paths import FORMATS_DIR
 from tests.support.polling import wait_for
 from tests.support.redis_db import E2E_BROKER
@@ -68,7 +68,7 @@ def wait_run_done_after_kills(storage: Path, run_id: str, broker: str = E2E_BROK
     """
     import redis
 
-    from app.ids import shard_id
+    from app.base.ids import shard_id
 
     store = RunStore(Storage(str(storage)), run_id)
     n_shards = json.loads((storage / run_id / "produce.json").read_text())["counts"]["shards"]

@@ -11,9 +11,9 @@ import datetime as dt
 
 import numpy as np
 
-from app.hidden_file import encode_sample
-from app.ledger import dead_letter, record_attempt, record_attempt_error
-from app.storage import RunStore, Storage
+from app.base.hidden_file import encode_sample
+from app.base.ledger import dead_letter, record_attempt, record_attempt_error
+from app.base.storage import RunStore, Storage
 from workers.shard.shard_output import publish_shard
 
 STATUS_QUEUE = "regen-status-test"

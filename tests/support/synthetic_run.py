@@ -1,7 +1,7 @@
 """Build small but real runs on tmp storage for the data-command tests: the same files a producer and workers write.
 
-Records are built like workers/shard/generate.py builds them (flags from app.quality, summary from
-workers.shard.generate.shard_summary), states are encoded with app.hidden_file.encode_sample and shards are written by
+Records are built like workers/shard/generate.py builds them (flags from app.base.quality, summary from
+workers.shard.generate.shard_summary), states are encoded with app.base.hidden_file.encode_sample and shards are written by
 workers.shard.shard_output.publish_shard; run.json and produce.json are written with the producer's own code.
 """
 
@@ -13,13 +13,13 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from app.hidden_file import encode_sample, float32_to_bf16
-from app.ids import shard_id
-from app.manifest import QualitySettings, RunSettings, Sampling, StatesStorage, open_or_create
-from app.quality import is_stub, sample_flags
-from app.records import loss_mask, rejected_record
-from app.states_codec import promised_bound
-from app.storage import RunStore, Storage
+from app.base.hidden_file import encode_sample, float32_to_bf16
+from app.base.ids import shard_id
+from app.base.manifest import QualitySettings, RunSettings, Sampling, StatesStorage, open_or_create
+from app.base.quality import is_stub, sample_flags
+from app.base.records import loss_mask, rejected_record
+from app.base.states_codec import promised_bound
+from app.base.storage import RunStore, Storage
 from producer.accounting import Accounting, write_produce_state
 from workers.shard.generate import shard_summary
 from workers.shard.shard_output import hidden_file_stream, publish_marker, publish_shard
@@ -42,7 +42,7 @@ class Spec:
     producer_rejects: int = 1
     sources: tuple = ("a.jsonl", "b.jsonl")
     seed: int = 0
-    states_dtype: str = "bf16"  # a lossy codec (app/states_codec.py) stores and records states as that
+    states_dtype: str = "bf16"  # a lossy codec (app/base/states_codec.py) stores and records states as that
     layers: tuple = tuple(LAYERS)  # vLLM ids the run says it captured (the states have one slot per id)
     marks: dict = field(default_factory=dict)  # global index -> fields set on its ok record (`flags` are added)
 

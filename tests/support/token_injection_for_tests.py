@@ -11,8 +11,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from app.jsonl_zst import dumps_jsonl_zst, loads_jsonl_zst
-from app.storage import RunStore, Storage
+from app.base.jsonl_zst import dumps_jsonl_zst, loads_jsonl_zst
+from app.base.storage import RunStore, Storage
 
 
 def inject_last_token(root: Path, run_id: str, shard: str, sample_id: str, token: int) -> int:

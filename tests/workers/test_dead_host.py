@@ -18,9 +18,9 @@ import time
 import pytest
 from click.testing import CliRunner
 
+from app.base.ledger import attempt_errors
+from app.base.storage import RunStore, Storage
 from app.cli import main
-from app.ledger import attempt_errors
-from app.storage import RunStore, Storage
 from tests.support.faults import report
 from tests.support.polling import wait_for
 from tests.support.redis_db import flushed_redis, redis_url

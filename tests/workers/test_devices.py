@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from app.base.errors import ConfigError
 from app.cli import main
-from app.errors import ConfigError
 from tests.support.paths import FIXTURES_DIR
 from tests.support.redis_db import redis_url
 from workers.process.devices import PRESETS, choose_tensor_parallel, detect_gpus, encode_threads_for

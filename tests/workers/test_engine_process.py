@@ -14,7 +14,7 @@ import signal
 
 import pytest
 
-from app.errors import EngineDead
+from app.base.errors import EngineDead
 from tests.support.workers import process_gone
 from workers.engine.options import EngineOptions
 from workers.engine.process import PROCESS_NAME, EngineProcess, exit_status

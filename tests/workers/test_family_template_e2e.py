@@ -15,9 +15,9 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
+from app.base.jsonl_zst import dumps_jsonl_zst, loads_jsonl_zst
+from app.base.storage import RunStore, Storage
 from app.cli import main
-from app.jsonl_zst import dumps_jsonl_zst, loads_jsonl_zst
-from app.storage import RunStore, Storage
 from tests.support.redis_db import flushed_redis, redis_url
 from tests.support.runs import produce, run_records, wait_run_done
 from tests.support.workers import E2E_LAYERS, session_worker, worker_env

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from app import dead_messages
+from app.base import dead_messages
+from app.base.ledger import attempt_errors, new_attempt_id, pause_state
+from app.base.storage import RunStore, Storage
 from app.cli import main
-from app.ledger import attempt_errors, new_attempt_id, pause_state
-from app.storage import RunStore, Storage
 from tests.support.faults import (
     assert_redone_elsewhere,
     in_flight_shard,
@@ -333,8 +333,8 @@ def test_copies_of_one_shard_held_by_one_worker_and_one_sigkill_give_one_output(
     # The fault run's reproduction: one shard, `produce` plus five `reconcile`s, so one worker is handed six copies
     # of it; one SIGKILL. Before, all six started (six attempt records, one pid) and the kill dead-lettered the
     # shard. Now one copy runs, the others are dropped, and the kill counts once.
-    from app.celery_app import create_app
-    from app.settings import BrokerSettings
+    from app.base.celery_app import create_app
+    from app.base.settings import BrokerSettings
 
     inputs = prompts_file(tmp_path, n_synthetic=8, with_formats=False)
     drops_before = cpu_worker.text().count("another copy of it runs in this process")
@@ -406,8 +406,8 @@ def test_messages_the_worker_cannot_use_are_set_aside_and_counted_and_it_keeps_r
                                                                                        e2e_storage, tmp_path):
     import base64
 
-    from app.celery_app import GENERATE_TASK, create_app
-    from app.settings import BrokerSettings
+    from app.base.celery_app import GENERATE_TASK, create_app
+    from app.base.settings import BrokerSettings
 
     child = cpu_worker.child_pids()[0]
     engine = engine_host_pid(child)

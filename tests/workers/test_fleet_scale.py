@@ -3,7 +3,7 @@ for GPUs (workers/doubles/stand_in.py), and storage, with one host SIGKILLed at 
 
 What it holds the harness to: every sample the producer enqueued is in exactly one record of a published shard
 (nothing lost, nothing duplicated, the killed host's shards re-sent and finished by the other), and the storage
-operations the processes counted (app/storage_counts.py) agree with what the storage holds at the end: as many
+operations the processes counted (app/base/storage_counts.py) agree with what the storage holds at the end: as many
 records files and completion markers as were renamed and linked into place (less those a lost race removed),
 with the counted bytes, and a rename and an fsync for every local write. A few hundred shards of 8 samples with
 short outputs keep it to about a minute.

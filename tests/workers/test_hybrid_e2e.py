@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from app.base.hidden_file import HiddenFileReader, bf16_to_float32
+from app.base.ledger import attempt_errors
+from app.base.storage import RunStore, Storage
 from app.cli import main
-from app.hidden_file import HiddenFileReader, bf16_to_float32
-from app.ledger import attempt_errors
-from app.storage import RunStore, Storage
 from tests.support.faults import (
     assert_redone_elsewhere,
     in_flight_shard,
@@ -182,8 +182,8 @@ def test_layer_ids_typed_out_of_order_are_stored_under_true_labels(hybrid_worker
                                                                    tmp_path):
     """`--layers vllm:4,1,2` on the 4-layer model: vLLM returns the layers ascending whatever order they are asked
     in, so each stored slot must carry the label of the layer it holds (judged against transformers per row)."""
+    from app.base.states_compare import compare
     from app.data.reference import ReferenceCapture
-    from app.states_compare import compare
 
     inputs = prompts_file(tmp_path, n_synthetic=3, with_formats=False)
     produce(hybrid_storage, "hybrid-unsorted", [inputs], tiny_hybrid, "--layers", "vllm:4,1,2", "--max-tokens", "16",

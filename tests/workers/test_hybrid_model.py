@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from app.base.errors import ConfigError
+from app.base.layers import parse_layers
+from app.base.model_info import read_model_info
+from app.base.quality import StaleRows, layer_detail, repeated_rows, states_problem
 from app.cli import main
-from app.errors import ConfigError
-from app.layers import parse_layers
-from app.model_info import read_model_info
-from app.quality import StaleRows, layer_detail, repeated_rows, states_problem
 from workers.engine.llm_arguments import llm_kwargs
 from workers.engine.options import EngineOptions
 from workers.engine.settings import check_hybrid_capture_vllm, model_engine_settings
@@ -148,7 +148,7 @@ def test_a_hybrid_capture_refuses_a_vllm_without_the_nan_fix(tiny_hybrid, tiny_q
 
 
 def test_operator_vllm_args_are_typed_by_vllms_parser_and_typos_fail_with_its_message():
-    from app.vllm_args import parse_vllm_args, worker_vllm_args
+    from app.base.vllm_args import parse_vllm_args, worker_vllm_args
 
     assert parse_vllm_args(["max-num-batched-tokens=8192", "enable_prefix_caching=false", "enforce_eager=true"]) == {
         "max_num_batched_tokens": 8192, "enable_prefix_caching": False, "enforce_eager": True}
@@ -180,7 +180,7 @@ def test_the_worker_command_fails_at_start_up_on_a_misspelt_or_data_changing_vll
 
 
 def _states(n_tokens=12, n_layers=3, hidden=128, seed=0) -> np.ndarray:
-    from app.hidden_file import float32_to_bf16
+    from app.base.hidden_file import float32_to_bf16
 
     return float32_to_bf16(np.random.default_rng(seed).normal(size=(n_tokens, n_layers, hidden)).astype(np.float32))
 
@@ -243,8 +243,8 @@ def test_the_cpu_torchvision_stand_in_satisfies_imports_fails_on_use_and_yields_
 
 
 def test_data_changing_vllm_args_reach_workers_only_through_the_run_manifest(tiny_hybrid, tmp_path):
-    from app.manifest import RunSettings
-    from app.vllm_args import worker_vllm_args
+    from app.base.manifest import RunSettings
+    from app.base.vllm_args import worker_vllm_args
     from producer.run_setup import ProduceOptions, build_settings, run_engine_args
 
     assert run_engine_args(["kv_cache_dtype=fp8", "max_num_batched_tokens=8192"], capture=True) == {

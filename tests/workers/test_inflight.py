@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from app.ledger import new_attempt_id, record_attempt
-from app.storage import RunStore, Storage
+from app.base.ledger import new_attempt_id, record_attempt
+from app.base.storage import RunStore, Storage
 from tests.support.faults import dead_process
 from workers.process.inflight import InFlight, sweep_dead_attempts
 
@@ -79,7 +79,7 @@ def test_a_journal_entry_of_another_machine_is_never_swept(tmp_path, monkeypatch
 
 
 def test_a_journal_entry_names_its_process_as_attempt_records_do(tmp_path, monkeypatch):
-    from app.liveness import identity
+    from app.base.liveness import identity
 
     monkeypatch.setenv("REGEN_STATE_DIR", str(tmp_path / "state"))
     store = RunStore(Storage(str(tmp_path / "storage")), "run")

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from app.base.states_compare import compare
 from app.cli import main
 from app.data.verify_reference import reference_bound
-from app.states_compare import compare
 from tests.support.redis_db import HYBRID_BROKER
 from tests.support.runs import produce, prompts_file, run_states, wait_run_done
 from tests.support.workers import HYBRID_KINDS, HYBRID_LAYERS
@@ -43,8 +43,8 @@ def test_a_lossy_run_stores_fp8_within_its_bound_and_passes_verify_with_the_refe
     assert report["reference"]["checked"] == 2 and report["reference"]["states_dtype"] == FP8
     assert 0 < report["reference"]["excess"] <= 1
 
-    from app.hidden_file import HiddenFileReader
-    from app.storage import RunStore, Storage
+    from app.base.hidden_file import HiddenFileReader
+    from app.base.storage import RunStore, Storage
 
     store = RunStore(Storage(str(e2e_storage)), run_id)
     entries = []

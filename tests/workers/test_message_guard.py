@@ -1,4 +1,4 @@
-"""The worker's guard against messages it cannot use (workers/process/message_guard.py, app/dead_messages.py).
+"""The worker's guard against messages it cannot use (workers/process/message_guard.py, app/base/dead_messages.py).
 
 The end-to-end proof (garbage on the real worker's queue, same pids after) is in tests/workers/test_faults.py; these
 check the rules on their own, against real Redis (the operations suites' db 7)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import base64
 import json
 
-from app import dead_messages
+from app.base import dead_messages
 from tests.support.redis_db import OPS_BROKER
 from workers.process.message_guard import Undecodable, envelope_problem
 

@@ -10,10 +10,10 @@ from collections import defaultdict
 import pytest
 from click.testing import CliRunner
 
+from app.base.modes import draw_thinking
 from app.cli import main
 from app.data.run_reader import RunReader
 from app.data.verify_checks import ShardResult, check_mode
-from app.modes import draw_thinking
 from tests.support.producer import decode_queue
 from tests.support.runs import produce, prompts_file, run_records, wait_run_done
 from tests.support.verify_runs import run_verify

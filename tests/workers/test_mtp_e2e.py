@@ -18,9 +18,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from app.base.ledger import CAPTURE, attempt_errors, stage_key
+from app.base.storage import RunStore, Storage
 from app.cli import main
-from app.ledger import CAPTURE, attempt_errors, stage_key
-from app.storage import RunStore, Storage
 from tests.support.engines import vllm_or_fail
 from tests.support.redis_db import redis_or_fail, redis_url
 from tests.support.runs import produce, prompts_file, run_records, wait_run_done

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.errors import ConfigError
+from app.base.errors import ConfigError
 from workers.engine.scheduling import (
     BATCH,
     BATCH_NICE,

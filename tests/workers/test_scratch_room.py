@@ -12,7 +12,7 @@ import tempfile
 
 import pytest
 
-from app.errors import ConfigError
+from app.base.errors import ConfigError
 from workers.process import context
 from workers.process.context import capture_room, scratch_root
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from app.states_compare import REL_BOUND
+from app.base.states_compare import REL_BOUND
 from tests.support.engines import vllm_or_fail
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

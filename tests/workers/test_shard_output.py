@@ -11,10 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from app.hidden_file import HiddenFileReader, encode_sample, float32_to_bf16
-from app.jsonl_zst import loads_jsonl_zst
-from app.ledger import attempt_errors, dead_letter, new_attempt_id, record_attempt
-from app.storage import RunStore, Storage
+from app.base.hidden_file import HiddenFileReader, encode_sample, float32_to_bf16
+from app.base.jsonl_zst import loads_jsonl_zst
+from app.base.ledger import attempt_errors, dead_letter, new_attempt_id, record_attempt
+from app.base.storage import RunStore, Storage
 from tests.support.faults import dead_process
 from workers.shard.shard_output import hidden_file_stream, publish_shard
 
@@ -90,7 +90,7 @@ def test_attempts_are_counted_and_a_dead_letter_keeps_their_errors(tmp_path):
     for k in range(3):
         n = record_attempt(store, "shard-000003", f"a{k}", "gpu0@host")
         assert n.records == k + 1
-    from app.ledger import record_attempt_error
+    from app.base.ledger import record_attempt_error
 
     record_attempt_error(store, "shard-000003", "a1", "EngineDead: CUDA error")
     dead_letter(store, "shard-000003", "3 attempts without success")
@@ -116,7 +116,7 @@ def test_one_process_that_died_holding_six_copies_of_a_shard_counts_once(tmp_pat
 
 
 def test_errors_of_the_shards_own_count_each_and_an_engine_killed_under_it_counts_as_a_crash(tmp_path):
-    from app.ledger import record_attempt_error
+    from app.base.ledger import record_attempt_error
 
     store = RunStore(Storage(str(tmp_path)), "kinds")
     for k in range(2):
@@ -145,7 +145,7 @@ def test_another_machines_attempt_counts_once_its_lease_runs_out(tmp_path):
 
 
 def test_a_dead_attempts_temporaries_go_when_the_shard_is_published_and_a_live_ones_stay(tmp_path):
-    from app.ledger import new_attempt_id
+    from app.base.ledger import new_attempt_id
 
     store = RunStore(Storage(str(tmp_path)), "sweep")
     dead_id, live_id = new_attempt_id(), new_attempt_id()

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from app.errors import ConfigError
+from app.base.errors import ConfigError
 from workers.doubles.stand_in import StandInEngine, StandInSpec, thinking_output
 from workers.engine.options import EngineOptions
 from workers.engine.request import GenRequest

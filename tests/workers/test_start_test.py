@@ -14,7 +14,7 @@ import json
 import numpy as np
 import pytest
 
-from app.hidden_file import bf16_to_float32
+from app.base.hidden_file import bf16_to_float32
 from tests.support.engines import vllm_or_fail
 from workers.doubles.capture_faults_for_tests import FAULTS, apply_fault
 from workers.engine.recapture import Pending, recheck

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from celery.exceptions import Reject
 
-from app import ledger
-from app.errors import EngineDead, EngineLost, InvalidId, InvalidTask, PermanentError, classify
-from app.liveness import identity
-from app.manifest import QualitySettings, RunSettings, Sampling, open_or_create
-from app.storage import RunStore, Storage
+from app.base import ledger
+from app.base.errors import EngineDead, EngineLost, InvalidId, InvalidTask, PermanentError, classify
+from app.base.liveness import identity
+from app.base.manifest import QualitySettings, RunSettings, Sampling, open_or_create
+from app.base.storage import RunStore, Storage
 from tests.support.faults import dead_process
 from workers.process.inflight import InFlight
 from workers.shard.policy import Action, Delivery, Done, Verdict, Worker
@@ -282,7 +282,7 @@ def test_pause_on_stubs_pauses_the_run_once_its_stub_rate_crosses_the_threshold(
 
 def _judged(text: str, thinking: bool) -> dict:
     """An ok record of `text` (finished on its own) with the flags the worker gives it in `thinking` mode."""
-    from app.quality import sample_flags, split_reasoning, think_closed
+    from app.base.quality import sample_flags, split_reasoning, think_closed
 
     reasoning, answer = split_reasoning(text, thinking)
     flags = sample_flags(thinking=thinking, reasoning=reasoning, think_closed=think_closed(text), answer=answer,

@@ -14,9 +14,9 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from app.base.loops import CHECK_EVERY
+from app.base.thinking import DEFAULT_THINKING_CLOSE
 from app.cli import main
-from app.loops import CHECK_EVERY
-from app.thinking import DEFAULT_THINKING_CLOSE
 from tests.data.test_online_exports import check_speculators, specforge_prompts
 from tests.support.engines import vllm_or_fail
 from tests.support.redis_db import redis_or_fail, redis_url

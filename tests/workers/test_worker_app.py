@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 # What a process looks like: Celery apps alive, receivers of the worker's signals, kombu's envelope parser,
-# and the variables regen writes (app/process_env.py).
+# and the variables regen writes (app/base/process_env.py).
 PROBE = """
 import json, os
 from celery import _state, signals
@@ -52,8 +52,8 @@ probe(modules=len(names))
 
 def test_the_entry_points_call_builds_the_app_and_connects_its_signals_once():
     seen = _run("""
-from app.celery_app import BENCH_DIRECT_TASK, GENERATE_TASK
-from app.settings import Settings
+from app.base.celery_app import BENCH_DIRECT_TASK, GENERATE_TASK
+from app.base.settings import Settings
 from workers.celery_worker import build_worker_app
 plain = build_worker_app(Settings())
 plain_tasks = set(plain.tasks)  # before the second app: Celery shares a task registered later with every app

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from app.hidden_file import bf16_to_float32
+from app.base.hidden_file import bf16_to_float32
 from tests.support.paths import REPO
 from tests.support.runs import produce, prompts_file, run_records, run_states, wait_run_done
 from workers.shard.generate import render_prompt
@@ -86,7 +86,7 @@ def test_each_shard_carries_the_engines_own_span(inline_run, e2e_storage):
     # spans; the task's own view ends later, once every result has crossed the pipe and been checked, so spans
     # read there hid the engine's idle time between shards. The child's "done" message carries the span and must
     # end the batch: with the last result ending it instead, the span was not there yet (a zero-length fallback).
-    from app.storage import RunStore, Storage
+    from app.base.storage import RunStore, Storage
 
     store = RunStore(Storage(str(e2e_storage)), "inline")
     markers = [store.done_marker(shard) for shard in sorted(store.done_shards())]
@@ -151,8 +151,8 @@ def test_staged_reconcile_recaptures_a_shard_whose_capture_was_lost(inline_run, 
                                                                      tiny_qwen3, tmp_path):
     from click.testing import CliRunner
 
+    from app.base.storage import RunStore, Storage
     from app.cli import main
-    from app.storage import RunStore, Storage
     from tests.support.polling import wait_for
     from tests.support.redis_db import E2E_BROKER
 
@@ -173,7 +173,7 @@ def test_staged_reconcile_recaptures_a_shard_whose_capture_was_lost(inline_run, 
 
 def test_a_shard_for_other_layers_is_refused_with_the_reason_on_the_run(cpu_worker, e2e_storage, tiny_qwen3,
                                                                          tmp_path):
-    from app.storage import RunStore, Storage
+    from app.base.storage import RunStore, Storage
     from tests.support.polling import wait_for
 
     inputs = prompts_file(tmp_path, n_synthetic=2, with_formats=False)
@@ -242,8 +242,8 @@ def test_the_fleet_benchs_baseline_runs_generate_on_the_workers_own_engine(inlin
                                                                            tiny_qwen3, tmp_path):
     # bench/bench_fleet.py times `LLM.generate` on the worker's own engine (workers/doubles/bench_task.py), sent here right after
     # a run's shards (usually still in flight): `Engine.call` waits until nothing is in the engine; the shards finish.
-    from app.celery_app import BENCH_DIRECT_TASK, create_app
-    from app.settings import BrokerSettings
+    from app.base.celery_app import BENCH_DIRECT_TASK, create_app
+    from app.base.settings import BrokerSettings
     from tests.support.polling import wait_for
     from tests.support.redis_db import E2E_BROKER
     from workers.process.context import scratch_root
@@ -269,7 +269,7 @@ def test_the_fleet_benchs_baseline_runs_generate_on_the_workers_own_engine(inlin
 
 def test_the_bench_task_exists_only_where_asked_for():
     # It writes a file named in its message: a production worker must not register it.
-    code = "from app.celery_app import BENCH_DIRECT_TASK as t; from workers.celery_worker import celery; " \
+    code = "from app.base.celery_app import BENCH_DIRECT_TASK as t; from workers.celery_worker import celery; " \
            "print(t in celery.tasks)"
     for env, expected in (({}, "False"), ({"REGEN_BENCH_TASKS": "1"}, "True")):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,

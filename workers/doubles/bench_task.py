@@ -19,7 +19,7 @@ import time
 
 import orjson
 
-from app.celery_app import BENCH_DIRECT_TASK
+from app.base.celery_app import BENCH_DIRECT_TASK
 from workers.engine.capture_file import remove_capture_file
 from workers.engine.llm_arguments import sampling_params
 from workers.engine.request import GenRequest

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from app.errors import ConfigError, EngineDead
+from app.base.errors import ConfigError, EngineDead
 from workers.engine.jobs import BatchJob, one_by_one
 from workers.engine.options import EngineOptions
 from workers.engine.request import EngineSpan, GenRequest, GenResult, check_capture_requests

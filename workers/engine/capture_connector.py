@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     extract_from_kv_cache,
 )
 
-from app.errors import ConfigError
+from app.base.errors import ConfigError
 
 SUPPORTED_VLLM = ((0, 32), (0, 33))
 

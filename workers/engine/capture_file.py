@@ -17,7 +17,7 @@ import struct
 import numpy as np
 import orjson
 
-from app.hidden_file import float32_to_bf16
+from app.base.hidden_file import float32_to_bf16
 from workers.engine.request import GenResult
 
 MAP_ABOVE = 1 << 20  # files larger than this are memory-mapped, smaller ones read whole

@@ -20,9 +20,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from app.errors import EngineDead, PermanentError
-from app.process_env import prepare_vllm_env
-from app.vllm_args import effective_values, parse_vllm_args
+from app.base.errors import EngineDead, PermanentError
+from app.base.process_env import prepare_vllm_env
+from app.base.vllm_args import effective_values, parse_vllm_args
 from workers.engine.capture_file import attach_capture, still_being_written
 from workers.engine.interface import Engine
 from workers.engine.jobs import BatchJob, ExclusiveCall, one_by_one

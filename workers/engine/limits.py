@@ -6,7 +6,7 @@ Known so far (docs/measured-facts.md):
   in `apply_top_k_top_p_pytorch`): hidden-state capture (vLLM's `extract_hidden_states` method) and MTP
   generation (`--speculative mtp:K`) alike; top_p and temperature alone work. A CPU run that captures or runs
   MTP is produced with `--top-k 0` (`regen run --cpu` does so itself).
-The vLLM arguments an engine refuses with capture (prefix caching, a speculative config) are app.vllm_args's.
+The vLLM arguments an engine refuses with capture (prefix caching, a speculative config) are app.base.vllm_args's.
 """
 
 from __future__ import annotations

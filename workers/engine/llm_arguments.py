@@ -2,18 +2,18 @@
 
 The worker's engine, the fleet bench's baseline and the reference-capture test all build vLLM from
 `llm_kwargs`, so they run on the same settings; the model's config (workers.engine.settings) and the
-operator's `--vllm-arg` (app.vllm_args, applied last) add theirs. A capture engine's `speculative_config` is
+operator's `--vllm-arg` (app.base.vllm_args, applied last) add theirs. A capture engine's `speculative_config` is
 always vLLM's `extract_hidden_states`. CPU specifics and why: docs/workers.md#the-engines-vllm-arguments.
 """
 
 from __future__ import annotations
 
-from app.errors import ConfigError
-from app.loops import LOOP_STOP_ARG, gpu_runner_refusal
-from app.settings import current
-from app.speculative import speculative_config
-from app.thinking import reasoning_config
-from app.vllm_args import parse_vllm_args
+from app.base.errors import ConfigError
+from app.base.loops import LOOP_STOP_ARG, gpu_runner_refusal
+from app.base.settings import current
+from app.base.speculative import speculative_config
+from app.base.thinking import reasoning_config
+from app.base.vllm_args import parse_vllm_args
 from workers.engine.options import EngineOptions
 from workers.engine.request import GenRequest
 from workers.engine.settings import model_engine_settings

@@ -2,10 +2,10 @@
 span, instead of letting it run to `max_tokens`.
 
 vLLM has no stop condition that sees the output as ids, so the processor checks a request's output every `every`
-tokens with the quality gate's own test (app.quality.repetition_loop) and then forces the end-of-turn id. vLLM
+tokens with the quality gate's own test (app.base.quality.repetition_loop) and then forces the end-of-turn id. vLLM
 refuses custom logits processors under any speculative config (inline capture, MTP), so loops are stopped in
 runs captured `staged` or `off` without `--speculative`, and only flagged elsewhere. A request asks for it in
-`SamplingParams.extra_args[LOOP_STOP_ARG]` (app.loops.stop_request). Details and figures:
+`SamplingParams.extra_args[LOOP_STOP_ARG]` (app.base.loops.stop_request). Details and figures:
 docs/formats.md#ids-the-engine-forced-thinking-budget-and-loop-stop.
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from app.loops import CHECK_EVERY, LOOP_STOP_ARG, MAX_PERIOD
-from app.quality import repetition_loop
+from app.base.loops import CHECK_EVERY, LOOP_STOP_ARG, MAX_PERIOD
+from app.base.quality import repetition_loop
 
 
 class LoopStop(LogitsProcessor):

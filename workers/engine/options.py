@@ -29,12 +29,12 @@ class EngineOptions:
     scratch_dir: str = "/tmp/regen-capture"
     dtype: str = "bfloat16"
     extra: dict = field(default_factory=dict)
-    # The operator's `--vllm-arg KEY=VALUE`s, as given (app.vllm_args parses them with vLLM's parser).
+    # The operator's `--vllm-arg KEY=VALUE`s, as given (app.base.vllm_args parses them with vLLM's parser).
     vllm_args: list[str] = field(default_factory=list)
-    # Speculative generation ("mtp:K", app.speculative): a generation engine's only; llm_kwargs refuses it
+    # Speculative generation ("mtp:K", app.base.speculative): a generation engine's only; llm_kwargs refuses it
     # beside capture_layers.
     speculative: str | None = None
-    # The run's thinking-budget close text (app.thinking): the engine gets vLLM's `reasoning_config` with it, which
+    # The run's thinking-budget close text (app.base.thinking): the engine gets vLLM's `reasoning_config` with it, which
     # `thinking_token_budget` needs; None: no reasoning config (a budgeted request would be rejected).
     thinking_close: str | None = None
     # vLLM's custom logits processors cannot run beside any speculative config, so only an engine without one

@@ -2,7 +2,7 @@
 
 The core of the capture check (workers.shard.capture_check says which samples and why) and of the engine's
 self-test (workers.engine.self_test): the stored ids go through a prefill-only pass (max_tokens=1) in a batch
-of their own, and each re-capture is judged against the stored states by app.states_compare.compare (the
+of their own, and each re-capture is judged against the stored states by app.base.states_compare.compare (the
 re-capture is the reference, the stored states the candidate). An item marked `duplicate` is sent twice in the
 batch: equal requests must give equal states.
 """
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from app.manifest import CaptureCheckSettings, RunSettings
-from app.states_compare import compare
+from app.base.manifest import CaptureCheckSettings, RunSettings
+from app.base.states_compare import compare
 from workers.engine.request import GenRequest, GenResult
 
 PREFILL_ONLY = {"temperature": 1.0, "max_tokens": 1, "seed": 0}
@@ -100,7 +100,7 @@ def _finite(x: float) -> float | None:
 
 
 # The check's policy and one engine's counts: the engine's own, so a worker process holds them beside it. The
-# defaults are the run setting's (app.manifest.CaptureCheckSettings), defined there once.
+# defaults are the run setting's (app.base.manifest.CaptureCheckSettings), defined there once.
 DEFAULT_EVERY = CaptureCheckSettings.every
 DEFAULT_FIRST = CaptureCheckSettings.first
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from app.errors import ConfigError
+from app.base.errors import ConfigError
 from workers.engine.options import EngineOptions
 
 

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from app.errors import EngineDead
-from app.manifest import THINKING_SAMPLING
-from app.states_compare import compare, row_problems
+from app.base.errors import EngineDead
+from app.base.manifest import THINKING_SAMPLING
+from app.base.states_compare import compare, row_problems
 from workers.engine.engine_mode import mode_key
 from workers.engine.fault_hook import capture_faults
 from workers.engine.limits import unsupported

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import os
 
-from app.architecture import Architecture, read_architecture
-from app.errors import ConfigError
+from app.base.architecture import Architecture, read_architecture
+from app.base.errors import ConfigError
 
 HYBRID_CAPTURE_MIN_VLLM = (0, 25)
 

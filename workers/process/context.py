@@ -1,8 +1,8 @@
 """What one worker process holds for its whole life: the engine, the model's identity and its settings.
 
 Built once per process (never per task) from `REGEN_WORKER_CONFIG`, a JSON object the supervisor (`regen worker`)
-puts in the child's environment together with `CUDA_VISIBLE_DEVICES` (app.process_env), and which the
-child's settings carry (app.settings).
+puts in the child's environment together with `CUDA_VISIBLE_DEVICES` (app.base.process_env), and which the
+child's settings carry (app.base.settings).
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from app.errors import ConfigError
-from app.manifest import software_versions
-from app.model_info import ModelInfo, read_model_info
-from app.quality import StubWindow
-from app.settings import Settings
-from app.settings import current as current_settings
-from app.speculative import describe_engine_config
+from app.base.errors import ConfigError
+from app.base.manifest import software_versions
+from app.base.model_info import ModelInfo, read_model_info
+from app.base.quality import StubWindow
+from app.base.settings import Settings
+from app.base.settings import current as current_settings
+from app.base.speculative import describe_engine_config
 from workers.engine.engine_mode import mode_key, read_mode
 from workers.engine.factory import build_engine
 from workers.engine.fault_hook import capture_faults
@@ -52,7 +52,7 @@ class WorkerConfig:
     storage: str | None = None  # overrides the storage URL in messages (hosts may mount NFS elsewhere)
     hostname: str = field(default_factory=socket.gethostname)
     max_attempts: int = 5  # failed attempts (the shard's own errors) before a dead letter
-    max_crashes: int = 10  # processes that died holding the shard before a dead letter (app.ledger)
+    max_crashes: int = 10  # processes that died holding the shard before a dead letter (app.base.ledger)
     engine: dict = field(default_factory=dict)
     task_slots: int = 3  # Celery thread-pool slots (workers.process.devices.task_slots_for)
     encode_threads: int = 2  # threads checking and compressing hidden states (workers.process.devices.encode_threads_for)
@@ -193,7 +193,7 @@ class WorkerContext:
 
     @functools.cached_property
     def engine_record(self) -> dict:
-        """What attempt records say about this worker's engine (app.ledger.record_attempt)."""
+        """What attempt records say about this worker's engine (app.base.ledger.record_attempt)."""
         # `speculative`: the run setting ("mtp:2") this engine generated with, None without; `speculative_config`:
         # the engine's own (a capture engine's is vLLM's extract_hidden_states), both as the engine reports them.
         return {"vllm": None if self.config.stand_in else software_versions()["vllm"],
@@ -201,8 +201,8 @@ class WorkerContext:
                 "speculative": describe_engine_config(self.speculative_config),
                 "speculative_config": self.speculative_config,
                 "mode": self.engine_mode, "mode_key": self.engine_mode_key,
-                # the run's thinking budget close text and loop stop, where this engine has them (app.thinking,
-                # app.loops)
+                # the run's thinking budget close text and loop stop, where this engine has them (app.base.thinking,
+                # app.base.loops)
                 **({"thinking_close": self.engine.options.thinking_close}
                    if self.engine.options.thinking_close is not None else {}),
                 **({"stop_loops": True} if self.engine.options.stop_loops else {}),

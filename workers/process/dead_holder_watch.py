@@ -1,9 +1,9 @@
-"""A worker's periodic check for shards held by dead processes (app.dead_holders), while it has a free task slot.
+"""A worker's periodic check for shards held by dead processes (app.base.dead_holders), while it has a free task slot.
 
 Why a free slot: a worker that could take a shard is the one that would take a re-sent one, and in a busy
 fleet no slot is free, so the check costs nothing there. Why one check per period for the whole fleet: a check
 costs O(shards held) storage operations, so every free worker checking alone would cost O(workers^2); a worker
-first takes the period's turn in Redis (app.dead_holders.take_turn). A dead host's shards are back within
+first takes the period's turn in Redis (app.base.dead_holders.take_turn). A dead host's shards are back within
 minutes. Timing and the measured figures: docs/faults.md#when-a-worker-checks-for-dead-holders.
 """
 
@@ -15,8 +15,8 @@ import random
 import socket
 import threading
 
-from app.dead_holders import DeadHolderCheck, take_turn
-from app.liveness import heartbeat_seconds, lease_seconds
+from app.base.dead_holders import DeadHolderCheck, take_turn
+from app.base.liveness import heartbeat_seconds, lease_seconds
 
 log = logging.getLogger("regen.dead_holders")
 

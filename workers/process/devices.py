@@ -13,8 +13,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from app.errors import ConfigError
-from app.model_info import read_text_config
+from app.base.errors import ConfigError
+from app.base.model_info import read_text_config
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Why: Redis delivers at least once, and copies of one shard run side by side only waste slots (and once
 dead-lettered a healthy shard). The first delivery claims the shard; another message for it is acked and
-dropped, the same message again is deferred. Each claimed attempt's lease is renewed (app.liveness), and a
+dropped, the same message again is deferred. Each claimed attempt's lease is renewed (app.base.liveness), and a
 journal on local disk lets the next worker on this host clean up after a dead process.
 Why each rule: docs/faults.md#one-delivery-of-a-shard-per-process.
 """
@@ -18,22 +18,22 @@ from dataclasses import dataclass
 
 import orjson
 
-from app.ledger import (
+from app.base.ledger import (
     MARKER_TEMPORARY_AGE,
     renew_lease,
     split_key,
     sweep_marker_temporaries,
     sweep_temporaries,
 )
-from app.liveness import heartbeat_seconds, identity, on_this_machine, process_alive
-from app.settings import current
-from app.storage import RunStore, Storage
+from app.base.liveness import heartbeat_seconds, identity, on_this_machine, process_alive
+from app.base.settings import current
+from app.base.storage import RunStore, Storage
 
 log = logging.getLogger("regen.inflight")
 
 
 def state_dir() -> str:
-    """This host's local journal folder (`REGEN_STATE_DIR`, default /var/tmp/regen-UID; app.settings)."""
+    """This host's local journal folder (`REGEN_STATE_DIR`, default /var/tmp/regen-UID; app.base.settings)."""
     return current().state_dir
 
 
@@ -117,7 +117,7 @@ class InFlight:
 def sweep_dead_attempts(stale_after: float | None) -> int:
     """Remove the temporaries of this host's attempts whose process is gone; return how many files went.
 
-    Only entries of this machine (host name, boot id and pid namespace all equal, app.liveness) are judged: a
+    Only entries of this machine (host name, boot id and pid namespace all equal, app.base.liveness) are judged: a
     pid means nothing on another machine, so a journal folder shared by mistake (it is per host,
     docs/configuration.md) never costs another host its live temporaries. Entries without that identity
     (written before it was recorded) are left alone too; the publish-time sweeps still tidy their shards.

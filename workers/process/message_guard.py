@@ -3,7 +3,7 @@
 Why: kombu decodes a message's envelope inside the consumer's event loop, where an exception ends the worker
 and its engine must be rebuilt, so anyone who can write to the queue could keep a fleet reloading. This
 subclass of kombu's Redis transport checks every popped envelope and records a bad one in the dead-message
-list (app.dead_messages) instead of delivering it; `Consumer` does the same for bodies Celery cannot use. How,
+list (app.base.dead_messages) instead of delivering it; `Consumer` does the same for bodies Celery cannot use. How,
 and the kombu patch it rests on: docs/faults.md#the-message-guard-in-detail.
 """
 
@@ -17,8 +17,8 @@ import orjson
 from celery.worker.consumer import Consumer as CeleryConsumer
 from kombu.transport import redis as kombu_redis
 
-from app import dead_messages
-from app.library_patches import (
+from app.base import dead_messages
+from app.base.library_patches import (
     KOMBU_ENVELOPE_LOADS,
     Undecodable,
     check_versions,
@@ -95,7 +95,7 @@ def _message_bytes(message) -> bytes:
 
 
 class Consumer(CeleryConsumer):
-    """Celery's consumer, with every message it cannot use recorded (app.dead_messages) and acked."""
+    """Celery's consumer, with every message it cannot use recorded (app.base.dead_messages) and acked."""
 
     def _set_aside(self, message, reason: str) -> None:
         dead_messages.record(BROKER_URL or self.app.conf.broker_url, _queue(message), reason, _message_bytes(message),

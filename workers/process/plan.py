@@ -6,14 +6,14 @@ from __future__ import annotations
 import logging
 import socket
 
-from app import manifest as manifest_mod
-from app.errors import ConfigError
-from app.layers import ascending_problem
-from app.manifest import RunSettings
-from app.model_info import read_text_config
-from app.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
-from app.speculative import ignored_with_capture
-from app.storage import RunStore, Storage
+from app.base import manifest as manifest_mod
+from app.base.errors import ConfigError
+from app.base.layers import ascending_problem
+from app.base.manifest import RunSettings
+from app.base.model_info import read_text_config
+from app.base.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
+from app.base.speculative import ignored_with_capture
+from app.base.storage import RunStore, Storage
 from workers.engine.factory import stand_in_devices
 from workers.engine.limits import unsupported
 from workers.process.context import WorkerConfig
@@ -121,7 +121,7 @@ def check_max_model_len(model: str, max_model_len: int | None) -> None:
 def run_speculative(storage: str, run_id: str, capture_layers: list[int] | None, queues: str) -> str | None:
     """The run's speculative generation ("mtp:K") for a worker whose engine captures `capture_layers`: the
     manifest's setting for a generation-only engine, None for a capture engine (capture is itself vLLM's
-    speculative method; app.speculative). A capture engine that also consumes a generation queue (a worker
+    speculative method; app.base.speculative). A capture engine that also consumes a generation queue (a worker
     on both staged queues) says so in the log, since the shards it generates run without it."""
     setting = _settings(storage, run_id).speculative
     if setting and capture_layers:
@@ -135,7 +135,7 @@ def run_speculative(storage: str, run_id: str, capture_layers: list[int] | None,
 
 def run_generation_features(storage: str, run_id: str, capture_layers: list[int] | None) -> dict:
     """The engine settings a run's thinking budget and loop stop need (`thinking_close`, `stop_loops`), for an
-    engine that generates without capturing; none for a capture engine, where vLLM honours neither (app.thinking;
+    engine that generates without capturing; none for a capture engine, where vLLM honours neither (app.base.thinking;
     its shards' guard refuses the run's generate shards on it)."""
     settings = _settings(storage, run_id)
     if capture_layers:
@@ -145,7 +145,7 @@ def run_generation_features(storage: str, run_id: str, capture_layers: list[int]
 
 def needs_plain_generation(storage: str, run_id: str) -> bool:
     """Whether the run's generation needs an engine without a speculative config: a thinking budget or the loop
-    stop (app.thinking, app.loops)."""
+    stop (app.base.thinking, app.base.loops)."""
     settings = _settings(storage, run_id)
     return settings.thinking_budget is not None or bool(settings.stop_loops)
 

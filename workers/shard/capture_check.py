@@ -3,7 +3,7 @@
 Why: on the users' hosts nothing else tells right states from wrong ones (shifted, swapped, foreign or zero
 rows pass every other check), and a capture path that goes wrong with the batch does not go wrong the same way
 twice. Which samples: one in `every` by a hash of the sample id, plus each engine's `first` samples
-(`CheckPolicy`). They are re-captured in a prefill-only batch of their own and compared by app.states_compare;
+(`CheckPolicy`). They are re-captured in a prefill-only batch of their own and compared by app.base.states_compare;
 a failure flags the sample `capture_inconsistent` and pauses the run. Details:
 docs/capture.md#the-capture-check-on-the-worker.
 """

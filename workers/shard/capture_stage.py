@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from app.documents import CaptureMarker
-from app.manifest import RunSettings, compression_level
-from app.records import read_records
-from app.storage import RunStore
+from app.base.documents import CaptureMarker
+from app.base.manifest import RunSettings, compression_level
+from app.base.records import read_records
+from app.base.storage import RunStore
 from workers.engine.fault_hook import capture_faults
 from workers.engine.recapture import CheckOutcome, CheckPolicy, Pending
 from workers.engine.request import GenRequest

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import orjson
 from celery import Task
 
-from app import dead_messages
-from app.errors import Failure, RegenError, classify
-from app.settings import DEFAULT_VISIBILITY_TIMEOUT
-from app.storage import RunStore, Storage
+from app.base import dead_messages
+from app.base.errors import Failure, RegenError, classify
+from app.base.settings import DEFAULT_VISIBILITY_TIMEOUT
+from app.base.storage import RunStore, Storage
 from workers.process.context import WorkerContext
 from workers.process.inflight import InFlight
 from workers.shard.policy import Action, Delivery, Done, Policy, Verdict, Worker

@@ -12,16 +12,16 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from app.chat_render import render_ids
-from app.ids import seed_for
-from app.loops import loop_stopped, stop_request
-from app.manifest import RunSettings, compression_level
-from app.modes import record_thinking, sampling_for
-from app.quality import answer_token_count, is_stub, sample_flags, split_reasoning, think_closed
-from app.records import conversation_id, loss_mask, rejected_record
-from app.samples import Sample, read_samples
-from app.thinking import REASONING_START, budget_mask, forced_span
-from app.tool_calls import worker_prepare
+from app.base.chat_render import render_ids
+from app.base.ids import seed_for
+from app.base.loops import loop_stopped, stop_request
+from app.base.manifest import RunSettings, compression_level
+from app.base.modes import record_thinking, sampling_for
+from app.base.quality import answer_token_count, is_stub, sample_flags, split_reasoning, think_closed
+from app.base.records import conversation_id, loss_mask, rejected_record
+from app.base.samples import Sample, read_samples
+from app.base.thinking import REASONING_START, budget_mask, forced_span
+from app.base.tool_calls import worker_prepare
 from workers.engine.fault_hook import capture_faults
 from workers.engine.recapture import CheckPolicy, Pending
 from workers.engine.request import GenRequest, GenResult
@@ -39,7 +39,7 @@ SAMPLING_RECORDED = ("temperature", "top_p", "top_k", "min_p")  # the record's `
 
 def render_prompt(tokenizer, messages: list[dict], tools, thinking: bool, preserve_thinking: bool = False) -> list[int]:
     """The target's own chat template on the messages as vLLM's chat path prepares them (string tool-call
-    arguments parsed, app.tool_calls); ids are what the engine will see."""
+    arguments parsed, app.base.tool_calls); ids are what the engine will see."""
     return render_ids(tokenizer, worker_prepare(messages), tools, thinking, preserve_thinking)
 
 
@@ -65,7 +65,7 @@ class ShardGeneration:
         self.settings = settings
         self.sampling = settings.sampling_dict()
         self.run_seed = int(self.sampling.pop("seed", 0))
-        self.thinking = bool(settings.thinking)  # the mode of samples without their own (app.modes)
+        self.thinking = bool(settings.thinking)  # the mode of samples without their own (app.base.modes)
         self.preserve_thinking = bool(settings.preserve_thinking)
         self.capture_inline = settings.capture_inline
         if self.capture_inline and hidden_out is None:
@@ -76,10 +76,10 @@ class ShardGeneration:
         self.max_len = ctx.engine.options.max_model_len
         self.quality = settings.quality
         self.level = compression_level(settings)
-        self.stored = states_dtype(settings)  # how the states are stored (app.states_codec)
+        self.stored = states_dtype(settings)  # how the states are stored (app.base.states_codec)
         self.zero_ids = zero_embedding_ids(settings)  # tokens whose all-zero rows are states
         self.think_end_id, self.eos_ids = _special_ids(ctx.tokenizer)
-        # The thinking budget (app.thinking) and the loop stop (app.loops), as the run's manifest sets them.
+        # The thinking budget (app.base.thinking) and the loop stop (app.base.loops), as the run's manifest sets them.
         self.thinking_budget = settings.thinking_budget
         self.stop_loops = bool(settings.stop_loops)
         self.eos_id = ctx.tokenizer.eos_token_id
@@ -182,7 +182,7 @@ class ShardGeneration:
 
     def forced_ids(self, rec: dict, res: GenResult, mask: list[int], flags: list[str]) -> dict:
         """The record's marks for ids the engine forced, with their mask set to 0 in place: `budget_closed` (the
-        thinking budget's close text, app.thinking) and `loop_stopped` (the loop stop's end-of-turn id, app.loops,
+        thinking budget's close text, app.base.thinking) and `loop_stopped` (the loop stop's end-of-turn id, app.base.loops,
         which also keeps the `repetition_loop` flag the forced id hid from the gate and, like a cut at max_tokens,
         is no stub)."""
         out: dict = {}

@@ -8,8 +8,8 @@ it. Details: docs/formats.md#how-a-worker-regenerates-every-turn.
 
 from __future__ import annotations
 
-from app.records import turn_sample_id
-from app.samples import Sample
+from app.base.records import turn_sample_id
+from app.base.samples import Sample
 
 
 def turns_to_regenerate(messages: list[dict]) -> list[int]:

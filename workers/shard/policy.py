@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from app import ledger
-from app.errors import Failure
-from app.storage import RunStore
+from app.base import ledger
+from app.base.errors import Failure
+from app.base.storage import RunStore
 from workers.process.inflight import Claim, InFlight
 
 
@@ -29,7 +29,7 @@ class Worker:
     max_crashes: int = 10
     engine: dict | None = None  # what attempt records say about the engine
     device: str = "cuda"  # "cpu" or "cuda": what workers.engine.limits judges
-    thinking_close: str | None = None  # the engine's reasoning config's close text (app.thinking); None: none
+    thinking_close: str | None = None  # the engine's reasoning config's close text (app.base.thinking); None: none
     stop_loops: bool = False  # the engine runs the loop stop (workers.engine.loop_stop)
 
     @classmethod

@@ -1,5 +1,5 @@
 """The retry policy, the last of a delivery's policies (workers.shard.policy): what a failure does next, from
-its one classification (`app.errors.classify`), with the backoff between Celery retries and the limits that
+its one classification (`app.base.errors.classify`), with the backoff between Celery retries and the limits that
 dead-letter a shard, in one place as dramatiq's `Retries` middleware keeps its own.
 
 The attempt records on storage, not Celery's retry count, decide the dead letter, so a shard redelivered to
@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-from app import ledger
-from app.errors import EngineLost, Failure, classify
-from app.settings import current
-from app.storage import RunStore
+from app.base import ledger
+from app.base.errors import EngineLost, Failure, classify
+from app.base.settings import current
+from app.base.storage import RunStore
 from workers.shard.policy import Action, Delivery, Policy, Verdict
 
 log = logging.getLogger("regen.tasks")

@@ -5,7 +5,7 @@ hidden-state file under names that include the attempt id (each atomically: temp
 then tries to create the shard's completion marker exclusively. The marker names the attempt whose files are
 the shard's output. If another attempt got there first, this attempt deletes its own files: readers only
 ever follow the marker, so two workers running one shard at once cannot corrupt or duplicate it. Attempts,
-dead letters and the sweep of what dead attempts left are the shard ledger's (app.ledger).
+dead letters and the sweep of what dead attempts left are the shard ledger's (app.base.ledger).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import orjson
 
-from app.documents import DoneMarker
-from app.hidden_file import EncodedSample, HiddenFileWriter
-from app.ledger import sweep_temporaries, timestamp
-from app.manifest import COMPRESSION_LEVEL
-from app.records import encode_records
-from app.storage import RunStore
+from app.base.documents import DoneMarker
+from app.base.hidden_file import EncodedSample, HiddenFileWriter
+from app.base.ledger import sweep_temporaries, timestamp
+from app.base.manifest import COMPRESSION_LEVEL
+from app.base.records import encode_records
+from app.base.storage import RunStore
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from app.hidden_file import encode_sample
-from app.manifest import RunSettings
-from app.quality import implausible_states, process_stale_rows, states_problem
-from app.states_compare import zero_rows_allowed
+from app.base.hidden_file import encode_sample
+from app.base.manifest import RunSettings
+from app.base.quality import implausible_states, process_stale_rows, states_problem
+from app.base.states_compare import zero_rows_allowed
 from workers.engine.recapture import PREFILL_ONLY
 from workers.engine.request import GenRequest, GenResult
 
@@ -30,7 +30,7 @@ def zero_embedding_ids(settings: dict | RunSettings) -> tuple[int, ...]:
 
 
 def states_dtype(settings: dict | RunSettings) -> str:
-    """The run's stored states dtype (app.states_codec); runs made before the setting existed store bf16."""
+    """The run's stored states dtype (app.base.states_codec); runs made before the setting existed store bf16."""
     return RunSettings.view(settings).states_dtype
 
 
@@ -92,7 +92,7 @@ def check_and_encode(sample_id: str, expected_ids: list[int], captured_ids: np.n
     """(capture flags, encoded sample) for one finished sample, on an encoder thread.
 
     The quality gate's checks (all-zero layer, NaN/Inf) read the states as captured, before a lossy `stored`
-    dtype quantises them; a sample they flag is stored losslessly (app.hidden_file.encode_sample).
+    dtype quantises them; a sample they flag is stored losslessly (app.base.hidden_file.encode_sample).
 
     The check reads every state once (~50 ms for a real model's [4000, 5, 5120] sample) and encoding ~0.4 s: both
     run here, several samples at a time, rather than on the engine's single delivery thread, which would otherwise

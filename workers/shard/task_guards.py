@@ -11,12 +11,12 @@ import logging
 
 from celery.exceptions import Reject
 
-from app import ledger
-from app.errors import InvalidTask, ManifestMismatch
-from app.manifest import RunSettings
-from app.modes import record_mode, run_modes
-from app.quality import StubWindow, is_stub
-from app.speculative import ignored_with_capture
+from app.base import ledger
+from app.base.errors import InvalidTask, ManifestMismatch
+from app.base.manifest import RunSettings
+from app.base.modes import record_mode, run_modes
+from app.base.quality import StubWindow, is_stub
+from app.base.speculative import ignored_with_capture
 from workers.engine.limits import unsupported
 from workers.shard.policy import Delivery, Done, Policy, Worker
 from workers.shard.retry_policy import exhausted
@@ -88,7 +88,7 @@ class CountAttempt(Policy):
     def before(self, d: Delivery) -> str | None:
         """Record this attempt (its lease renewed from now on); dead-letter the shard when its earlier attempts
         used up either limit. A stage that got finished meanwhile (a duplicate published it) is never dead-lettered
-        (app.ledger.is_finished: the one answer to "is this stage finished")."""
+        (app.base.ledger.is_finished: the one answer to "is this stage finished")."""
         d.attempt = ledger.new_attempt_id()
         engine = {"engine": d.worker.engine} if d.worker.engine is not None else {}
         counted = ledger.record_attempt(d.store, d.key, d.attempt, d.worker.name, stale_after=d.stale_after, **engine,
@@ -168,7 +168,7 @@ def pause_on_stubs(d: Delivery, records: list[dict]) -> None:
     short by nature and must not hide, or dilute, thinking stubs); pause the run when a mode's recent
     stub-or-empty rate crosses the threshold."""
     settings = RunSettings.view(d.manifest["settings"])
-    q = settings.quality  # the run's thresholds, with app.manifest.QualitySettings' defaults for older runs
+    q = settings.quality  # the run's thresholds, with app.base.manifest.QualitySettings' defaults for older runs
     threshold = float(q.pause_stub_rate)
     mixed = len(run_modes(settings)) > 1
     for mode in sorted({record_mode(r, settings) for r in records if r.get("status") == "ok"}):

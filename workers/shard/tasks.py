@@ -15,9 +15,9 @@ import time
 
 from celery import Celery, Task
 
-from app.celery_app import CAPTURE_TASK, GENERATE_TASK
-from app.ledger import CAPTURE, GENERATE
-from app.manifest import RunSettings, compression_level
+from app.base.celery_app import CAPTURE_TASK, GENERATE_TASK
+from app.base.ledger import CAPTURE, GENERATE
+from app.base.manifest import RunSettings, compression_level
 from workers.process.context import WorkerContext
 from workers.shard.capture_stage import capture_records
 from workers.shard.delivery import GuardedTask, run_delivery
