@@ -1,10 +1,12 @@
 """The tiny models the tests build offline (no model hub is reachable): random weights, real tokenizer and
 chat template, session-scoped because building one takes seconds.
 
-- `tiny_qwen3`: the dense 4-layer Qwen3 every end-to-end run uses, with the Qwen3.5/3.6 family's real 248K
-  vocabulary (workers.tiny_vocab), so the end-to-end, multi-turn, tool-calling, mix and export tests meet its ids.
-- `tiny_hybrid`: the text-only Qwen3.5 hybrid (Gated DeltaNet + full attention) of the hybrid worker, with the real
-  vocabulary and the family's template as it is (tests/workers/test_family_e2e.py runs every input shape on it).
+- `tiny_qwen3`: the dense 4-layer Qwen3 every end-to-end run uses, on the family-convention template with the
+  small vocabulary: on the real one vLLM-CPU's top-p sort over 248K logits a step made the fault and e2e runs
+  several times slower (the suite past an hour on 2 cores).
+- `tiny_hybrid`: the text-only Qwen3.5 hybrid (Gated DeltaNet + full attention) of the hybrid worker, with the
+  Qwen3.5/3.6 family's real 248K vocabulary (workers.tiny_vocab) and the family's template as it is: every input
+  shape (tool calls, multi-turn, both modes) and both trainers' readers run on it (tests/workers/test_family_e2e.py).
 - `tiny_hybrid_mm`: the hybrid in the released multimodal checkpoint shape (small vocabulary).
 - `tiny_mtp_hybrid`: the text-only hybrid with a one-layer MTP head (`mtp.*` weights), for `--speculative mtp`.
 - `tiny_model` / `tiny_config_model`: the producer's: config and tokenizer only (it never runs weights).
@@ -65,7 +67,7 @@ def build_tiny_model(folder: Path, num_layers: int = 4, hidden_size: int = 128) 
 def tiny_qwen3(tmp_path_factory) -> Path:
     from workers.tiny_model import build_tiny_qwen3
 
-    return Path(build_tiny_qwen3(str(tmp_path_factory.mktemp("tiny-qwen3")), vocab=QWEN3_6))
+    return Path(build_tiny_qwen3(str(tmp_path_factory.mktemp("tiny-qwen3"))))
 
 
 @pytest.fixture(scope="session")

@@ -68,7 +68,7 @@ def test_the_conversion_is_made_once_per_process():
     assert qwen3_6_tokenizer_json() is qwen3_6_tokenizer_json()
 
 
-def test_the_session_models_carry_the_real_vocabulary_and_the_familys_template(tok, tiny_hybrid, tiny_qwen3):
+def test_the_hybrid_session_model_carries_the_real_vocabulary_and_the_familys_template(tok, tiny_hybrid, tiny_qwen3):
     import json
 
     from transformers import AutoTokenizer
@@ -76,7 +76,8 @@ def test_the_session_models_carry_the_real_vocabulary_and_the_familys_template(t
     from workers.tiny_chat_template import FAMILY_CHAT_TEMPLATE
     from workers.tiny_model import QWEN3_CHAT_TEMPLATE
 
-    for model, template in ((tiny_hybrid, FAMILY_CHAT_TEMPLATE), (tiny_qwen3, QWEN3_CHAT_TEMPLATE)):
+    assert AutoTokenizer.from_pretrained(str(tiny_qwen3)).chat_template == QWEN3_CHAT_TEMPLATE
+    for model, template in ((tiny_hybrid, FAMILY_CHAT_TEMPLATE),):
         config = json.loads((model / "config.json").read_text())
         saved = AutoTokenizer.from_pretrained(str(model))
         assert config["vocab_size"] == QWEN3_6_MODEL_VOCAB and len(saved) == len(tok)
