@@ -119,9 +119,9 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
     if cpu and top_k is None and (capture != "off" or speculative):
         top_k = 0
 
-    runner_refusal = gpu_runner_refusal("cpu" if cpu else "cuda", current().vllm_v1_runner)
-    if RunSettings.view(settings).stop_loops and runner_refusal:
-        raise ConfigError(runner_refusal)
+    if RunSettings.view(settings).stop_loops and (
+            why := gpu_runner_refusal("cpu" if cpu else "cuda", current().vllm_v1_runner)):
+        raise ConfigError(why)
     why = unsupported("cpu" if cpu else "cuda", {"top_k": top_k}, capture != "off", speculative)
     if why:  # before anything is produced: the local workers could only crash on every shard
         raise click.UsageError(f"--cpu --top-k {top_k}: {why}")
