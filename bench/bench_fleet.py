@@ -169,7 +169,9 @@ def direct_child(model: str, max_tokens: int, scratch: str, tag: str = "direct")
     return _Child(_child_prelude(model, max_tokens, scratch, tag) + f"""
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
+from app.base.library_patches import fix_vllm_cpu_expand
 from workers.engine.llm_arguments import llm_kwargs
+fix_vllm_cpu_expand()  # as the worker's engine does
 llm = LLM(**llm_kwargs(o))
 def params(n):
     return [SamplingParams(temperature=0.6, top_p=0.95, max_tokens={max_tokens}, seed=i,

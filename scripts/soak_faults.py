@@ -124,7 +124,7 @@ def main() -> int:
         prompts.write_text("".join(json.dumps({"question": f"Soak {i}: what is {i} plus {i * 7}?"}) + "\n"
                                    for i in range(n)))
         cli("produce", str(prompts), "--run", run_id, "--storage", str(storage), "--model", model, "--broker", broker,
-            "--max-tokens", str(args.max_tokens), "--top-k", "0", "--shard-size", str(args.shard_size),
+            "--max-tokens", str(args.max_tokens), "--shard-size", str(args.shard_size),
             "--layers", "vllm:1,2,4", env=env)
         from app.base.storage import RunStore, Storage
 

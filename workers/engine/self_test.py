@@ -20,7 +20,6 @@ from app.base.manifest import THINKING_SAMPLING
 from app.base.states_compare import compare, row_problems
 from workers.engine.engine_mode import mode_key
 from workers.engine.fault_hook import capture_faults
-from workers.engine.limits import unsupported
 from workers.engine.recapture import Pending, recheck
 from workers.engine.request import GenRequest, GenResult
 
@@ -44,15 +43,9 @@ def run_self_test(engine: Engine) -> float:
     return run_start_test(engine, None, None)
 
 
-def start_sampling(sampling: dict | None, device: str, captures: bool, speculative: str | None = None) -> dict:
-    """The sampling the test generates with: the run's (`top_k` included), or the default thinking-mode one; a
-    setting the engine is known to crash on (workers.engine.limits) is left out only from that default."""
-    if sampling is not None:
-        chosen = dict(sampling)
-    else:
-        chosen = dict(THINKING_SAMPLING)
-        if unsupported(device, chosen, captures, speculative):
-            chosen["top_k"] = 0
+def start_sampling(sampling: dict | None) -> dict:
+    """The sampling the test generates with: the run's (`top_k` included), or the default thinking-mode one."""
+    chosen = dict(sampling if sampling is not None else THINKING_SAMPLING)
     chosen.pop("seed", None)
     chosen["max_tokens"] = MAX_TOKENS
     return chosen
@@ -75,7 +68,7 @@ def run_start_test(engine: Engine, sampling: dict | None, mode: dict | None) -> 
     captures = options.capture_layers is not None
     t0 = time.monotonic()
     prompts = start_prompts(engine.tokenizer, options.max_model_len, (mode or {}).get("max_num_batched_tokens"))
-    params = start_sampling(sampling, options.device, captures, options.speculative)
+    params = start_sampling(sampling)
     requests = [GenRequest(name, ids, {**params, "seed": 1234 + k}, capture=captures)
                 for k, (name, ids) in enumerate(prompts.items())]
     requests.append(GenRequest("short-again", prompts["short"], {**params, "seed": 1234 + 1}, capture=captures))

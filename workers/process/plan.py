@@ -15,7 +15,6 @@ from app.base.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHAR
 from app.base.speculative import ignored_with_capture
 from app.base.storage import RunStore, Storage
 from workers.engine.factory import stand_in_devices
-from workers.engine.limits import unsupported
 from workers.process.context import WorkerConfig
 from workers.process.devices import (
     choose_tensor_parallel,
@@ -172,16 +171,12 @@ def speculative_staged_configs(generate: list[tuple], capture: list[tuple], cpu:
 
 
 def refuse_unrunnable(configs, storage: str, run_id: str) -> None:
-    """A ConfigError (one line) when a planned worker's engine cannot run the run's settings
-    (workers.engine.limits), before any engine starts."""
+    """A ConfigError (one line) when the planned workers cannot run the run's settings, before any engine
+    starts: sampling a capturing generation would ignore (app.base.speculative)."""
     settings = _settings(storage, run_id)
     sampling = settings.sampling_dict()
     if why := ignored_with_capture(sampling, settings.capture_mode):  # every generating engine captures
         raise ConfigError(f"workers refuse run {run_id}: {why}")
-    for config, *_ in configs:
-        why = unsupported(config.device, sampling, bool(config.capture_layers), config.engine.get("speculative"))
-        if why:
-            raise ConfigError(f"worker {config.hostname} refuses run {run_id}: {why}")
 
 
 def test_with_run_sampling(configs, storage: str, run_id: str) -> None:

@@ -28,7 +28,7 @@ class Worker:
     max_attempts: int = 5
     max_crashes: int = 10
     engine: dict | None = None  # what attempt records say about the engine
-    device: str = "cuda"  # "cpu" or "cuda": what workers.engine.limits judges
+    device: str = "cuda"  # "cpu" or "cuda"
     thinking_close: str | None = None  # the engine's reasoning config's close text (app.base.thinking); None: none
     stop_loops: bool = False  # the engine runs the loop stop (workers.engine.loop_stop)
 

@@ -17,7 +17,6 @@ from app.base.manifest import RunSettings
 from app.base.modes import record_mode, run_modes
 from app.base.quality import StubWindow, is_stub
 from app.base.speculative import ignored_with_capture
-from workers.engine.limits import unsupported
 from workers.shard.policy import Delivery, Done, Policy, Worker
 from workers.shard.retry_policy import exhausted
 
@@ -121,11 +120,7 @@ class CheckManifest(Policy):
             want = settings.vllm_layer_ids
             if want != d.worker.capture_layers:
                 problems.append(f"capture layers (vLLM ids) {want} != engine's {d.worker.capture_layers}")
-        # settings its engine is known to crash on (a worker started without --run learns the run only here)
         sampling = settings.sampling_dict()
-        why = unsupported(d.worker.device, sampling, needs_capture and bool(d.worker.capture_layers))
-        if why:
-            problems.append(why)
         if d.stage == ledger.GENERATE and (ignored := ignored_with_capture(sampling, settings.capture_mode)):
             problems.append(ignored)
         if d.stage == ledger.GENERATE:
