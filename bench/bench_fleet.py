@@ -273,7 +273,7 @@ class Fleet:
         import redis
 
         from app.base.celery_app import create_app
-        from app.base.settings import BrokerSettings
+        from app.base.config import BrokerConfig
 
         if not tag:  # the first fleet only: a second one must not wipe the first worker's remote-control bindings
             redis.Redis.from_url(BROKER).flushdb()
@@ -282,7 +282,7 @@ class Fleet:
         self.tag = tag
         self.env = {**os.environ, "REGEN_BROKER_URL": BROKER, "HF_HUB_OFFLINE": "1", "REGEN_BENCH_TASKS": "1",
                     **(env or {})}
-        self.app = create_app(BrokerSettings.from_env(BROKER))
+        self.app = create_app(BrokerConfig.from_env(BROKER))
         self.control = self.app.control
         # Queues of this bench's own: a worker left over from an interrupted bench must not take these shards.
         self.prefix = f"regen-bench-{os.getpid()}{tag}"

@@ -155,9 +155,9 @@ def child_stage(path: str, stage: str) -> dict:
 
 def child_baseline(path: str, rows: int) -> dict:
     from app.base.celery_app import GENERATE_TASK, create_app
-    from app.base.settings import BrokerSettings
+    from app.base.config import BrokerConfig
 
-    app = create_app(BrokerSettings.from_env(BROKER))
+    app = create_app(BrokerConfig.from_env(BROKER))
     start, cpu = time.perf_counter(), _cpu_s()
     n = 0
     with open(path) as fh:

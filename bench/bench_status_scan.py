@@ -34,9 +34,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from app.base.config import scope as settings_scope  # noqa: E402
 from app.base.ids import shard_id  # noqa: E402
 from app.base.ledger import record_attempt  # noqa: E402
-from app.base.settings import scope as settings_scope  # noqa: E402
 from app.base.storage import RunStore, Storage  # noqa: E402
 from app.base.storage_counts import read_all  # noqa: E402
 from workers.shard.shard_output import publish_shard  # noqa: E402

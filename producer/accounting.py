@@ -35,7 +35,7 @@ class Accounting:
     input_bytes: int = 0
     left_out_by_file: Counter = field(default_factory=Counter)  # rows `--take` did not draw, per input
     take_rows: dict = field(default_factory=dict)  # rows of each input a `--take` names
-    mode_counts: dict = field(default_factory=dict)  # producer.modes.ModeCounts: samples, per mode, per rule
+    mode_counts: dict = field(default_factory=dict)  # producer.thinking_modes.ModeCounts: samples, per mode, per rule
 
     @property
     def rejected(self) -> int:

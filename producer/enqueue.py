@@ -16,9 +16,9 @@ import warnings
 from collections.abc import Callable
 
 from app.base.celery_app import GENERATE_TASK, create_app
+from app.base.config import BrokerConfig, mask_url
 from app.base.errors import ConfigError, RetryableError
 from app.base.library_patches import ORJSON_SERIALIZER, register_fast_codecs
-from app.base.settings import BrokerSettings, mask_url
 from producer.sharding import Shard
 
 COMPRESS_ABOVE = 4096
@@ -72,7 +72,7 @@ class ShardSender:
     def __init__(self, broker_url: str | None, queue: str, max_pending: int | None = None,
                  poll_interval: float = 0.2, sleep: Callable[[float], None] = time.sleep, compress: str = "zstd",
                  input_bytes: int = 0):
-        self.settings = BrokerSettings.from_env(broker_url)
+        self.settings = BrokerConfig.from_env(broker_url)
         self.queue = queue
         self.max_pending = max_pending
         self.compress = choose_compression(compress, max_pending, input_bytes) == "zstd"

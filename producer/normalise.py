@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import orjson
 
+from app.base.config import DEFAULT_REGENERATE
 from app.base.errors import PermanentError
 from app.base.ids import sample_id
 from app.base.samples import Sample
-from app.base.settings import DEFAULT_REGENERATE
 
 REJECT_REASONS = (
     "malformed_json",

@@ -30,7 +30,6 @@ from producer.accounting import (
 )
 from producer.enqueue import ShardSender
 from producer.estimate import Estimate, Reservoir, build_estimate, count_prompt_tokens, count_responses
-from producer.modes import ModeCounts, pass_samples
 from producer.normalise import Rejected, normalise, parse_line
 from producer.readers import InputReader, ReadFailure, expand_inputs
 from producer.run_setup import (
@@ -46,6 +45,7 @@ from producer.sharding import Deduper, shard_samples
 from producer.take import Selection, rules_from_manifest, selections
 from producer.template_check import BATCH as CHECK_BATCH
 from producer.template_check import TemplateCheck
+from producer.thinking_modes import ModeCounts, pass_samples
 
 JSON_ARRAY_ITEM_BYTES = 1024  # rough size of a parsed .json array element, only used to choose compression
 PROGRESS_EVERY = 512
@@ -68,7 +68,7 @@ def iter_samples(paths: list[str], opts: ProduceOptions, acc: Accounting, reject
                  progress: ProgressFn | None = None, take: dict[str, Selection] | None = None,
                  check: TemplateCheck | None = None) -> Iterator[tuple[dict, int]]:
     """Every record of every input, counted once as read and then as left out (`take`), a reject, a duplicate
-    or a yielded sample (a prompt: its samples are made from it, producer.modes). `check`: the run's render
+    or a yielded sample (a prompt: its samples are made from it, producer.thinking_modes). `check`: the run's render
     check (producer.template_check); a sample it refuses is a reject."""
     regenerate, cap = opts.regenerate, opts.prompt_char_cap
     first_time = dedupe.first_time

@@ -16,11 +16,11 @@ import os
 from dataclasses import dataclass, field, replace
 
 from app.base.celery_app import create_app
+from app.base.config import BrokerConfig
 from app.base.errors import ConfigError, InputError
 from app.base.ids import validate_id
 from app.base.ledger import CAPTURE, GENERATE, archive_dead, split_key
 from app.base.manifest import RunSettings, load
-from app.base.settings import BrokerSettings
 from app.base.storage import RunStore, Storage
 from producer.produce import produce, send_captures, storage_url_for_workers
 from producer.run_setup import ProduceOptions
@@ -59,7 +59,7 @@ def retry_dead(opts: ProduceOptions, shards: list[str]) -> RetryResult:
         only = frozenset(by_stage[GENERATE])
         result.sent = produce(replace(opts, resume=True, only_shards=only)).accounting.shards_sent
     if by_stage[CAPTURE]:
-        app = create_app(BrokerSettings.from_env(opts.broker))
+        app = create_app(BrokerConfig.from_env(opts.broker))
         result.captures = send_captures(store, app, storage_url_for_workers(store.storage), load(store)["settings"],
                                         by_stage[CAPTURE])
     return result
@@ -73,7 +73,7 @@ def _preflight(store: RunStore, opts: ProduceOptions, resends_inputs: bool) -> N
         for entry in RunSettings.view(load(store).settings).inputs:
             if not os.path.isfile(entry["path"]) or os.path.getsize(entry["path"]) != entry["size"]:
                 raise InputError(f"{entry['path']}: input of this run is missing or changed; restore it to retry")
-    broker = BrokerSettings.from_env(opts.broker)
+    broker = BrokerConfig.from_env(opts.broker)
     try:
         with create_app(broker).connection_for_write() as conn:
             conn.ensure_connection(max_retries=1)

@@ -14,6 +14,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from app.base.chat_render import manifest_entry
+from app.base.config import DEFAULT_QUEUE, DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
 from app.base.errors import ConfigError, InputError, ManifestMismatch
 from app.base.layers import parse_layers
 from app.base.manifest import (
@@ -26,16 +27,15 @@ from app.base.manifest import (
     StatesStorage,
 )
 from app.base.model_info import read_model_info, read_text_config, zero_embedding_ids
-from app.base.settings import DEFAULT_QUEUE, DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
 from app.base.speculative import check_speculative, ignored_with_capture, parse_speculative
 from app.base.states_codec import STATES_DTYPES, promised_bound, resolve
 from app.base.thinking import DEFAULT_THINKING_CLOSE, engine_refusal
 from app.base.vllm_args import check_data_args, parse_vllm_args, split_item
 from producer.enqueue import COMPRESS_MODES
-from producer.modes import mode_prompt_tails
 from producer.normalise import REGENERATE_MODES
 from producer.readers import describe_input, file_sha256
 from producer.take import match_rules, parse_take
+from producer.thinking_modes import mode_prompt_tails
 
 DEFAULT_MAX_PROMPT_TOKENS = 32768
 DEFAULT_MAX_TOKENS = 4096
@@ -78,7 +78,7 @@ class ProduceOptions:
     vllm_args: list[str] = field(default_factory=list)  # KEY=VALUE, recorded in the manifest for every worker
     states_dtype: str = "bf16"
     speculative: str | None = None  # "mtp" / "mtp:K" as given; the manifest records it normalised ("mtp:2")
-    thinking_mix: float | None = None  # share of samples in thinking mode (app.base.modes); None: `thinking` for all
+    thinking_mix: float | None = None  # share of samples in thinking mode (app.base.thinking_modes); None: `thinking` for all
     samples_per_prompt: int | None = None  # None: 1 (with --resume: the run's)
     sample_temperatures: list[float] | None = None  # sample k of a prompt at [k % len]
     take: list[str] = field(default_factory=list)  # GLOB=N / GLOB=FRACTION (producer.take)

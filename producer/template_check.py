@@ -16,7 +16,7 @@ from app.base.chat_render import load_tokenizer, render_text, template_sha256
 from app.base.errors import ConfigError
 from app.base.ids import prompt_sample_id
 from app.base.manifest import RunSettings
-from app.base.modes import sample_mode
+from app.base.thinking_modes import sample_mode
 from app.base.tool_calls import ToolCallError, erased_arguments, prepare
 from producer.estimate import turn_prompts
 
@@ -69,7 +69,7 @@ class TemplateCheck:
             self.pool = None
 
     def modes(self, sample: dict) -> set[bool]:
-        """Every mode the prompt's samples will be drawn in (as producer.modes.pass_samples draws them)."""
+        """Every mode the prompt's samples will be drawn in (as producer.thinking_modes.pass_samples draws them)."""
         own = sample.get("input_thinking")
         return {sample_mode(self.settings, {"id": prompt_sample_id(sample["id"], k), "input_thinking": own})[0]
                 for k in range(self.per_prompt)}

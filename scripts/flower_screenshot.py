@@ -56,8 +56,8 @@ def wait_http(url: str, timeout: float = 60) -> None:
 def make_backlog(work: Path, broker: str) -> dict[str, int]:
     """Three runs' shards waiting in Redis as the producer leaves them; {queue: messages}."""
     from app.base.celery_app import create_app
+    from app.base.config import BrokerConfig
     from app.base.manifest import load
-    from app.base.settings import BrokerSettings
     from app.base.storage import RunStore, Storage
     from producer.produce import produce, send_captures
     from producer.run_setup import ProduceOptions
@@ -77,7 +77,7 @@ def make_backlog(work: Path, broker: str) -> dict[str, int]:
         results[run_id] = produce(ProduceOptions(inputs=[str(rows_path)], run_id=run_id, storage=storage,
                                                  model=str(model), broker=broker, shard_size=4, **kw))
     store = RunStore(Storage(storage), "qwen36-eagle3")
-    app = create_app(BrokerSettings(url=broker))
+    app = create_app(BrokerConfig(url=broker))
     send_captures(store, app, results["qwen36-eagle3"].storage_url, load(store)["settings"],
                   [f"shard-{i:06d}" for i in range(5)])
     app.close()

@@ -21,8 +21,8 @@ from celery import Celery
 from celery.signals import worker_process_init, worker_process_shutdown, worker_ready, worker_shutdown
 
 from app.base.celery_app import create_app
+from app.base.config import Config, install
 from app.base.liveness import clock_skew_warning
-from app.base.settings import Settings, install
 from workers.doubles.bench_task import register_bench
 from workers.process import dead_holder_watch
 from workers.process.context import WorkerContext
@@ -36,7 +36,7 @@ from workers.shard.tasks import register
 log = logging.getLogger("regen.worker")
 
 
-def build_worker_app(settings: Settings) -> Celery:
+def build_worker_app(settings: Config) -> Celery:
     """The worker's Celery app on `settings.broker`: tasks registered (the fleet bench's too with
     `REGEN_BENCH_TASKS=1`), undecodable messages set aside instead of fatal, the worker's signals connected."""
     celery = create_app(settings.broker)
@@ -63,7 +63,7 @@ def __getattr__(name: str) -> Celery:
     access with this process's settings read from the environment."""
     if name != "celery":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    app = globals()["celery"] = build_worker_app(install(Settings.from_env()))
+    app = globals()["celery"] = build_worker_app(install(Config.from_env()))
     return app
 
 

@@ -14,11 +14,11 @@ import sys
 
 
 def main() -> None:
-    from app.base.settings import Settings, install
+    from app.base.config import Config, install
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        settings = install(Settings.from_env())  # this process's settings, read once (app.base.settings)
+        settings = install(Config.from_env())  # this process's config, read once (app.base.config)
         logging.getLogger().setLevel(settings.log_level)
         from workers.process.context import WorkerContext
 

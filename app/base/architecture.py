@@ -3,7 +3,7 @@
 Qwen3.5/3.6 (and Qwen3-Next) are *hybrids*: most decoder layers are Gated DeltaNet linear attention and every
 fourth is full attention, named per layer in the language model's `layer_types`. Their released checkpoints are
 multimodal wrappers (`Qwen3_5ForConditionalGeneration`) whose language model's settings sit under `text_config`.
-Engine settings (workers.engine.settings), the quality gate and `regen verify` need to know both facts; this
+Engine arguments (workers.engine.model_arguments), the quality gate and `regen verify` need to know both facts; this
 module is the one place that reads them.
 """
 

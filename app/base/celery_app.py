@@ -12,14 +12,14 @@ import os
 
 from celery import Celery
 
-from app.base.settings import DEFAULT_QUEUE, BrokerSettings
+from app.base.config import DEFAULT_QUEUE, BrokerConfig
 
 GENERATE_TASK = "regen.generate_shard"
 CAPTURE_TASK = "regen.capture_shard"
 BENCH_DIRECT_TASK = "regen.bench_direct"
 
 
-def celery_config(settings: BrokerSettings) -> dict:
+def celery_config(settings: BrokerConfig) -> dict:
     transport_options: dict = {"visibility_timeout": settings.visibility_timeout}
     if settings.unacked_restore_interval is not None:
         transport_options["unacked_restore_interval"] = settings.unacked_restore_interval
@@ -65,8 +65,8 @@ def filesystem_transport_options(url: str) -> dict:
             "control_folder": os.path.join(folder, "control"), "store_processed": False}
 
 
-def create_app(settings: BrokerSettings | None = None) -> Celery:
-    settings = settings or BrokerSettings.from_env()
+def create_app(settings: BrokerConfig | None = None) -> Celery:
+    settings = settings or BrokerConfig.from_env()
     celery = Celery("regen", set_as_current=False)
     celery.conf.update(celery_config(settings))
     celery.conf.regen_settings = settings

@@ -13,7 +13,7 @@ import threading
 import time
 
 from app.base.celery_app import redis_client
-from app.base.settings import current, mask_text
+from app.base.config import current, mask_text
 
 log = logging.getLogger("regen.clock")
 

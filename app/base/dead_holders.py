@@ -23,6 +23,7 @@ from kombu.utils.json import loads as kombu_json
 
 from app.base.celery_app import CAPTURE_TASK, GENERATE_TASK, create_app, redis_client
 from app.base.clock import shared_now
+from app.base.config import current, mask_text
 from app.base.documents import AttemptRecord
 from app.base.ledger import (
     CAPTURE,
@@ -34,7 +35,6 @@ from app.base.ledger import (
     sweep_temporaries,
 )
 from app.base.liveness import attempt_state, lease_seconds
-from app.base.settings import current, mask_text
 from app.base.storage import RunStore, Storage
 
 log = logging.getLogger("regen.dead_holders")

@@ -15,7 +15,7 @@ import socket
 import orjson
 
 from app.base.celery_app import redis_client
-from app.base.settings import mask_text
+from app.base.config import mask_text
 
 LIST_KEY = "regen.dead-messages"
 COUNT_KEY = "regen.dead-messages.count"

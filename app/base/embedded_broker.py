@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 import time
 
-from app.base.settings import DEFAULT_BROKER_URL
+from app.base.config import DEFAULT_BROKER_URL
 
 
 def reachable(url: str, timeout: float = 1.0) -> bool:

@@ -15,13 +15,13 @@ import os
 import socket
 
 from app.base.clock import clock
-from app.base.settings import current
+from app.base.config import current
 
 LEASE_HEARTBEATS = 4
 
 
 def heartbeat_seconds() -> float:
-    """How often a worker renews its attempts' leases (`REGEN_HEARTBEAT_S`, default 30 s; app.base.settings)."""
+    """How often a worker renews its attempts' leases (`REGEN_HEARTBEAT_S`, default 30 s; app.base.config)."""
     return current().heartbeat_s
 
 

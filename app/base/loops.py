@@ -21,7 +21,7 @@ def gpu_runner_refusal(device: str, v1_runner: bool) -> str | None:
     """Why a GPU engine cannot run the loop stop, else None. The processor is written to vLLM's V1 logits-processor
     interface, which the V1 model runner (every CPU engine) loads; a GPU engine of vLLM 0.32 runs Model Runner V2
     wherever it can, whose loader takes only its own interface and refuses the class. Running V1 there
-    (VLLM_USE_V2_MODEL_RUNNER=0, `v1_runner`: app.base.settings) is the operator's choice to make, not regen's: it
+    (VLLM_USE_V2_MODEL_RUNNER=0, `v1_runner`: app.base.config) is the operator's choice to make, not regen's: it
     changes the engine's path."""
     if device == "cpu" or v1_runner:
         return None

@@ -11,9 +11,9 @@ import datetime as dt
 import importlib.metadata
 from dataclasses import asdict, dataclass, field, fields
 
+from app.base.config import DEFAULT_CAPTURE_QUEUE
 from app.base.documents import Manifest
 from app.base.errors import ManifestMismatch, RegenError
-from app.base.settings import DEFAULT_CAPTURE_QUEUE
 from app.base.storage import RunStore
 
 MANIFEST_FORMAT = "regen.run/1"
@@ -126,7 +126,7 @@ class RunSettings:
     # written, None included: a manifest without it was made without it, and reopening a speculative run
     # without the setting (or the reverse) is refused as a change of settings.
     speculative: str | None = None
-    # A run of both modes (`--thinking-mix P`, app.base.modes): the share of samples drawn in thinking mode; None:
+    # A run of both modes (`--thinking-mix P`, app.base.thinking_modes): the share of samples drawn in thinking mode; None:
     # every sample in `thinking`'s one mode (every run made before the setting). With a mix, `mode_sampling`
     # holds each mode's sampling (`sampling` is then the thinking mode's) and `mode_prompt_tails` the token ids
     # the target's template ends each mode's generation prompt with (what `regen verify` holds prompts to).

@@ -2,7 +2,7 @@
 
 Rule: configuration reaches a process through its environment only where a child must have it before it
 imports anything (the GPUs it may see, the config it is handed, vLLM's switches); everything else is read once
-by the child's entry point (app.base.settings lists every variable). Why here: one place to look for what a child
+by the child's entry point (app.base.config lists every variable). Why here: one place to look for what a child
 is told, beside the one module that reads the environment, in the base that both the worker's plumbing
 (workers.process.supervisor) and its engine (workers.engine.in_process) import downward.
 """

@@ -46,7 +46,7 @@ RECORD_FIELDS: dict[str, RecordField] = {
     "run_id": _f(str), "shard_id": _f(str), "sample_id": _f(str), "index": _f(int),
     # the prompt it answers and which of its samples it is (sample k of prompt P: `P-s{k}`, sample 0: P)
     "prompt_id": _f(str, later=True), "sample_index": _f(int, later=True, default=0),
-    # its mode (app.base.modes); older records are in the run's mode (`record_thinking`)
+    # its mode (app.base.thinking_modes); older records are in the run's mode (`record_thinking`)
     "thinking": _f(bool, later=True), "mode_rule": _f(str, by="some"),
     # multi-turn runs (`--regenerate all`): the producer's sample id and which regenerated turn
     "conversation_id": _f(str, by="some"), "turn": _f(int, by="some"),

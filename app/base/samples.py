@@ -28,7 +28,7 @@ class Sample(Document):
     def new(cls, sid: str, messages: list[dict], tools: list | None, source: dict | None,
             input_thinking: bool | None = None) -> Sample:
         """`input_thinking`: the mode the input row names for itself; the producer turns it into `thinking`
-        (app.base.modes) and drops it before the sample is enqueued."""
+        (app.base.thinking_modes) and drops it before the sample is enqueued."""
         out = cls({"id": sid, "messages": messages, "tools": tools, "source": source})
         if input_thinking is not None:
             out["input_thinking"] = input_thinking

@@ -29,11 +29,11 @@ from collections.abc import Iterator
 import fsspec
 import orjson
 
+from app.base.config import current, mask_url
 from app.base.documents import AttemptRecord, DoneMarker
 from app.base.errors import ConfigError, InvalidId
 from app.base.ids import validate_id
 from app.base.packages import REQUIREMENTS
-from app.base.settings import current, mask_url
 from app.base.storage_counts import count
 
 

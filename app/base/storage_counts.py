@@ -15,7 +15,7 @@ import os
 import threading
 from collections import Counter
 
-from app.base.settings import current
+from app.base.config import current
 
 _lock = threading.Lock()
 _log: tuple[int, int] | None = None  # (pid, fd): reopened in a forked child

@@ -4,7 +4,7 @@ Each module here holds the commands of one floor below it: `produce` (producer/)
 `run` drives the producer too), `ops` (app/ops/), `data` (app/data/); `pilot` measures a host with `regen run`s.
 
 Each command runs with its settings read from the environment once, on first use, so `--help` reads nothing
-(app.base.settings); shared flags are defined once in app.cli.options, and each command's help groups its options
+(app.base.config); shared flags are defined once in app.cli.options, and each command's help groups its options
 in the panels app.cli.help_panels declares (rich-click renders them). Bad input gets one line and exit status 2,
 whether click finds it (a missing option, a malformed value) or regen does (`RegenError`); a failure that is not
 bad input (a run that timed out or paused) one line and exit status 1; a traceback means a bug. The subcommands'
@@ -19,9 +19,9 @@ import sys
 import click as plain_click
 import rich_click as click
 
+from app.base.config import mask_text
+from app.base.config import scope as settings_scope
 from app.base.errors import RegenError
-from app.base.settings import mask_text
-from app.base.settings import scope as settings_scope
 from app.cli.data import commands as data_commands
 from app.cli.help_panels import command_groups, option_groups
 from app.cli.ops import commands as ops_commands

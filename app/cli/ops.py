@@ -15,7 +15,7 @@ import rich_click as click
 from rich.console import Console
 from rich.live import Live
 
-from app.base.settings import DEFAULT_VISIBILITY_TIMEOUT, current, mask_url
+from app.base.config import DEFAULT_VISIBILITY_TIMEOUT, current, mask_url
 from app.base.storage import RunStore, Storage
 from app.cli.options import broker_option, storage_option
 from app.ops.run_report import collect

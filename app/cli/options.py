@@ -12,8 +12,8 @@ from __future__ import annotations
 import rich_click as click
 from click.core import ParameterSource
 
+from app.base.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, check_broker_url, check_storage_url
 from app.base.errors import ConfigError
-from app.base.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, check_broker_url, check_storage_url
 
 STORAGE_HELP = "Storage root: a folder (NFS for several hosts) or an fsspec URL (s3://bucket/runs) [env REGEN_STORAGE]."
 BROKER_HELP = "Broker URL, e.g. redis://:PASSWORD@head:6379/0 [env REGEN_BROKER_URL; default redis://127.0.0.1:6379/0]."

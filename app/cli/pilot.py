@@ -13,9 +13,9 @@ import rich_click as click
 from rich.console import Console
 from rich.table import Table
 
+from app.base.config import DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
 from app.base.layers import parse_layers
 from app.base.model_info import read_model_info
-from app.base.settings import DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
 from app.cli.options import broker_option, max_model_len_option, renamed, storage_option, vllm_arg_option
 from app.cli.produce import LAYERS_HELP, sampling_options, thinking_budget_options
 from app.data.format_fit import layer_lines

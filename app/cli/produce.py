@@ -22,9 +22,9 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from app.base.config import DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
 from app.base.errors import ConfigError
 from app.base.manifest import CAPTURE_MODES
-from app.base.settings import DEFAULT_REGENERATE, DEFAULT_SHARD_SIZE
 from app.base.states_codec import STATES_DTYPES
 from app.base.storage import RunStore, Storage
 from app.cli.options import broker_option, model_option, queue_option, storage_option

@@ -18,13 +18,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from app.base.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, current, mask_url
 from app.base.embedded_broker import broker_for_run
 from app.base.errors import ConfigError
 from app.base.ledger import pause_state
 from app.base.loops import gpu_runner_refusal
 from app.base.manifest import RunSettings
 from app.base.run_totals import RunTotals
-from app.base.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, current, mask_url
 from app.base.storage import RunStore, Storage
 from app.base.vllm_args import data_changing, parse_vllm_args, split_item, worker_vllm_args
 from app.cli.options import (

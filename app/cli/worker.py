@@ -8,11 +8,11 @@ import os
 
 import rich_click as click
 
+from app.base.config import DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, current
 from app.base.errors import ConfigError
 from app.base.layers import parse_layers
 from app.base.ledger import clear_pause
 from app.base.model_info import read_model_info
-from app.base.settings import DEFAULT_QUEUE, DEFAULT_SHARD_SIZE, current
 from app.base.storage import RunStore, Storage
 from app.base.vllm_args import worker_vllm_args
 from app.cli.options import (

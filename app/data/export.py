@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import orjson
 
 from app.base.errors import RegenError
-from app.base.modes import record_thinking
 from app.base.records import prompt_id
 from app.base.storage import Storage
+from app.base.thinking_modes import record_thinking
 from app.data import export_claims, export_formats, export_plan, export_text
 from app.data.fanout import WHOLE, Part, process_pool
 from app.data.run_reader import RunReader, ShardInfo

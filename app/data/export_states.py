@@ -109,7 +109,7 @@ class Sample:
     # What the format writes, built from the states by `StateExport.prepare` in the read-ahead thread (SpecForge:
     # the torch.save dict); None where the format builds nothing ahead
     tensors: dict | None = None
-    # the prompt it answers and its mode (app.base.modes), for the export's `samples.jsonl`
+    # the prompt it answers and its mode (app.base.thinking_modes), for the export's `samples.jsonl`
     prompt_id: str | None = None
     thinking: bool | None = None
 

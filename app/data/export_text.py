@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable, Iterator
 import orjson
 
 from app.base.manifest import RunSettings
-from app.base.modes import record_thinking
 from app.base.records import conversation_id, prompt_id
+from app.base.thinking_modes import record_thinking
 
 UNTERMINATED = "unterminated_thinking"
 SPECFORGE_FILE = "regenerated.jsonl"  # app.data.export_formats names it as the format's one file

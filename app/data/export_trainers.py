@@ -15,9 +15,9 @@ from collections import Counter
 import orjson
 
 from app.base.errors import RegenError
-from app.base.modes import record_thinking
 from app.base.records import prompt_id
 from app.base.storage import Storage
+from app.base.thinking_modes import record_thinking
 from app.data import export_formats
 from app.data.export_states import (
     ExportLayers,

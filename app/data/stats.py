@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 from rich.table import Table
 
-from app.base.modes import record_mode, run_modes
 from app.base.quality import is_stub
 from app.base.states_bound import LayerErrors, promise
+from app.base.thinking_modes import record_mode, run_modes
 from app.data.engine_modes import ModeCounts, modes_table, shard_mode
 from app.data.fanout import WHOLE, Part, open_reader, ordered_map, worker_reader
 from app.data.outcomes import OUTCOMES, outcome, trainable
@@ -63,7 +63,7 @@ class RunStats:
     sources: dict[str, Group] = field(default_factory=lambda: defaultdict(Group))
     modes: dict[str, Group] = field(default_factory=lambda: defaultdict(Group))  # thinking / non_thinking
     source_modes: dict[tuple[str, str], Group] = field(default_factory=lambda: defaultdict(Group))  # (source, mode)
-    run_modes: tuple[str, ...] = ("thinking",)  # the modes the run's samples can be in (app.base.modes.run_modes)
+    run_modes: tuple[str, ...] = ("thinking",)  # the modes the run's samples can be in (app.base.thinking_modes.run_modes)
     mode_of: list[str] = field(default_factory=list)  # each sample's mode, beside prompt / reasoning / answer
     prompt: list[int] = field(default_factory=list)
     reasoning: list[int] = field(default_factory=list)

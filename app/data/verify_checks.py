@@ -10,10 +10,10 @@ import numpy as np
 
 from app.base.hidden_file import CorruptHiddenFile, HiddenFileReader
 from app.base.manifest import RunSettings
-from app.base.modes import prompt_ends_in_mode, record_mode, record_thinking
 from app.base.quality import STATE_PROBLEMS, StaleRows, implausible_states, layer_detail, states_problem
 from app.base.states_bound import promise, sample_problem
 from app.base.states_compare import zero_rows_allowed
+from app.base.thinking_modes import prompt_ends_in_mode, record_mode, record_thinking
 from app.data.run_reader import RunReader
 
 
@@ -45,7 +45,7 @@ class ShardResult:
 
 def check_mode(res: ShardResult, rec: dict, settings: dict) -> bool:
     """A mixed run's record against its mode: its prompt ids must end as the target's template ends that mode's
-    generation prompt (the tails the producer measured, app.base.modes; Qwen3: a non-thinking prompt ends in the
+    generation prompt (the tails the producer measured, app.base.thinking_modes; Qwen3: a non-thinking prompt ends in the
     empty think block), and its reasoning must be what the mode allows (none without thinking). True: clean."""
     tails = RunSettings.view(settings).mode_prompt_tails
     if not tails:

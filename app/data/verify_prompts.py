@@ -20,7 +20,7 @@ from functools import lru_cache
 
 from app.base.chat_render import has_tokenizer, load_tokenizer, render_ids, template_sha256
 from app.base.manifest import RunSettings
-from app.base.modes import record_thinking
+from app.base.thinking_modes import record_thinking
 from app.base.tool_calls import prepare
 from app.data.verify_checks import Problem, ShardResult
 

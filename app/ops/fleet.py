@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 
 from app.base.celery_app import create_app, redis_client
-from app.base.settings import BrokerSettings, mask_text, mask_url
+from app.base.config import BrokerConfig, mask_text, mask_url
 from app.ops.status import blank_worker, iso
 
 PRIORITY_SEP = "\x06\x16"
@@ -60,7 +60,7 @@ def live_workers(url: str, timeout: float = 1.0) -> tuple[dict[str, dict], str |
         redis_client(url).ping()
     except Exception as exc:
         return {}, mask_text(f"{type(exc).__name__}: {exc}")
-    app = create_app(BrokerSettings(url=url))
+    app = create_app(BrokerConfig(url=url))
     app.conf.broker_connection_max_retries = 1
     try:
         names = [name for reply in app.control.ping(timeout=timeout) or [] for name in reply]

@@ -18,8 +18,8 @@ from kombu.transport.redis import Channel
 from kombu.utils.url import parse_url
 
 from app.base.celery_app import create_app, redis_client
+from app.base.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, Config, install, mask_text
 from app.base.library_patches import FLOWER_QUEUES, check_versions, extend_flower_queue_listing
-from app.base.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, Settings, install, mask_text
 
 log = logging.getLogger("regen.flower")
 
@@ -67,7 +67,7 @@ def tls_options(url: str) -> dict | None:
     return parse_url(url).get("ssl") or {"ssl_cert_reqs": ssl.CERT_NONE}
 
 
-def build_flower_app(settings: Settings) -> Celery:
+def build_flower_app(settings: Config) -> Celery:
     """The app Flower runs on: regen's Celery configuration on `settings.broker`, regen's queues declared."""
     celery = create_app(settings.broker)
     celery.conf.task_queues = [Queue(name) for name in REGEN_QUEUES]
@@ -85,5 +85,5 @@ def __getattr__(name: str) -> Celery:
     access with this process's settings read from the environment."""
     if name != "celery":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    app = globals()["celery"] = build_flower_app(install(Settings.from_env()))
+    app = globals()["celery"] = build_flower_app(install(Config.from_env()))
     return app

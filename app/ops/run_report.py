@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from app.base import dead_messages
 from app.base.clock import shared_now
+from app.base.config import mask_url
 from app.base.manifest import load
-from app.base.settings import mask_url
 from app.base.storage import RunStore, Storage
 from app.ops import fleet
 from app.ops.status import RunScanner, list_runs, summarise

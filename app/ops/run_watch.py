@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 
 from app.base.clock import shared_now
+from app.base.config import BrokerConfig
 from app.base.dead_holders import DeadHolderCheck
 from app.base.ledger import split_key
-from app.base.settings import BrokerSettings
 from app.base.storage import RunStore
 from app.ops import fleet
 from app.ops.status import RunScanner, summarise
@@ -50,11 +50,11 @@ class LostShardWatch:
         self.scanner = RunScanner(store)
         self.seen: int | None = None
         self.next_check = time.monotonic() + LOST_CHECK_S
-        self.dead_holders = DeadHolderCheck(broker_url, BrokerSettings.from_env(broker_url).visibility_timeout)
+        self.dead_holders = DeadHolderCheck(broker_url, BrokerConfig.from_env(broker_url).visibility_timeout)
         self.resent_dead: list[dict] = []
 
     def lost(self) -> int | None:
-        stale_after = BrokerSettings.from_env(self.broker_url).visibility_timeout
+        stale_after = BrokerConfig.from_env(self.broker_url).visibility_timeout
         status = summarise(self.scanner.scan(), shared_now(self.broker_url), stale_after)
         queues = [q for q in (status.get("queue"), status.get("capture", {}).get("queue")) if q]
         lengths, unacked, error = fleet.queue_lengths(self.broker_url, queues)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from app.base.config import DEFAULT_VISIBILITY_TIMEOUT, mask_text
 from app.base.dead_holders import died_holding
 from app.base.documents import (
     AttemptRecord,
@@ -29,7 +30,6 @@ from app.base.ledger import CAPTURE, GENERATE, pause_state, split_key, stage_key
 from app.base.liveness import attempt_state
 from app.base.manifest import RunSettings
 from app.base.run_totals import RunTotals, parse_time
-from app.base.settings import DEFAULT_VISIBILITY_TIMEOUT, mask_text
 from app.base.storage import RunStore, Storage
 
 

@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 
 import orjson
 
+from app.base.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_REGENERATE
 from app.base.errors import ConfigError
-from app.base.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_REGENERATE
 from app.base.speculative import has_mtp_head
 
 PILOT_VERSION = 1

@@ -16,10 +16,10 @@ import numpy as np
 
 from app.base import ledger
 from app.base.hidden_file import encode_sample
-from app.base.modes import record_mode, run_modes
 from app.base.quality import is_stub
 from app.base.run_totals import RunTotals
 from app.base.storage import Storage
+from app.base.thinking_modes import record_mode, run_modes
 from app.data.engine_modes import ModeCounts, check_failure, shard_mode
 from app.data.outcomes import CUT_FLAGS, OUTCOMES, outcome, trainable
 from app.data.run_reader import RunReader

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from app.base.settings import DEFAULT_REGENERATE
+from app.base.config import DEFAULT_REGENERATE
 from producer.estimate import Reservoir
 from producer.normalise import Rejected, normalise, parse_line
 from producer.readers import InputReader, ReadFailure, expand_inputs, file_sha256

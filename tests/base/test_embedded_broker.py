@@ -36,9 +36,9 @@ def test_without_redis_server_the_filesystem_transport_is_used(tmp_path, monkeyp
     with eb.broker_for_run(None, str(tmp_path)) as (url, how):
         assert url.startswith("filesystem://") and "at-most-once" in how
         from app.base.celery_app import create_app
-        from app.base.settings import BrokerSettings
+        from app.base.config import BrokerConfig
 
-        app = create_app(BrokerSettings(url=url))
+        app = create_app(BrokerConfig(url=url))
         app.send_task("regen.generate_shard", kwargs={"run_id": "r"}, queue="regen")
         folder = url[len("filesystem://"):]
         assert any(p.suffix == ".msg" for p in Path(folder).iterdir())

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from app.base.settings import mask_url
+from app.base.config import mask_url
 from app.cli import main
 from tests.support.polling import wait_for
 from tests.support.private_redis import PrivateRedis, tls_redis
@@ -113,13 +113,13 @@ def test_the_broker_settings_a_celery_app_carries_print_no_password():
     """`conf.regen_settings` rides on every worker's configuration, which `celery inspect conf` and Flower's
     worker pages print (tests/ops/test_flower.py checks those end to end)."""
     from app.base.celery_app import create_app
-    from app.base.settings import BrokerSettings, Settings
+    from app.base.config import BrokerConfig, Config
 
     url = f"rediss://user:{PASSWORD}@head:6379/0?ssl_cert_reqs=required"
-    app = create_app(BrokerSettings(url=url))
+    app = create_app(BrokerConfig(url=url))
     assert PASSWORD not in repr(app.conf.regen_settings) and PASSWORD not in str(app.conf.table(censored=True))
     assert "user:***@head" in repr(app.conf.regen_settings)
-    assert PASSWORD not in repr(Settings.from_env({"REGEN_BROKER_URL": url}))
+    assert PASSWORD not in repr(Config.from_env({"REGEN_BROKER_URL": url}))
 
 
 def test_a_wrong_password_is_reported_without_showing_it(tmp_path, auth_redis):

@@ -80,9 +80,9 @@ def test_the_engines_processor_forces_the_end_only_on_requests_that_ask_and_loop
 
 
 def test_a_gpu_engine_refuses_the_loop_stop_unless_it_runs_vllms_v1_runner():
+    from app.base.config import Config
     from app.base.loops import gpu_runner_refusal
-    from app.base.settings import Settings
 
     assert gpu_runner_refusal("cpu", False) is None
-    assert "VLLM_USE_V2_MODEL_RUNNER=0" in gpu_runner_refusal("cuda", Settings.from_env({}).vllm_v1_runner)
-    assert gpu_runner_refusal("cuda", Settings.from_env({"VLLM_USE_V2_MODEL_RUNNER": "0"}).vllm_v1_runner) is None
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in gpu_runner_refusal("cuda", Config.from_env({}).vllm_v1_runner)
+    assert gpu_runner_refusal("cuda", Config.from_env({"VLLM_USE_V2_MODEL_RUNNER": "0"}).vllm_v1_runner) is None

@@ -6,7 +6,7 @@ next. A kombu upgrade that changes any of it fails here, not in a fleet."""
 from __future__ import annotations
 
 from app.base.celery_app import create_app
-from app.base.settings import BrokerSettings
+from app.base.config import BrokerConfig
 from tests.support.redis_db import OPS_BROKER
 
 QUEUE = "regen-restore-test"
@@ -14,7 +14,7 @@ HELD = 15  # more than the 10 a scan was once said to restore
 
 
 def test_every_tenth_call_of_the_sweep_restores_every_expired_message(redis7):
-    app = create_app(BrokerSettings(url=OPS_BROKER, visibility_timeout=0))  # every unacked message is expired
+    app = create_app(BrokerConfig(url=OPS_BROKER, visibility_timeout=0))  # every unacked message is expired
     for i in range(HELD):
         app.send_task("regen_test.none", kwargs={"i": i}, queue=QUEUE)
     with app.connection_for_read() as conn:

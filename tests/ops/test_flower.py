@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from app.base.celery_app import create_app
+from app.base.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, BrokerConfig
 from app.base.manifest import load
-from app.base.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, BrokerSettings
 from app.base.storage import RunStore, Storage
 from producer.produce import produce, send_captures
 from producer.run_setup import ProduceOptions
@@ -116,7 +116,7 @@ def make_backlog(folder: Path, broker: str, model: Path) -> dict[str, int]:
     produce_run("r-other", 6, queue=OTHER_QUEUE)  # 3 shards on the run's own queue
     staged = produce_run("r-staged", 4, capture="staged")  # 2 more on `regen`; their captures on `regen.capture`
     store = RunStore(Storage(storage), "r-staged")
-    app = create_app(BrokerSettings(url=broker))
+    app = create_app(BrokerConfig(url=broker))
     try:
         sent = send_captures(store, app, staged.storage_url, load(store)["settings"], ["shard-000000", "shard-000001"])
     finally:

@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from app.base.errors import ConfigError, ManifestMismatch
-from app.base.modes import draw_thinking
 from app.base.storage import RunStore, Storage
+from app.base.thinking_modes import draw_thinking
 from app.cli import main
 from producer.produce import produce
 from producer.run_setup import ProduceOptions

@@ -337,12 +337,12 @@ def test_a_real_celery_worker_receives_the_shard_as_sent(producer_redis, options
     from celery.contrib.testing.worker import start_worker
 
     from app.base.celery_app import create_app
-    from app.base.settings import BrokerSettings
+    from app.base.config import BrokerConfig
 
     received: list[dict] = []
     got_all = threading.Event()
     _WORKER_INBOX.update(received=received, got_all=got_all)
-    app = create_app(BrokerSettings(url=PRODUCER_REDIS))
+    app = create_app(BrokerConfig(url=PRODUCER_REDIS))
     if GENERATE_TASK not in app.tasks:
         @app.task(name=GENERATE_TASK)
         def generate_shard(run_id, storage, shard_id, samples):

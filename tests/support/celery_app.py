@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 from app.base.celery_app import create_app
-from app.base.settings import BrokerSettings
+from app.base.config import BrokerConfig
 from tests.support.paths import REPO
 from tests.support.redis_db import OPS_BROKER
 
-app = create_app(BrokerSettings(url=os.environ.get("REGEN_TEST_CELERY_BROKER", OPS_BROKER)))
+app = create_app(BrokerConfig(url=os.environ.get("REGEN_TEST_CELERY_BROKER", OPS_BROKER)))
 
 
 @app.task(name="regen_test.touch")

@@ -26,9 +26,9 @@ with Connection(sys.argv[1]) as conn:
 def send_shards(broker: str, queue: str, run_id: str, storage: str, shards: list[str]) -> None:
     """One generate-task message per shard, as the producer's (the samples travel with it)."""
     from app.base.celery_app import GENERATE_TASK, create_app
-    from app.base.settings import BrokerSettings
+    from app.base.config import BrokerConfig
 
-    app = create_app(BrokerSettings(url=broker))
+    app = create_app(BrokerConfig(url=broker))
     for shard in shards:
         app.send_task(GENERATE_TASK, kwargs={"run_id": run_id, "storage": storage, "shard_id": shard,
                                              "samples": [{"id": "x", "messages": []}]}, queue=queue)

@@ -335,14 +335,14 @@ def test_copies_of_one_shard_held_by_one_worker_and_one_sigkill_give_one_output(
     # of it; one SIGKILL. Before, all six started (six attempt records, one pid) and the kill dead-lettered the
     # shard. Now one copy runs, the others are dropped, and the kill counts once.
     from app.base.celery_app import create_app
-    from app.base.settings import BrokerSettings
+    from app.base.config import BrokerConfig
 
     inputs = prompts_file(tmp_path, n_synthetic=8, with_formats=False)
     drops_before = cpu_worker.text().count("another copy of it runs in this process")
     starts_before = cpu_worker.text().count("engine self-test passed")
     # The worker stops consuming while the six copies are queued (Celery's remote control), then takes them all
     # at once: the copies meet the first while it runs, however fast the machine is.
-    control = create_app(BrokerSettings(url=E2E_BROKER)).control
+    control = create_app(BrokerConfig(url=E2E_BROKER)).control
     name = next(n for reply in control.ping(timeout=5) for n in reply if n.startswith("e2e@"))
     assert control.cancel_consumer("regen", destination=[name], reply=True, timeout=10)
     try:
@@ -408,7 +408,7 @@ def test_messages_the_worker_cannot_use_are_set_aside_and_counted_and_it_keeps_r
     import base64
 
     from app.base.celery_app import GENERATE_TASK, create_app
-    from app.base.settings import BrokerSettings
+    from app.base.config import BrokerConfig
 
     child = cpu_worker.child_pids()[0]
     engine = engine_host_pid(child)
@@ -422,7 +422,7 @@ def test_messages_the_worker_cannot_use_are_set_aside_and_counted_and_it_keeps_r
     not_a_task = {**envelope, "body": base64.b64encode(b'{"a": 1}').decode(),
                   "properties": {**envelope["properties"], "delivery_tag": "not-a-task"}}
     e2e_redis.lpush("regen", json.dumps(not_a_task))
-    app = create_app(BrokerSettings(url=E2E_BROKER))
+    app = create_app(BrokerConfig(url=E2E_BROKER))
     app.send_task(GENERATE_TASK, kwargs={"run_id": "no-such-run", "storage": str(e2e_storage),
                                          "shard_id": "shard-000000", "samples": []}, queue="regen")
     app.send_task(GENERATE_TASK, kwargs={"run_id": 5, "storage": str(e2e_storage), "shard_id": "shard-000000",

@@ -19,8 +19,8 @@ from app.base.model_info import read_model_info
 from app.base.quality import StaleRows, layer_detail, repeated_rows, states_problem
 from app.cli import main
 from workers.engine.llm_arguments import llm_kwargs
+from workers.engine.model_arguments import check_hybrid_capture_vllm, model_engine_arguments
 from workers.engine.options import EngineOptions
-from workers.engine.settings import check_hybrid_capture_vllm, model_engine_settings
 
 MIX = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
 
@@ -129,11 +129,11 @@ def test_the_reference_reads_a_multimodal_wrappers_language_model(tiny_hybrid_mm
 
 def test_engine_settings_follow_the_models_config(tiny_hybrid, tiny_hybrid_mm, tiny_qwen3):
     # capture: never prefix caching; hybrid on the CPU (chunked prefill off): vLLM cannot have it either
-    assert model_engine_settings(str(tiny_qwen3), "cuda", capture=False) == {}
-    assert model_engine_settings(str(tiny_qwen3), "cuda", capture=True) == {"enable_prefix_caching": False}
-    assert model_engine_settings(str(tiny_hybrid), "cpu", capture=False) == {"enable_prefix_caching": False}
-    assert model_engine_settings(str(tiny_hybrid), "cuda", capture=False) == {}
-    assert model_engine_settings(str(tiny_hybrid_mm), "cuda", capture=False) == {"language_model_only": True}
+    assert model_engine_arguments(str(tiny_qwen3), "cuda", capture=False) == {}
+    assert model_engine_arguments(str(tiny_qwen3), "cuda", capture=True) == {"enable_prefix_caching": False}
+    assert model_engine_arguments(str(tiny_hybrid), "cpu", capture=False) == {"enable_prefix_caching": False}
+    assert model_engine_arguments(str(tiny_hybrid), "cuda", capture=False) == {}
+    assert model_engine_arguments(str(tiny_hybrid_mm), "cuda", capture=False) == {"language_model_only": True}
     kwargs = llm_kwargs(EngineOptions(model=str(tiny_hybrid_mm), capture_layers=(1, 4),
                                       vllm_args=["max_num_batched_tokens=8192"]))
     assert kwargs["enable_prefix_caching"] is False and kwargs["language_model_only"] is True

@@ -10,7 +10,7 @@ from collections import defaultdict
 import pytest
 from click.testing import CliRunner
 
-from app.base.modes import draw_thinking
+from app.base.thinking_modes import draw_thinking
 from app.cli import main
 from app.data.run_reader import RunReader
 from app.data.verify_checks import ShardResult, check_mode

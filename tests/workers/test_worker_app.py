@@ -53,11 +53,11 @@ probe(modules=len(names))
 def test_the_entry_points_call_builds_the_app_and_connects_its_signals_once():
     seen = _run("""
 from app.base.celery_app import BENCH_DIRECT_TASK, GENERATE_TASK
-from app.base.settings import Settings
+from app.base.config import Config
 from workers.celery_worker import build_worker_app
-plain = build_worker_app(Settings())
+plain = build_worker_app(Config())
 plain_tasks = set(plain.tasks)  # before the second app: Celery shares a task registered later with every app
-bench = build_worker_app(Settings(bench_tasks=True))
+bench = build_worker_app(Config(bench_tasks=True))
 probe(generate=GENERATE_TASK in plain_tasks, bench_plain=BENCH_DIRECT_TASK in plain_tasks,
       bench=BENCH_DIRECT_TASK in bench.tasks, transport=plain.conf.broker_transport)
 """)

@@ -243,7 +243,7 @@ def test_the_fleet_benchs_baseline_runs_generate_on_the_workers_own_engine(inlin
     # bench/bench_fleet.py times `LLM.generate` on the worker's own engine (workers/doubles/bench_task.py), sent here right after
     # a run's shards (usually still in flight): `Engine.call` waits until nothing is in the engine; the shards finish.
     from app.base.celery_app import BENCH_DIRECT_TASK, create_app
-    from app.base.settings import BrokerSettings
+    from app.base.config import BrokerConfig
     from tests.support.polling import wait_for
     from tests.support.redis_db import E2E_BROKER
     from workers.process.context import scratch_root
@@ -255,7 +255,7 @@ def test_the_fleet_benchs_baseline_runs_generate_on_the_workers_own_engine(inlin
     scratch = Path(scratch_root(), f"regen-capture-{pid}")
     produce(e2e_storage, "beside-bench", [prompts_file(tmp_path, n_synthetic=8, with_formats=False)], tiny_qwen3)
     result = tmp_path / "direct.json"
-    create_app(BrokerSettings.from_env(E2E_BROKER)).send_task(BENCH_DIRECT_TASK, queue="regen", kwargs={
+    create_app(BrokerConfig.from_env(E2E_BROKER)).send_task(BENCH_DIRECT_TASK, queue="regen", kwargs={
         "prompts": prompts, "sampling": {"temperature": 0.6, "top_p": 0.95, "top_k": 0, "max_tokens": 8, "seed": 3},
         "result_path": str(result)})
     wait_for(result.exists, 180, "the bench baseline's result")

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import orjson
 
-from app.base.settings import current
+from app.base.config import current
 
 log = logging.getLogger("regen.faults_for_tests")
 

@@ -28,11 +28,11 @@ from workers.engine.capture_file import attach_capture, still_being_written
 from workers.engine.interface import Engine
 from workers.engine.jobs import BatchJob, ExclusiveCall, one_by_one
 from workers.engine.llm_arguments import llm_kwargs, sampling_params
+from workers.engine.model_arguments import check_hybrid_capture_vllm
 from workers.engine.options import EngineOptions
 from workers.engine.request import EngineSpan, GenRequest, GenResult, check_capture_requests
 from workers.engine.scheduling import name_thread
 from workers.engine.self_test import run_self_test
-from workers.engine.settings import check_hybrid_capture_vllm
 
 log = logging.getLogger("regen.engine")
 ENGINE_THREAD = "regen-engine"  # the engine thread's OS-level name; its OpenMP threads inherit it

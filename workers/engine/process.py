@@ -19,8 +19,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import replace
 
+from app.base.config import Config, current, install
 from app.base.errors import EngineDead, EngineLost
-from app.base.settings import Settings, current, install
 from workers.engine.capture_file import attach_capture, remove_capture_file
 from workers.engine.in_process import InProcessEngine
 from workers.engine.interface import Engine
@@ -222,9 +222,9 @@ def exit_status(code: int | None) -> str:
 
 
 # The child process ----------------------------------------------------------------------------------------
-def _serve(options: EngineOptions, conn, parent_pid: int, settings: Settings) -> None:
+def _serve(options: EngineOptions, conn, parent_pid: int, settings: Config) -> None:
     """The engine process's main: build the engine, then run what the worker sends until told to stop. It runs
-    under the worker's settings (app.base.settings), handed over rather than read again."""
+    under the worker's config (app.base.config), handed over rather than read again."""
     install(settings)
     _die_with_parent(parent_pid)
     name_thread(PROCESS_NAME)  # the main thread's name is the process's: `ps`, `top` and tests tell it apart

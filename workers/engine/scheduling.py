@@ -13,8 +13,8 @@ import logging
 import os
 import threading
 
+from app.base.config import current
 from app.base.errors import ConfigError
-from app.base.settings import current
 
 log = logging.getLogger("regen.worker")
 
@@ -30,7 +30,7 @@ def side_threads_policy(device: str) -> str | None:
     """How this worker's side threads yield to the engine: IDLE, BATCH, or None (the normal policy).
 
     By default SCHED_BATCH at nice 19 on the CPU only; `REGEN_SIDE_THREADS=idle|batch|normal` chooses (read
-    with the process's settings, app.base.settings)."""
+    with the process's config, app.base.config)."""
     choice = current().side_threads
     if choice in (IDLE, BATCH):
         return choice

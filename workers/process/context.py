@@ -2,7 +2,7 @@
 
 Built once per process (never per task) from `REGEN_WORKER_CONFIG`, a JSON object the supervisor (`regen worker`)
 puts in the child's environment together with `CUDA_VISIBLE_DEVICES` (app.base.process_env), and which the
-child's settings carry (app.base.settings).
+child's config carries (app.base.config).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from app.base.config import Config
+from app.base.config import current as current_settings
 from app.base.errors import ConfigError
 from app.base.manifest import software_versions
 from app.base.model_info import ModelInfo, read_model_info
 from app.base.quality import StubWindow
-from app.base.settings import Settings
-from app.base.settings import current as current_settings
 from app.base.speculative import describe_engine_config
 from workers.engine.engine_mode import mode_key, read_mode
 from workers.engine.factory import build_engine
@@ -64,7 +64,7 @@ class WorkerConfig:
     stand_in: str | None = None
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> WorkerConfig:
+    def from_settings(cls, settings: Config) -> WorkerConfig:
         """The config `regen worker` handed this child process (`REGEN_WORKER_CONFIG`)."""
         if not settings.worker_config:
             raise ConfigError("REGEN_WORKER_CONFIG is not set: start workers with `regen worker`")

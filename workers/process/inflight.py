@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from app.base.config import current
 from app.base.ledger import (
     MARKER_TEMPORARY_AGE,
     renew_lease,
@@ -26,14 +27,13 @@ from app.base.ledger import (
     sweep_temporaries,
 )
 from app.base.liveness import heartbeat_seconds, identity, on_this_machine, process_alive
-from app.base.settings import current
 from app.base.storage import RunStore, Storage
 
 log = logging.getLogger("regen.inflight")
 
 
 def state_dir() -> str:
-    """This host's local journal folder (`REGEN_STATE_DIR`, default /var/tmp/regen-UID; app.base.settings)."""
+    """This host's local journal folder (`REGEN_STATE_DIR`, default /var/tmp/regen-UID; app.base.config)."""
     return current().state_dir
 
 

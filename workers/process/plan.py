@@ -7,11 +7,11 @@ import logging
 import socket
 
 from app.base import manifest as manifest_mod
+from app.base.config import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
 from app.base.errors import ConfigError
 from app.base.layers import ascending_problem
 from app.base.manifest import RunSettings
 from app.base.model_info import read_text_config
-from app.base.settings import DEFAULT_CAPTURE_QUEUE, DEFAULT_QUEUE, DEFAULT_SHARD_SIZE
 from app.base.speculative import ignored_with_capture
 from app.base.storage import RunStore, Storage
 from workers.engine.factory import stand_in_devices

@@ -18,8 +18,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from app.base.config import mask_url
 from app.base.process_env import worker_child_env
-from app.base.settings import mask_url
 from workers.process.context import WorkerConfig
 
 log = logging.getLogger("regen.supervisor")

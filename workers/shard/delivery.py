@@ -20,8 +20,8 @@ import orjson
 from celery import Task
 
 from app.base import dead_messages
+from app.base.config import DEFAULT_VISIBILITY_TIMEOUT
 from app.base.errors import Failure, RegenError, classify
-from app.base.settings import DEFAULT_VISIBILITY_TIMEOUT
 from app.base.storage import RunStore, Storage
 from workers.process.context import WorkerContext
 from workers.process.inflight import InFlight

@@ -16,11 +16,11 @@ from app.base.chat_render import render_ids
 from app.base.ids import seed_for
 from app.base.loops import loop_stopped, stop_request
 from app.base.manifest import RunSettings, compression_level
-from app.base.modes import record_thinking, sampling_for
 from app.base.quality import answer_token_count, is_stub, sample_flags, split_reasoning, think_closed
 from app.base.records import conversation_id, loss_mask, rejected_record
 from app.base.samples import Sample, read_samples
 from app.base.thinking import REASONING_START, budget_mask, forced_span
+from app.base.thinking_modes import record_thinking, sampling_for
 from app.base.tool_calls import worker_prepare
 from workers.engine.fault_hook import capture_faults
 from workers.engine.recapture import CheckPolicy, Pending
@@ -65,7 +65,7 @@ class ShardGeneration:
         self.settings = settings
         self.sampling = settings.sampling_dict()
         self.run_seed = int(self.sampling.pop("seed", 0))
-        self.thinking = bool(settings.thinking)  # the mode of samples without their own (app.base.modes)
+        self.thinking = bool(settings.thinking)  # the mode of samples without their own (app.base.thinking_modes)
         self.preserve_thinking = bool(settings.preserve_thinking)
         self.capture_inline = settings.capture_inline
         if self.capture_inline and hidden_out is None:

@@ -12,8 +12,8 @@ import logging
 from typing import Protocol
 
 from app.base import ledger
+from app.base.config import current
 from app.base.errors import EngineLost, Failure, classify
-from app.base.settings import current
 from app.base.storage import RunStore
 from workers.shard.policy import Action, Delivery, Policy, Verdict
 

@@ -14,9 +14,9 @@ from celery.exceptions import Reject
 from app.base import ledger
 from app.base.errors import InvalidTask, ManifestMismatch
 from app.base.manifest import RunSettings
-from app.base.modes import record_mode, run_modes
 from app.base.quality import StubWindow, is_stub
 from app.base.speculative import ignored_with_capture
+from app.base.thinking_modes import record_mode, run_modes
 from workers.shard.policy import Delivery, Done, Policy, Worker
 from workers.shard.retry_policy import exhausted
 

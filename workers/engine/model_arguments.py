@@ -1,4 +1,4 @@
-"""Engine settings chosen from the target model's config, and the vLLM versions a hybrid target needs.
+"""Engine arguments chosen from the target model's config, and the vLLM versions a hybrid target needs.
 
 Prefix caching is off in every engine that captures hidden states: a cache hit skips the forward pass, so a
 sample's states would be missing or rest on another request's pass. Generation-only engines keep vLLM's
@@ -27,7 +27,7 @@ def model_architecture(model_path: str) -> Architecture:
         return read_architecture({})
 
 
-def model_engine_settings(model_path: str, device: str, capture: bool, speculative: bool = False) -> dict:
+def model_engine_arguments(model_path: str, device: str, capture: bool, speculative: bool = False) -> dict:
     """vLLM arguments this model needs on this device (before the operator's own, which come last)."""
     arch = model_architecture(model_path)
     out: dict = {}

@@ -1,4 +1,4 @@
-"""Every environment variable regen reads, read in one place: `Settings.from_env()`.
+"""Every environment variable regen reads, read in one place: `Config.from_env()`.
 
 Rule: each process's entry point reads the environment once and installs the result (`install`, `scope`);
 modules ask `current()` or are handed the object and never read `os.environ`, so there is one list of names,
@@ -50,7 +50,7 @@ def mask_text(text: str) -> str:
 
 
 @dataclass(frozen=True)
-class BrokerSettings:
+class BrokerConfig:
     """Everything Celery needs to reach the broker; one instance is shared by producer, workers and Flower."""
 
     url: str = DEFAULT_BROKER_URL
@@ -60,7 +60,7 @@ class BrokerSettings:
     unacked_restore_interval: int | None = None
 
     @classmethod
-    def from_env(cls, url: str | None = None, visibility_timeout: int | None = None) -> BrokerSettings:
+    def from_env(cls, url: str | None = None, visibility_timeout: int | None = None) -> BrokerConfig:
         """This process's broker settings (`REGEN_BROKER_URL` and the timeouts, from `current()`), with a URL or
         timeout given on a command line winning."""
         return current().broker_for(url, visibility_timeout)
@@ -72,7 +72,7 @@ class BrokerSettings:
     def __repr__(self) -> str:
         """Masked: these settings ride on the Celery app's configuration (`conf.regen_settings`), which every
         worker hands out as text to `celery inspect conf` and Flower's worker pages."""
-        return (f"BrokerSettings(url={self.masked_url!r}, visibility_timeout={self.visibility_timeout}, "
+        return (f"BrokerConfig(url={self.masked_url!r}, visibility_timeout={self.visibility_timeout}, "
                 f"unacked_restore_interval={self.unacked_restore_interval})")
 
 
@@ -88,11 +88,11 @@ def _default_state_dir() -> str:
 
 
 @dataclass(frozen=True)
-class Settings:
+class Config:
     """One process's configuration; `from_env` builds it from the variables each field names."""
 
     # REGEN_BROKER_URL, REGEN_VISIBILITY_TIMEOUT, REGEN_UNACKED_RESTORE_INTERVAL
-    broker: BrokerSettings = field(default_factory=BrokerSettings)
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
     storage_options: dict = field(default_factory=dict)  # REGEN_STORAGE_OPTIONS: fsspec options of URL roots
     heartbeat_s: float = DEFAULT_HEARTBEAT_S  # REGEN_HEARTBEAT_S: a worker's lease renewals (at least 0.5 s)
     state_dir: str = field(default_factory=_default_state_dir)  # REGEN_STATE_DIR: a worker host's attempt journal
@@ -112,14 +112,14 @@ class Settings:
     vllm_v1_runner: bool = False
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Config:
         """Read every variable once; a malformed value (a number that is not one or is below 1 where 0 means
         nothing, a broker URL without a scheme, storage options or a worker config that are not a JSON object, a
         switch other than 0 or 1, a name outside its list) is a one-line ConfigError naming the variable.
         Numbers below their floor are raised to it (a lease renewal of at least 0.5 s, retries of at least 0)."""
         env = os.environ if environ is None else environ
         return cls(
-            broker=BrokerSettings(
+            broker=BrokerConfig(
                 url=_broker_url(env.get("REGEN_BROKER_URL") or DEFAULT_BROKER_URL),
                 visibility_timeout=_positive(env, "REGEN_VISIBILITY_TIMEOUT", DEFAULT_VISIBILITY_TIMEOUT),
                 unacked_restore_interval=_positive(env, "REGEN_UNACKED_RESTORE_INTERVAL"),
@@ -139,7 +139,7 @@ class Settings:
             vllm_v1_runner=env.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("0", "false"),
         )
 
-    def broker_for(self, url: str | None = None, visibility_timeout: int | None = None) -> BrokerSettings:
+    def broker_for(self, url: str | None = None, visibility_timeout: int | None = None) -> BrokerConfig:
         """These broker settings, with a URL or timeout given on a command line winning."""
         return replace(self.broker, url=url or self.broker.url,
                        visibility_timeout=visibility_timeout or self.broker.visibility_timeout)
@@ -276,32 +276,32 @@ def _switch(env: Mapping[str, str], name: str) -> bool:
 
 
 class _Scope:
-    def __init__(self, settings: Settings | None):
+    def __init__(self, settings: Config | None):
         self.settings = settings
 
 
 _scopes: list[_Scope] = []
 
 
-def current() -> Settings:
+def current() -> Config:
     """This process's settings: the innermost installed ones (a lazy scope reads the environment on first use);
     where none are installed, the environment as it is at this call."""
     if not _scopes:
-        return Settings.from_env()
+        return Config.from_env()
     innermost = _scopes[-1]
     if innermost.settings is None:
-        innermost.settings = Settings.from_env()
+        innermost.settings = Config.from_env()
     return innermost.settings
 
 
-def install(settings: Settings) -> Settings:
+def install(settings: Config) -> Config:
     """Make `settings` this process's for the rest of its life (a process's main, before anything else runs)."""
     _scopes[:] = [_Scope(settings)]
     return settings
 
 
 @contextlib.contextmanager
-def scope(settings: Settings | None = None) -> Iterator[None]:
+def scope(settings: Config | None = None) -> Iterator[None]:
     """`settings` are this process's while the block runs (one `regen` command); None: the environment, read
     once on the first `current()` inside the block."""
     entry = _Scope(settings)

@@ -1,5 +1,5 @@
-"""Settings are read once, in one place: every variable's default and parsing, the process's installed settings,
-and the code's rule that no other module reads the environment (app/base/settings.py)."""
+"""The environment is read once, in one place: every variable's default and parsing, the process's installed config,
+and the code's rule that no other module reads the environment (app/base/config.py)."""
 
 from __future__ import annotations
 
@@ -10,38 +10,38 @@ from pathlib import Path
 
 import pytest
 
-from app.base.errors import ConfigError
-from app.base.settings import (
+from app.base.config import (
     DEFAULT_BROKER_URL,
     DEFAULT_VISIBILITY_TIMEOUT,
-    BrokerSettings,
-    Settings,
+    BrokerConfig,
+    Config,
     current,
     install,
     scope,
 )
+from app.base.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 CODE = [p for package in ("app", "producer", "workers") for p in sorted((ROOT / package).rglob("*.py"))]
 
 
 def test_an_empty_environment_gives_every_default():
-    s = Settings.from_env({})
-    assert s.broker == BrokerSettings(DEFAULT_BROKER_URL, DEFAULT_VISIBILITY_TIMEOUT, None)
+    s = Config.from_env({})
+    assert s.broker == BrokerConfig(DEFAULT_BROKER_URL, DEFAULT_VISIBILITY_TIMEOUT, None)
     assert (s.storage_options, s.heartbeat_s, s.scratch, s.side_threads, s.missing_run_retries) == ({}, 30.0, None, "", 5)
     assert (s.log_level, s.queues, s.worker_config, s.bench_tasks) == ("INFO", "regen", None, False)
-    assert s.state_dir == f"/var/tmp/regen-{os.getuid()}" == Settings().state_dir
+    assert s.state_dir == f"/var/tmp/regen-{os.getuid()}" == Config().state_dir
 
 
 def test_each_variable_reaches_its_field():
-    s = Settings.from_env({
+    s = Config.from_env({
         "REGEN_BROKER_URL": "redis://:pw@h:1/2", "REGEN_VISIBILITY_TIMEOUT": "60",
         "REGEN_UNACKED_RESTORE_INTERVAL": "5", "REGEN_STORAGE_OPTIONS": '{"anon": true}', "REGEN_HEARTBEAT_S": "0.1",
         "REGEN_STATE_DIR": "/x/state", "REGEN_SCRATCH": "/x/scratch", "REGEN_SIDE_THREADS": " IDLE ",
         "REGEN_MISSING_RUN_RETRIES": "-3", "REGEN_LOG_LEVEL": "DEBUG", "REGEN_QUEUES": "regen,regen.capture",
         "REGEN_WORKER_CONFIG": '{"model": "m"}', "REGEN_BENCH_TASKS": "1", "REGEN_STORAGE_COUNTS": "/x/counts"})
-    assert s.broker == BrokerSettings("redis://:pw@h:1/2", 60, 5)
-    assert s.storage_counts == "/x/counts" and Settings.from_env({}).storage_counts is None
+    assert s.broker == BrokerConfig("redis://:pw@h:1/2", 60, 5)
+    assert s.storage_counts == "/x/counts" and Config.from_env({}).storage_counts is None
     assert s.storage_options == {"anon": True}
     assert s.heartbeat_s == 0.5 and s.missing_run_retries == 0  # clamped, as the lease and retry loops need
     assert (s.state_dir, s.scratch, s.side_threads, s.log_level) == ("/x/state", "/x/scratch", "idle", "DEBUG")
@@ -71,23 +71,23 @@ def test_each_variable_reaches_its_field():
 ])
 def test_a_malformed_value_is_refused_in_one_line_naming_the_variable(env, message):
     with pytest.raises(ConfigError, match=message) as info:
-        Settings.from_env(env)
+        Config.from_env(env)
     assert "\n" not in str(info.value)
 
 
 def test_names_are_read_as_the_code_compares_them():
-    s = Settings.from_env({"REGEN_LOG_LEVEL": "debug", "REGEN_QUEUES": "regen, regen.capture",
+    s = Config.from_env({"REGEN_LOG_LEVEL": "debug", "REGEN_QUEUES": "regen, regen.capture",
                            "REGEN_SIDE_THREADS": " Normal "})
     assert (s.log_level, s.queues, s.side_threads) == ("DEBUG", "regen,regen.capture", "normal")
 
 
 def test_unparsable_values_fail_where_they_always_did():
     with pytest.raises(ConfigError, match="REGEN_VISIBILITY_TIMEOUT='4h' is not an integer"):
-        Settings.from_env({"REGEN_VISIBILITY_TIMEOUT": "4h"})
+        Config.from_env({"REGEN_VISIBILITY_TIMEOUT": "4h"})
     with pytest.raises(ConfigError, match="REGEN_STORAGE_OPTIONS is not valid JSON"):
-        Settings.from_env({"REGEN_STORAGE_OPTIONS": "{endpoint"})
+        Config.from_env({"REGEN_STORAGE_OPTIONS": "{endpoint"})
     with pytest.raises(ConfigError, match="REGEN_STORAGE_OPTIONS must be a JSON object"):
-        Settings.from_env({"REGEN_STORAGE_OPTIONS": "[1]"})
+        Config.from_env({"REGEN_STORAGE_OPTIONS": "[1]"})
 
 
 def test_a_scope_reads_the_environment_once_and_ends_with_its_block(monkeypatch):
@@ -97,21 +97,21 @@ def test_a_scope_reads_the_environment_once_and_ends_with_its_block(monkeypatch)
         first = current()
         monkeypatch.setenv("REGEN_HEARTBEAT_S", "9")
         assert current() is first and first.heartbeat_s == 8
-        with scope(Settings(heartbeat_s=3)):
+        with scope(Config(heartbeat_s=3)):
             assert current().heartbeat_s == 3
         assert current() is first
     assert current().heartbeat_s == 9  # outside every scope: the environment as it is now
 
 
 def test_installed_settings_are_the_processs_and_broker_settings_follow_them(monkeypatch):
-    import app.base.settings as settings_module
+    import app.base.config as settings_module
 
     monkeypatch.setattr(settings_module, "_scopes", [])  # this test's process-wide state, restored after it
     monkeypatch.setenv("REGEN_VISIBILITY_TIMEOUT", "99")
-    install(Settings.from_env())
+    install(Config.from_env())
     monkeypatch.setenv("REGEN_VISIBILITY_TIMEOUT", "11")
-    assert BrokerSettings.from_env().visibility_timeout == 99
-    assert BrokerSettings.from_env("redis://given/0", 5) == BrokerSettings("redis://given/0", 5, None)
+    assert BrokerConfig.from_env().visibility_timeout == 99
+    assert BrokerConfig.from_env("redis://given/0", 5) == BrokerConfig("redis://given/0", 5, None)
 
 
 def _environ_uses(path: Path) -> list[tuple[int, str]]:
@@ -126,7 +126,7 @@ def _environ_uses(path: Path) -> list[tuple[int, str]]:
 
 
 def test_only_the_settings_module_reads_the_environment_and_only_process_env_writes_it():
-    allowed = {ROOT / "app" / "base" / "settings.py", ROOT / "app" / "base" / "process_env.py"}
+    allowed = {ROOT / "app" / "base" / "config.py", ROOT / "app" / "base" / "process_env.py"}
     found = [f"{p.relative_to(ROOT)}:{line} {what}" for p in CODE if p not in allowed for line, what in _environ_uses(p)]
     assert not found, "\n".join(found)
 
@@ -142,13 +142,13 @@ def test_every_variable_the_code_names_is_documented():
     assert len(names) > 15 and names <= documented, sorted(names - documented)
 
 
-# Settings whose default belongs to one definition (app.base.settings' DEFAULT_*, app.base.manifest's COMPRESSION_LEVEL
+# Settings whose default belongs to one definition (app.base.config's DEFAULT_*, app.base.manifest's COMPRESSION_LEVEL
 # and RunSettings): a parameter or class field of the same name elsewhere takes it from there or has none.
-DEFINITIONS = ("app/base/settings.py", "app/base/manifest.py")
+DEFINITIONS = ("app/base/config.py", "app/base/manifest.py")
 ONE_DEFAULT = ("level", "compression_level", "regenerate", "samples_per_prompt", "shard_size", "queue",
                "capture_queue", "thinking_mix")
 # The queue names, spelled only where they are defined.
-DEFINED_STRINGS = {"regen.capture": "app/base/settings.py"}
+DEFINED_STRINGS = {"regen.capture": "app/base/config.py"}
 
 
 def spelled_defaults(path: str, source: str) -> list[str]:
@@ -183,7 +183,7 @@ def test_the_defaults_check_sees_a_second_spelling():
                "CAPTURE = 'regen.capture'\n")
     assert [f.split(" ", 1)[1] for f in spelled_defaults("workers/x.py", snippet)] == [
         "level=3", "regenerate='last'", "'regen.capture'"]
-    assert spelled_defaults("app/base/settings.py", "DEFAULT_CAPTURE_QUEUE = 'regen.capture'\n") == []
+    assert spelled_defaults("app/base/config.py", "DEFAULT_CAPTURE_QUEUE = 'regen.capture'\n") == []
     assert spelled_defaults("app/base/manifest.py", "class RunSettings:\n    samples_per_prompt: int = 1\n") == []
 
 

@@ -1,4 +1,4 @@
-"""The per-sample side of the producer: each prompt's K samples in their modes (app.base.modes), and the token ids
+"""The per-sample side of the producer: each prompt's K samples in their modes (app.base.thinking_modes), and the token ids
 the target's template ends each mode's generation prompt with.
 
 Why the tails are measured here: a mixed run is only as good as the template's `enable_thinking`; a template
@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from app.base.errors import ConfigError
 from app.base.ids import prompt_sample_id
 from app.base.manifest import MODES, RunSettings, mode_name
-from app.base.modes import sample_mode
+from app.base.thinking_modes import sample_mode
 
 _PROBE = [{"role": "user", "content": "Which mode is this?"}]
 
