@@ -341,18 +341,20 @@ def test_copies_of_one_shard_held_by_one_worker_and_one_sigkill_give_one_output(
     drops_before = cpu_worker.text().count("another copy of it runs in this process")
     starts_before = cpu_worker.text().count("engine self-test passed")
     # The worker stops consuming while the six copies are queued (Celery's remote control), then takes them all
-    # at once: the copies meet the first while it runs, however fast the machine is.
+    # at once: the copies meet the first while it runs, however fast the machine is. The shard is long (8 x 1,000
+    # tokens) because the worker's Celery thread runs at SCHED_BATCH nice 19 (workers.engine.scheduling): on a
+    # loaded box it was seen to take the last copies 40 s late, after a 400-token shard had finished.
     control = create_app(BrokerConfig(url=E2E_BROKER)).control
     name = next(n for reply in control.ping(timeout=5) for n in reply if n.startswith("e2e@"))
     assert control.cancel_consumer("regen", destination=[name], reply=True, timeout=10)
     try:
-        state = produce(e2e_storage, "copies", [inputs], tiny_qwen3, "--max-tokens", "400", "--shard-size", "8")
+        state = produce(e2e_storage, "copies", [inputs], tiny_qwen3, "--max-tokens", "1000", "--shard-size", "8")
         for _ in range(5):
             _cli("reconcile", "copies", "--storage", str(e2e_storage), "--broker", E2E_BROKER)
     finally:
         assert control.add_consumer("regen", destination=[name], reply=True, timeout=10)
     store = RunStore(Storage(str(e2e_storage)), "copies")
-    wait_for(lambda: cpu_worker.text().count("another copy of it runs in this process") - drops_before >= 5, 120,
+    wait_for(lambda: cpu_worker.text().count("another copy of it runs in this process") - drops_before >= 5, 240,
              "the worker to drop the five extra copies", interval=0.05)
     assert len(store.storage.listdir(store.attempts_dir("shard-000000"))) == 1  # one attempt, not six
     assert not store.is_done("shard-000000"), "the shard finished before the kill; make it longer"
@@ -360,7 +362,7 @@ def test_copies_of_one_shard_held_by_one_worker_and_one_sigkill_give_one_output(
     os.kill(child, signal.SIGKILL)
     cpu_worker.wait_ready(count=starts_before + 1)
     # Redis restores the killed delivery's message after the visibility timeout; the shard then completes.
-    wait_run_done(e2e_storage, "copies", timeout=240)
+    wait_run_done(e2e_storage, "copies", timeout=600)
     assert not store.dead_shards()
     report(e2e_storage, "copies", state["counts"]["enqueued"])
     assert len(run_records(e2e_storage, "copies")) == 8  # exactly one output
