@@ -413,6 +413,41 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
         if expected and res.shard not in expected:
             res.add("unexpected_shard", "shard not among the producer's shards")
     others = [_marker_counts(reader, s) for s in sorted(done - mine)]  # other parts' shards, by their markers
+    accounting, dead_samples, missing_samples = _accounting(counts, results, others, expected, every, done, dead,
+                                                            gap, problems)
+    sampled = None
+    if sample is not None:
+        sampled = decode_sample(reader, [r for r in results if r.state == "done"], sample)
+    modes = ModeCounts()
+    for info in infos:  # the engine that made each shard's states, and what its capture check found
+        mode, checked, failed = shard_mode(info.marker, info.captured)
+        modes.add(mode, int(info.marker.get("ok") or 0), checked, failed)
+        failure = check_failure(info.shard_id, info.marker, info.captured)
+        if failure:
+            problems.append(Problem("capture_check", info.shard_id, failure[0], failure[1]))
+    for res in sorted(results, key=lambda r: r.shard):
+        problems += res.problems
+    shard_counts = Counter(r.state for r in results)
+    report = VerifyReport(reader.run_id, accounting, dict(shard_counts), problems, sampled=sampled, modes=modes)
+    if not part.whole:
+        report.part = str(part)
+    dead_shards = sum(1 for s in every if s not in done and s in dead)
+    missing_shards = sum(1 for s in every if s not in done and s not in dead)
+    unfinished = produce is not None and not produce.get("complete")
+    if dead_shards or missing_shards or unfinished:
+        report.incomplete = {"missing_samples": dead_samples + missing_samples, "dead_shards": dead_shards,
+                             "dead_samples": dead_samples, "missing_shards": missing_shards,
+                             "missing_shard_samples": missing_samples, "producer_unfinished": unfinished}
+    if reference:
+        pool = [(r.shard, s) for r in sorted(results, key=lambda r: r.shard) for s in r.good_samples]
+        report.reference = reference_check(reader, pool, reference, problems, device=reference_device)
+    return report
+
+
+def _accounting(counts: dict, results: list[ShardResult], others: list[tuple[int, int, int]], expected: dict,
+                every: list[str], done: set[str], dead, gap: str, problems: list[Problem]) -> tuple[dict, int, int]:
+    """The run's accounting from the producer's counts, the checked shards' results and the other parts' markers,
+    with a problem added where its identity fails; also the samples of dead-lettered and of missing shards."""
     written = sum(r.conversations for r in results if r.state == "done") + sum(o[0] for o in others)
     dead_samples = sum(expected.get(s, 0) for s in every if s not in done and s in dead)
     missing_samples = sum(expected.get(s, 0) for s in every if s not in done and s not in dead)
@@ -443,33 +478,7 @@ def verify_run(reader: RunReader, reference: int = 0, workers: int = 4,
                                     f"+ rejected {counts['rejected']} + dead-lettered {dead_samples}{more} "
                                     f"({missing_samples} samples in missing shards)",
                                     severity=gap if short_by_missing else "error"))
-    sampled = None
-    if sample is not None:
-        sampled = decode_sample(reader, [r for r in results if r.state == "done"], sample)
-    modes = ModeCounts()
-    for info in infos:  # the engine that made each shard's states, and what its capture check found
-        mode, checked, failed = shard_mode(info.marker, info.captured)
-        modes.add(mode, int(info.marker.get("ok") or 0), checked, failed)
-        failure = check_failure(info.shard_id, info.marker, info.captured)
-        if failure:
-            problems.append(Problem("capture_check", info.shard_id, failure[0], failure[1]))
-    for res in sorted(results, key=lambda r: r.shard):
-        problems += res.problems
-    shard_counts = Counter(r.state for r in results)
-    report = VerifyReport(reader.run_id, accounting, dict(shard_counts), problems, sampled=sampled, modes=modes)
-    if not part.whole:
-        report.part = str(part)
-    dead_shards = sum(1 for s in every if s not in done and s in dead)
-    missing_shards = sum(1 for s in every if s not in done and s not in dead)
-    unfinished = produce is not None and not produce.get("complete")
-    if dead_shards or missing_shards or unfinished:
-        report.incomplete = {"missing_samples": dead_samples + missing_samples, "dead_shards": dead_shards,
-                             "dead_samples": dead_samples, "missing_shards": missing_shards,
-                             "missing_shard_samples": missing_samples, "producer_unfinished": unfinished}
-    if reference:
-        pool = [(r.shard, s) for r in sorted(results, key=lambda r: r.shard) for s in r.good_samples]
-        report.reference = reference_check(reader, pool, reference, problems, device=reference_device)
-    return report
+    return accounting, dead_samples, missing_samples
 
 
 def _marker_counts(reader: RunReader, shard: str) -> tuple[int, int, int]:
