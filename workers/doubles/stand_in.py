@@ -240,7 +240,8 @@ class StandInEngine:
             req, job = self._waiting.pop(0)
             n_out = self._length(req)
             self._order += 1
-            wall = time.time()
+            # the wall time of `now`, the instant its progress counts from (admitting takes time of its own)
+            wall = time.time() - (time.monotonic() - now)
             heapq.heappush(self._active, _Seq(self._progress + n_out, self._order, req, job, wall))
             if job.first_in is None:
                 job.first_in = wall
