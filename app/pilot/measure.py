@@ -74,7 +74,7 @@ class _Tally:
         self.hidden_size = int(reader.run_settings.hidden_size)
         self.starts, self.ends, self.generate_s, self.capture_s = [], [], 0.0, 0.0
         self.totals = RunTotals()
-        self.lengths, self.at_cap, self.stubs, self.context_tokens, self.stored_bytes = [], 0, 0, 0, 0
+        self.stored_bytes = 0
         self.codec = {"samples": 0, "tokens": 0, "bytes": dict.fromkeys(CODEC_DTYPES, 0)}
         self.modes = {mode: _mode_tally() for mode in run_modes(reader.settings)}
         self.engine_modes, self.failures = ModeCounts(), []
@@ -116,27 +116,22 @@ class _Tally:
             what["tokens"] += tokens
 
     def add_ok(self, rec) -> None:
-        """An ok record's lengths, cap and stub, overall and in its thinking mode."""
-        settings = self.reader.settings
+        """An ok record's reasoning and answer lengths, and its length, cap and stub in its thinking mode (the
+        run's figures are the modes' summed)."""
+        mode = record_mode(rec, self.reader.settings)
         n = int(rec["num_output_tokens"])
-        thinking = record_mode(rec, settings) == "thinking"
+        thinking = mode == "thinking"
         answer = int(rec.get("num_answer_tokens") or 0)
         flags = set(rec.get("flags") or ())
         cut = rec.get("finish_reason") == "length" or bool(flags & CUT_FLAGS)  # its lengths are unknown
         self.sample_lengths.append([n - answer if thinking else 0, answer, cut, thinking, "missing_think_end" in flags])
-        self.lengths.append(n)
-        at_cap = rec.get("finish_reason") == "length"
-        stub = is_stub(rec.get("flags") or [])
-        self.at_cap += at_cap
-        self.stubs += stub
-        self.context_tokens += len(rec["input_ids"]) - 1
-        mine = self.modes.setdefault(record_mode(rec, settings), _mode_tally())
+        mine = self.modes.setdefault(mode, _mode_tally())
         mine["samples"] += 1
         mine["generated_tokens"] += n
         mine["context_tokens"] += len(rec["input_ids"]) - 1
         mine["lengths"].append(n)
-        mine["at_cap"] += at_cap
-        mine["stubs"] += stub
+        mine["at_cap"] += rec.get("finish_reason") == "length"
+        mine["stubs"] += is_stub(rec.get("flags") or [])
 
     def add_codec(self, info, rec) -> None:
         """The first `codec_samples` samples' states encoded in each dtype (bytes per sample by dtype)."""
@@ -154,7 +149,10 @@ class _Tally:
                                                    stored=dtype).nbytes
 
     def result(self, devices: int, dead: int) -> dict:
-        totals, lengths, ok = self.totals, self.lengths, len(self.lengths)
+        totals, modes = self.totals, self.modes.values()
+        lengths = [n for m in modes for n in m["lengths"]]
+        ok = len(lengths)
+        at_cap, stubs = sum(m["at_cap"] for m in modes), sum(m["stubs"] for m in modes)
         return {
             "samples": totals.samples, "records": totals.records, "ok": totals.ok, "rejected": totals.rejected,
             "prompt_tokens": totals.prompt_tokens, "generated_tokens": totals.generated_tokens,
@@ -163,7 +161,7 @@ class _Tally:
             "window_s": round(max(self.ends) - min(self.starts), 4),
             "generate_task_s": round(self.generate_s, 4),
             "capture_task_s": round(self.capture_s, 4),
-            "context_tokens": self.context_tokens,
+            "context_tokens": sum(m["context_tokens"] for m in modes),
             "layers": self.layers,
             "hidden_size": self.hidden_size,
             "stored_states_bytes": self.stored_bytes,
@@ -178,8 +176,8 @@ class _Tally:
                 "max_tokens": self.max_tokens,
                 "median": float(statistics.median(lengths)) if lengths else 0.0,
                 "p90": percentile(lengths, 90),
-                "at_cap_share": self.at_cap / ok if ok else 0.0,
-                "stub_share": self.stubs / ok if ok else 0.0,
+                "at_cap_share": at_cap / ok if ok else 0.0,
+                "stub_share": stubs / ok if ok else 0.0,
             },
             # the same per mode (a mixed run's thinking and non-thinking samples: their lengths differ by far)
             "modes": {mode: {"samples": m["samples"], "generated_tokens": m["generated_tokens"],

@@ -49,8 +49,8 @@ def test_a_worker_refuses_at_start_a_run_made_with_min_p_and_inline_capture(tmp_
     build_run(tmp_path, Spec())
     manifest_path = tmp_path / "synth" / "run.json"
     manifest = json.loads(manifest_path.read_text())
-    refuse_unrunnable([], str(tmp_path), "synth")  # the run as made: nothing to refuse
+    refuse_unrunnable(str(tmp_path), "synth")  # the run as made: nothing to refuse
     manifest["settings"]["sampling"]["min_p"] = 0.05  # a run produced before produce refused it
     manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(ConfigError, match=r"workers refuse run synth: --min-p 0.05 with --capture inline"):
-        refuse_unrunnable([], str(tmp_path), "synth")
+        refuse_unrunnable(str(tmp_path), "synth")

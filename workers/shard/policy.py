@@ -28,7 +28,6 @@ class Worker:
     max_attempts: int = 5
     max_crashes: int = 10
     engine: dict | None = None  # what attempt records say about the engine
-    device: str = "cuda"  # "cpu" or "cuda"
     thinking_close: str | None = None  # the engine's reasoning config's close text (app.base.thinking); None: none
     stop_loops: bool = False  # the engine runs the loop stop (workers.engine.loop_stop)
 
@@ -37,7 +36,7 @@ class Worker:
         options = ctx.engine.options
         return cls(ctx.worker_name, ctx.model.fingerprint, ctx.model.path,
                    list(options.capture_layers or []), ctx.config.max_attempts, ctx.config.max_crashes,
-                   ctx.engine_record, ctx.config.device, options.thinking_close, options.stop_loops)
+                   ctx.engine_record, options.thinking_close, options.stop_loops)
 
 
 @dataclass
