@@ -200,10 +200,10 @@ def _thread_policies(pid: int) -> list[tuple[str, tuple[int, int]]]:
 
 
 def test_a_cpu_workers_side_threads_yield_to_the_engine(inline_run, cpu_worker):
-    # The engine runs in a process of its own (workers/engine/process.py): there the engine thread and its OpenMP
-    # team keep the normal policy, the rest runs under SCHED_BATCH at nice 19. In the worker process every thread
-    # does: the main thread (Celery's consumer and every task slot it starts), the delivery thread and the
-    # encoders (workers/engine/scheduling.py).
+    # The engine runs in a process of its own (workers/engine/process.py): every thread there keeps the normal
+    # policy, since they share the engine thread's GIL (a lowered thread holding it stalled the engine). In the
+    # worker process every thread runs under SCHED_BATCH at nice 19: the main thread (Celery's consumer and every
+    # task slot it starts), the delivery thread and the encoders (workers/engine/scheduling.py).
     from tests.support.workers import engine_host_pid
     from workers.engine.scheduling import BATCH_NICE
 
@@ -220,8 +220,8 @@ def test_a_cpu_workers_side_threads_yield_to_the_engine(inline_run, cpu_worker):
     host = engine_host_pid(pid)
     host_threads = _thread_policies(host)
     assert ("regen-engine", (os.SCHED_OTHER, 0)) in host_threads, host_threads
-    assert {p for n, p in host_threads if n in ("regen-host", "regen-deliver")} == {side}, host_threads
-    assert (os.sched_getscheduler(host), os.getpriority(os.PRIO_PROCESS, host)) == side  # its main thread
+    assert {n for n, _ in host_threads} >= {"regen-host", "regen-deliver"}, host_threads
+    assert {p for _, p in host_threads} == {(os.SCHED_OTHER, 0)}, host_threads  # main, delivery, batches, vLLM's
     # Celery's threads take the process title as their name: the consumer and the task slots.
     assert {p for n, p in threads if n.startswith("[celeryd")} == {side}, threads
     assert "side threads run under SCHED_BATCH at nice 19" in cpu_worker.text()

@@ -27,7 +27,7 @@ from workers.engine.interface import Engine
 from workers.engine.jobs import BatchJob, ExclusiveCall, one_by_one
 from workers.engine.options import EngineOptions
 from workers.engine.request import EngineSpan, GenRequest, GenResult, check_capture_requests
-from workers.engine.scheduling import lower_priority, name_thread, side_threads_policy
+from workers.engine.scheduling import name_thread
 from workers.engine.self_test import run_self_test
 
 log = logging.getLogger("regen.engine")
@@ -246,12 +246,9 @@ def _serve(options: EngineOptions, conn, parent_pid: int, settings: Config) -> N
             conn.send(message)
 
     send(("ready", 0, None))
-    side_policy = side_threads_policy(options.device)
-    if side_policy:
-        # After the engine thread and its OpenMP team exist: the threads started below inherit this.
-        lower_priority(policy=side_policy)
-        if engine.delivery_thread_id is not None:
-            lower_priority(engine.delivery_thread_id, side_policy)
+    # This process's other threads (main, delivery, one per batch) keep the normal policy, unlike the worker's:
+    # they share the engine thread's GIL, and one lowered while holding it left the engine thread waiting until
+    # the OpenMP thread it had to yield to spun out its turn (docs/workers.md#thread-priorities-in-detail).
     while True:
         try:
             kind, key, payload = conn.recv()

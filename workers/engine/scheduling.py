@@ -1,9 +1,10 @@
 """Keeping a CPU worker's side work off the cores while its engine wants them.
 
-Rule: on the CPU every thread of a worker but the engine's runs under SCHED_BATCH at nice 19 (GPU hosts keep
-the normal policy; `REGEN_SIDE_THREADS=idle|batch|normal` chooses), because the engine's OpenMP team waits at
-each barrier for a thread a side thread preempted. Each thread is switched after the engine's exists, since a
-new thread inherits its creator's policy. Why, measured: docs/performance.md (2026-11-30); which thread
+Rule: on the CPU every thread of the worker process runs under SCHED_BATCH at nice 19 (GPU hosts keep the
+normal policy; `REGEN_SIDE_THREADS=idle|batch|normal` chooses), because the engine's OpenMP team waits at each
+barrier for a thread a side thread preempted; the engine's own process keeps the normal policy throughout, since
+its threads share the engine thread's GIL. Each thread is switched after the engine's exists, since a new thread
+inherits its creator's policy. Why, measured: docs/performance.md (2026-11-30, 2026-12-06); which thread
 switches when: docs/workers.md#thread-priorities-in-detail.
 """
 
