@@ -190,10 +190,11 @@ serve(run_once)
 """, Path(scratch, f"{tag}.log"))
 
 
-def engine_only_child(model: str, max_tokens: int, shard_size: int, scratch: str) -> _Child:
-    """The worker's `InProcessEngine` class alone (no Celery, no records): shards of `shard_size` from two threads, like
-    two task slots, capture files read and removed. Separates what the engine class costs from what
-    the rest of the worker costs."""
+def engine_only_child(model: str, max_tokens: int, shard_size: int, scratch: str, slots: int) -> _Child:
+    """The worker's `InProcessEngine` class alone (no Celery, no records): shards of `shard_size` from `slots`
+    threads, as many as the worker's task slots, capture files read and removed. Separates what the engine class
+    costs from what the rest of the worker costs. (Two threads, as before, fed 64 sequences to a 64-sequence
+    engine, so every shard's end left it short until its thread came back: docs/performance.md, 2026-12-06.)"""
     return _Child(_child_prelude(model, max_tokens, scratch, "engine") + f"""
 from workers.engine.in_process import InProcessEngine
 from workers.engine.request import GenRequest
@@ -213,7 +214,7 @@ def run_once(r):
                 return
             engine.run(requests(ids, k), lambda res: tokens.append(len(res.output_token_ids)))
     t = time.monotonic()
-    slots = [threading.Thread(target=slot) for _ in range(2)]
+    slots = [threading.Thread(target=slot) for _ in range({slots})]
     for th in slots:
         th.start()
     for th in slots:
@@ -502,7 +503,8 @@ def main() -> None:
               f"(vLLM layers {LAYERS}), {args.rounds} rounds of one pass each of {args.directs} direct processes "
               f"and {args.fleets} workers, order rotating; starting the engines", flush=True)
         directs = [direct_child(model, args.max_tokens, tmp, tag=f"direct{i + 1}") for i in range(args.directs)]
-        engine_only = engine_only_child(model, args.max_tokens, args.shard_size, tmp) if args.engine_only else None
+        engine_only = (engine_only_child(model, args.max_tokens, args.shard_size, tmp, slots)
+                       if args.engine_only else None)
         fleets: list[Fleet] = []
         other = None
         try:
