@@ -30,26 +30,21 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-from bench.bench_fleet import LAYERS, MAX_PROMPT_TOKENS, _median_interval, write_prompts  # noqa: E402
+from bench.bench_fleet import LAYERS, MAX_PROMPT_TOKENS, _median_interval, thread_cpu, write_prompts  # noqa: E402
 from workers.engine.scheduling import BATCH_NICE  # noqa: E402
-
-_TICK = os.sysconf("SC_CLK_TCK")
 
 
 def engine_cpu(pid: int, thread_name: str) -> float:
     """CPU seconds so far of process `pid`'s threads called `thread_name` (the engine thread and its team)."""
-    total = 0
+    total = 0.0
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             if (task / "comm").read_text().strip() == thread_name:
-                stat = (task / "stat").read_text()
-                fields = stat[stat.rindex(")") + 2:].split()
-                total += int(fields[11]) + int(fields[12])
+                total += thread_cpu(task)
         except OSError:  # a thread that ended meanwhile
             continue
-    return total / _TICK
+    return total
 
 
 LABELS = {"loop": "loop", "generate": "LLM.generate", "lowered": "loop with lowered host threads"}

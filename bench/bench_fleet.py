@@ -228,6 +228,13 @@ serve(run_once)
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu(task: Path) -> float:
+    """CPU seconds so far (utime + stime) of one thread, `task` being its /proc/<pid>/task/<tid> folder."""
+    stat = (task / "stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
 def _worker_cpu(root_pid: int) -> dict[str, float]:
     """CPU seconds so far of a `regen worker` and its children, by part: "engine" (the engine host's engine
     thread and its OpenMP team), "host side" (the engine host's other threads: delivery, vLLM's idle loops) and
@@ -246,9 +253,7 @@ def _worker_cpu(root_pid: int) -> dict[str, float]:
         try:
             process = Path(f"/proc/{pid}/comm").read_text().strip()
             for task in Path(f"/proc/{pid}/task").iterdir():
-                stat = (task / "stat").read_text()
-                fields = stat[stat.rindex(")") + 2:].split()
-                seconds = (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
+                seconds = thread_cpu(task)
                 if process != PROCESS_NAME:
                     out["worker"] += seconds
                 elif (task / "comm").read_text().strip() == ENGINE_THREAD:
